@@ -1,0 +1,123 @@
+"""Delivery attempts counted in Redis, so numbering survives crashes and ownership changes.
+
+The happy path costs two commands per message (one script call before the first attempt, one
+DEL after the ack). Calls made in the same moment by many deliveries share one pipelined round
+trip: a flusher sends whatever has queued up while the previous round trip was in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
+
+from worker import keys
+
+# Count the attempt and refresh the TTL in one step; return the count and the last recorded status.
+_BEGIN = """
+local n = redis.call('HINCRBY', KEYS[1], 'n', 1)
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return {n, redis.call('HGET', KEYS[1], 'last') or ''}
+"""
+
+Queued = tuple[Callable[[Any], None], "asyncio.Future[Any]"]
+
+
+@dataclass(frozen=True)
+class AttemptRecord:
+    """The attempt number just taken, and the status the previous attempt ended with ('' if none)."""
+
+    number: int
+    last_status: str
+
+
+class Pipeliner:
+    """Coalesces Redis commands issued concurrently into one pipeline round trip."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
+        self._queue: list[Queued] = []
+        self._flusher: asyncio.Task[None] | None = None
+        self.round_trips = 0
+        self.commands = 0
+
+    def submit(self, add: Callable[[Any], None]) -> asyncio.Future[Any]:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._queue.append((add, future))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush())
+        return future
+
+    async def _flush(self) -> None:
+        while self._queue:
+            batch, self._queue = self._queue, []
+            pipe = self.client.pipeline(transaction=False)
+            for add, _ in batch:
+                add(pipe)
+            try:
+                results = await pipe.execute(raise_on_error=False)
+            except (RedisError, OSError) as e:
+                results = [e] * len(batch)
+            except asyncio.CancelledError:
+                for _, future in batch:
+                    future.cancel()
+                raise
+            self.round_trips += 1
+            self.commands += len(batch)
+            for (_, future), result in zip(batch, results, strict=True):
+                if future.done():
+                    continue
+                if isinstance(result, BaseException):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
+
+    async def close(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+            await asyncio.gather(self._flusher, return_exceptions=True)
+
+
+class AttemptStore:
+    """Attempt counters per (subscription, message). Retries Redis until it answers."""
+
+    def __init__(self, pipeliner: Pipeliner, ttl_seconds: int, on_error: Callable[[], None] | None = None):
+        self.pipeliner = pipeliner
+        self.ttl_seconds = ttl_seconds
+        self._on_error = on_error or (lambda: None)
+
+    async def _call(self, add: Callable[[Any], None]) -> Any:
+        # No delivery proceeds without its attempt record: wait for Redis rather than guess.
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type((RedisError, OSError)),
+            wait=wait_exponential_jitter(initial=0.05, max=2.0),
+            reraise=True,
+        ):
+            with attempt:
+                try:
+                    return await self.pipeliner.submit(add)
+                except (RedisError, OSError):
+                    self._on_error()
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def begin(self, subscription_key: str, message_id: str) -> AttemptRecord:
+        """Record the next attempt before it is made; returns its number (1, 2, ...)."""
+        key = keys.message_key(subscription_key, message_id)
+        n, last = await self._call(lambda p: p.eval(_BEGIN, 1, key, self.ttl_seconds))
+        return AttemptRecord(int(n), last.decode() if isinstance(last, bytes) else str(last))
+
+    async def record_failure(self, subscription_key: str, message_id: str, last_status: str) -> None:
+        """Remember how the attempt ended, for a dead-letter published after a crash."""
+        key = keys.message_key(subscription_key, message_id)
+        await self._call(lambda p: p.hset(key, "last", last_status))
+
+    async def clear(self, subscription_key: str, message_id: str) -> None:
+        """Forget a settled message."""
+        key = keys.message_key(subscription_key, message_id)
+        await self._call(lambda p: p.delete(key))

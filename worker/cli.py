@@ -1,0 +1,130 @@
+"""`push-worker` command line: run a worker, the demo, the benchmark, and small operator helpers.
+
+Exit codes: 0 ok, 1 runtime failure, 2 bad configuration or usage (with a one-line reason, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+from worker import logs
+from worker.config import load_settings
+from worker.errors import ConfigError, PushWorkerError
+
+
+def _run_loop(main: Coroutine[Any, Any, int]) -> int:
+    try:
+        import uvloop
+
+        return uvloop.run(main)
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return asyncio.run(main)
+
+
+async def _serve(config_path: str) -> int:
+    from worker.service import Worker, check_destinations
+
+    settings = load_settings(config_path)
+    check_destinations(settings)
+    logs.configure(settings.log_format, settings.log_level)
+    worker = Worker(settings)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.request_stop)
+    async with worker:
+        await worker.run_until_stopped()
+        logs.get().info("stop requested; draining", grace_seconds=settings.shutdown_grace_seconds)
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    return _run_loop(_serve(args.config))
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from worker.service import check_destinations
+
+    settings = load_settings(args.config)
+    check_destinations(settings)
+    print(f"ok: {len(settings.subscriptions)} push subscription(s)")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from worker.demo import run_demo
+
+    return _run_loop(run_demo(messages=args.messages))
+
+
+def _cmd_publish(args: argparse.Namespace) -> int:
+    from worker.tools import publish
+
+    attrs = {}
+    for item in args.attr or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ConfigError("publish", "--attr", f"must be NAME=VALUE (got {item!r})")
+        attrs[name] = value
+    message_id = publish(args.service_url, args.topic, args.data.encode(), attrs, args.key)
+    print(message_id)
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from worker.bench import run_bench
+
+    return _run_loop(run_bench(messages=args.messages, concurrency=args.concurrency))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="push-worker", description=__doc__.splitlines()[0] if __doc__ else None)
+    cmds = parser.add_subparsers(dest="command", required=True)
+
+    p = cmds.add_parser("run", help="run a worker")
+    p.add_argument("--config", "-c", required=True, help="worker.yaml")
+    p.set_defaults(func=_cmd_run)
+
+    p = cmds.add_parser("check", help="validate a config file and exit")
+    p.add_argument("--config", "-c", required=True)
+    p.set_defaults(func=_cmd_check)
+
+    p = cmds.add_parser("demo", help="embedded broker, Redis and a flaky endpoint: watch delivery live")
+    p.add_argument("--messages", type=int, default=300)
+    p.set_defaults(func=_cmd_demo)
+
+    p = cmds.add_parser("bench", help="measure delivery throughput against a bare aiohttp loop")
+    p.add_argument("--messages", type=int, default=20000)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.set_defaults(func=_cmd_bench)
+
+    p = cmds.add_parser("publish", help="publish one message (for trying things out)")
+    p.add_argument("topic")
+    p.add_argument("data")
+    p.add_argument("--attr", action="append", metavar="K=V")
+    p.add_argument("--key")
+    p.add_argument("--service-url", default=None, help="default: $PUSH_WORKER_PULSAR_URL")
+    p.set_defaults(func=_cmd_publish)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ConfigError as e:
+        print(f"push-worker: invalid configuration: {e}", file=sys.stderr)
+        return 2
+    except PushWorkerError as e:
+        print(f"push-worker: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Worker configuration: a YAML file, validated at load, with environment overrides for connections.
+
+Environment variables (they win over the file, so secrets need not live in it):
+  PUSH_WORKER_PULSAR_URL     pulsar.service_url
+  PUSH_WORKER_PULSAR_TOKEN   pulsar auth token (never read from the file)
+  PUSH_WORKER_REDIS_URL      redis.url (may carry a password; it is never logged)
+  PUSH_WORKER_STATE_DIR      state_dir
+  PUSH_WORKER_HTTP_PORT      http.port
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from worker.errors import ConfigError
+from worker.subscriptions import Subscription, FieldReader, is_push, parse_subscription
+
+
+@dataclass(frozen=True)
+class PulsarSettings:
+    """Broker connection. `service_url` None means: start an embedded pulsar-lite under state_dir."""
+
+    service_url: str | None = None
+    tls_trust_certs_file: str | None = None
+    auth_token: str | None = field(default=None, repr=False)
+    operation_timeout_seconds: int = 30
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    """Redis connection. `url` None means: start an embedded redis-server under state_dir."""
+
+    url: str | None = field(default=None, repr=False)
+    attempts_ttl_seconds: int = 7 * 24 * 3600
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    """The worker's own HTTP listener for /metrics, /healthz and /readyz."""
+
+    host: str = "127.0.0.1"
+    port: int = 9464
+
+
+@dataclass(frozen=True)
+class DestinationSettings:
+    """Which push destinations are allowed."""
+
+    allow_private: bool = False
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a worker process needs, validated."""
+
+    pulsar: PulsarSettings = field(default_factory=PulsarSettings)
+    redis: RedisSettings = field(default_factory=RedisSettings)
+    state_dir: Path = Path(".push-worker")
+    http: HttpSettings = field(default_factory=HttpSettings)
+    destinations: DestinationSettings = field(default_factory=DestinationSettings)
+    subscriptions: tuple[Subscription, ...] = ()
+    shutdown_grace_seconds: float = 30.0
+    log_format: str = "auto"
+    log_level: str = "info"
+
+
+def _url(r: FieldReader, name: str, schemes: tuple[str, ...]) -> str | None:
+    if not r.has(name):
+        return None
+    value = r.text(name)
+    if urlsplit(value).scheme not in schemes:
+        raise r.fail(name, f"must be a URL with scheme {' or '.join(schemes)}")
+    return value
+
+
+def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
+    """Validate a parsed config document (plus environment overrides) into `Settings`."""
+    env = os.environ if env is None else env
+    if data is None:
+        data = {}
+    r = FieldReader("config", data)
+    r.reject_unknown({"pulsar", "redis", "state_dir", "http", "destinations", "subscriptions",
+                      "shutdown_grace_seconds", "log"})
+
+    p = r.sub("pulsar")
+    p.reject_unknown({"service_url", "tls_trust_certs_file", "operation_timeout_seconds"})
+    pulsar_url = env.get("PUSH_WORKER_PULSAR_URL") or _url(p, "service_url", ("pulsar", "pulsar+ssl"))
+    pulsar = PulsarSettings(
+        service_url=pulsar_url,
+        tls_trust_certs_file=p.text("tls_trust_certs_file") if p.has("tls_trust_certs_file") else None,
+        auth_token=env.get("PUSH_WORKER_PULSAR_TOKEN") or None,
+        operation_timeout_seconds=p.integer("operation_timeout_seconds", 30, 1, 600),
+    )
+
+    rd = r.sub("redis")
+    rd.reject_unknown({"url", "attempts_ttl_seconds"})
+    redis_url = env.get("PUSH_WORKER_REDIS_URL") or _url(rd, "url", ("redis", "rediss", "unix"))
+    redis = RedisSettings(url=redis_url,
+                          attempts_ttl_seconds=rd.integer("attempts_ttl_seconds", 7 * 24 * 3600, 60, 10**8))
+
+    h = r.sub("http")
+    h.reject_unknown({"host", "port"})
+    port = h.integer("port", 9464, 0, 65535)
+    if env.get("PUSH_WORKER_HTTP_PORT"):
+        try:
+            port = int(env["PUSH_WORKER_HTTP_PORT"])
+        except ValueError:
+            raise ConfigError("environment", "PUSH_WORKER_HTTP_PORT", "must be an integer") from None
+    http = HttpSettings(host=h.text("host", "127.0.0.1"), port=port)
+
+    d = r.sub("destinations")
+    d.reject_unknown({"allow_private"})
+    allow_private = d.data.get("allow_private", False)
+    if not isinstance(allow_private, bool):
+        raise d.fail("allow_private", "must be true or false")
+
+    log = r.sub("log")
+    log.reject_unknown({"format", "level"})
+
+    raw_subs = data.get("subscriptions") or []
+    if not isinstance(raw_subs, list):
+        raise r.fail("subscriptions", "must be a list")
+    subs: list[Subscription] = []
+    seen: set[str] = set()
+    for i, item in enumerate(raw_subs):
+        if not is_push(item):
+            continue
+        sub = parse_subscription(item, where=f"subscriptions[{i}]")
+        if sub.key in seen:
+            raise ConfigError(f"subscription {sub.name!r}", "name", "is defined twice in this project")
+        seen.add(sub.key)
+        subs.append(sub)
+
+    return Settings(
+        pulsar=pulsar,
+        redis=redis,
+        state_dir=Path(env.get("PUSH_WORKER_STATE_DIR") or r.text("state_dir", ".push-worker")),
+        http=http,
+        destinations=DestinationSettings(allow_private=allow_private),
+        subscriptions=tuple(subs),
+        shutdown_grace_seconds=r.number("shutdown_grace_seconds", 30.0, 0.0, 3600.0),
+        log_format=log.choice("format", ("auto", "json", "console"), "auto"),
+        log_level=log.choice("level", ("debug", "info", "warning", "error"), "info"),
+    )
+
+
+def load_settings(path: str | Path, env: Mapping[str, str] | None = None) -> Settings:
+    """Read and validate a YAML config file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError("config", str(path), f"cannot be read ({e.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError("config", str(path), f"is not valid YAML{at}") from None
+    return parse_settings(data, env)

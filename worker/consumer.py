@@ -1,0 +1,67 @@
+"""Pulsar adapter: one client per worker, one consumer per owned subscription, plain `Envelope`s out."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pulsar
+import pulsar.asyncio as pulsar_async
+
+from worker.config import PulsarSettings
+from worker.messages import Envelope, format_message_id
+from worker.subscriptions import Subscription
+
+CONSUMER_TYPES = {
+    "shared": pulsar.ConsumerType.Shared,
+    "key-shared": pulsar.ConsumerType.KeyShared,
+    "exclusive": pulsar.ConsumerType.Exclusive,
+    "failover": pulsar.ConsumerType.Failover,
+}
+
+
+def make_client(settings: PulsarSettings, service_url: str) -> pulsar_async.Client:
+    """An asyncio Pulsar client; TLS hostnames are verified, C++ client logs go to Python logging."""
+    kwargs: dict[str, Any] = {
+        "operation_timeout_seconds": settings.operation_timeout_seconds,
+        "logger": logging.getLogger("pulsar"),
+        "tls_validate_hostname": True,
+        "tls_allow_insecure_connection": False,
+    }
+    if settings.tls_trust_certs_file:
+        kwargs["tls_trust_certs_file_path"] = settings.tls_trust_certs_file
+    if settings.auth_token:
+        kwargs["authentication"] = pulsar.AuthenticationToken(settings.auth_token)
+    return pulsar_async.Client(service_url, **kwargs)
+
+
+def message_id_of(msg: pulsar.Message) -> str:
+    mid = msg.message_id()
+    return format_message_id(mid.ledger_id(), mid.entry_id(), mid.partition(), mid.batch_index())
+
+
+def to_envelope(msg: pulsar.Message) -> Envelope:
+    """The contract's view of a Pulsar message. Undecodable keys or attributes never raise here."""
+    key = msg.ordering_key() or msg.partition_key() or None
+    return Envelope(
+        message_id=message_id_of(msg),
+        data=msg.data() or b"",
+        topic=msg.topic_name(),
+        publish_time_ms=msg.publish_timestamp(),
+        attributes=dict(msg.properties()),
+        ordering_key=key,
+    )
+
+
+async def subscribe(client: pulsar_async.Client, sub: Subscription, consumer_name: str) -> pulsar_async.Consumer:
+    """The subscription's one consumer. The prefetch queue is bounded by `max_ack_pending`."""
+    return await client.subscribe(
+        sub.topic,
+        sub.pulsar_subscription,
+        consumer_type=CONSUMER_TYPES[sub.type],
+        initial_position=(pulsar.InitialPosition.Earliest if sub.start_from == "all"
+                          else pulsar.InitialPosition.Latest),
+        receiver_queue_size=max(1, min(sub.max_ack_pending, 1000)),
+        consumer_name=consumer_name,
+        negative_ack_redelivery_delay_ms=1000,
+    )

@@ -1,0 +1,70 @@
+"""Dead-letter publishing: a message that exhausted its attempts is republished, confirmed by the
+broker, before the original is acked. One cached producer per dead-letter topic."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pulsar.asyncio as pulsar_async
+from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
+
+from worker.messages import Envelope
+
+BrokerError = (pulsar_async.PulsarException, OSError, asyncio.TimeoutError)
+
+
+def dead_letter_properties(
+    env: Envelope, topic: str, subscription: str, attempts: int, last_status: str
+) -> dict[str, str]:
+    """The original properties plus where the message came from and why it gave up."""
+    props = dict(env.attributes)
+    props.update({
+        "pubsub.original_message_id": env.message_id,
+        "pubsub.original_topic": topic,
+        "pubsub.subscription": subscription,
+        "pubsub.delivery_attempts": str(attempts),
+        "pubsub.last_status": last_status,
+    })
+    return props
+
+
+class DeadLetterPublisher:
+    """Publishes to dead-letter topics; `publish` returns only once the broker confirmed."""
+
+    def __init__(self, client: pulsar_async.Client) -> None:
+        self.client = client
+        self._producers: dict[str, pulsar_async.Producer] = {}
+        self._lock = asyncio.Lock()
+
+    async def _producer(self, topic: str) -> pulsar_async.Producer:
+        async with self._lock:
+            producer = self._producers.get(topic)
+            if producer is None:
+                producer = await self.client.create_producer(topic, batching_enabled=False)
+                self._producers[topic] = producer
+            return producer
+
+    async def publish(self, dl_topic: str, env: Envelope, properties: dict[str, str]) -> None:
+        """Publish until confirmed; retries broker errors (the original stays unacked meanwhile)."""
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(BrokerError),
+            wait=wait_exponential_jitter(initial=0.2, max=5.0),
+            reraise=True,
+        ):
+            with attempt:
+                producer = await self._producer(dl_topic)
+                kwargs: dict[str, object] = {"properties": properties}
+                if env.ordering_key is not None:
+                    kwargs["partition_key"] = env.ordering_key
+                await producer.send(env.data, **kwargs)
+
+    async def forget(self, topic: str) -> None:
+        """Close and drop the producer of a topic no longer used."""
+        async with self._lock:
+            producer = self._producers.pop(topic, None)
+        if producer is not None:
+            await asyncio.gather(producer.close(), return_exceptions=True)
+
+    async def close(self) -> None:
+        for topic in list(self._producers):
+            await self.forget(topic)

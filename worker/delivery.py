@@ -1,0 +1,164 @@
+"""One HTTP delivery attempt, turned into an `Outcome` value (never an exception across layers)."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from worker.destinations import GuardedResolver, check_host
+from worker.errors import DestinationRefused
+from worker.messages import PushRequest
+
+RESPONSE_BODY_CAP = 64 * 1024  # read at most this much of an endpoint's answer, then drop the connection
+
+
+class Result(enum.StrEnum):
+    """How an attempt ended; `last_status` in dead-letter properties uses these or the HTTP status."""
+
+    ACK = "ack"
+    NACK = "nack"
+    TIMEOUT = "timeout"
+    CONNECTION_ERROR = "connection_error"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The result of one attempt."""
+
+    result: Result
+    status: int | None = None
+    latency: float = 0.0
+    retry_after: float | None = None
+    detail: str = ""
+
+    @property
+    def acked(self) -> bool:
+        return self.result is Result.ACK
+
+    @property
+    def last_status(self) -> str:
+        """HTTP status, `timeout` or `connection_error`."""
+        return str(self.status) if self.status is not None else self.result.value
+
+    @property
+    def label(self) -> str:
+        """Low-cardinality metric label: ack, 4xx/5xx/..., timeout, connection_error."""
+        if self.result is Result.NACK and self.status is not None:
+            return f"{self.status // 100}xx"
+        return self.result.value
+
+
+def is_ack_status(status: int) -> bool:
+    """102 (Processing) and any 2xx acknowledge the message."""
+    return status == 102 or 200 <= status < 300
+
+
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """Seconds from a Retry-After header (delta-seconds or HTTP date); None when absent or invalid."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when is None:
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+class _Processing(Exception):
+    """An endpoint answered `102 Processing`: accepted, the final answer is not awaited."""
+
+
+class _InterimAwareResponse(aiohttp.ClientResponse):
+    """aiohttp skips 1xx answers while waiting for the final one; the contract acks on 102."""
+
+    async def start(self, connection: aiohttp.connector.Connection) -> aiohttp.ClientResponse:
+        protocol = connection.protocol
+        if protocol is None:
+            return await super().start(connection)
+        read = protocol.read
+
+        async def read_final_or_processing() -> tuple[object, object]:
+            message, payload = await read()
+            if message.code == 102:
+                raise _Processing
+            return message, payload
+
+        protocol.read = read_final_or_processing  # type: ignore[method-assign,assignment]
+        try:
+            return await super().start(connection)
+        finally:
+            del protocol.read  # back to the class's method; the connection is closed on _Processing
+
+
+def make_session(allow_private: bool, limit: int = 0) -> aiohttp.ClientSession:
+    """The shared HTTP client: guarded DNS, TLS verification on, no cookies kept between endpoints."""
+    connector = aiohttp.TCPConnector(
+        resolver=GuardedResolver(allow_private), limit=limit, ttl_dns_cache=30, ssl=True
+    )
+    return aiohttp.ClientSession(
+        connector=connector, cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False,
+        headers={"User-Agent": "push-worker/0.1"}, skip_auto_headers=("Accept-Encoding",),
+        response_class=_InterimAwareResponse,
+    )
+
+
+class Deliverer:
+    """Sends push requests over one shared session and classifies what comes back."""
+
+    def __init__(self, session: aiohttp.ClientSession, allow_private: bool) -> None:
+        self.session = session
+        self.allow_private = allow_private
+        self._checked_hosts: dict[str, str | None] = {}
+
+    def _literal_refusal(self, url: str) -> str | None:
+        # aiohttp skips the resolver for IP literals, so those are checked here (cached per host).
+        host = urlsplit(url).hostname or ""
+        if host not in self._checked_hosts:
+            try:
+                check_host(host, self.allow_private, resolve=False)
+                self._checked_hosts[host] = None
+            except DestinationRefused as e:
+                self._checked_hosts[host] = str(e)
+        return self._checked_hosts[host]
+
+    async def attempt(self, url: str, request: PushRequest, timeout: float) -> Outcome:
+        """POST once; the whole exchange (connect, send, status, capped body) is bounded by `timeout`."""
+        started = time.monotonic()
+        refused = self._literal_refusal(url)
+        if refused:
+            return Outcome(Result.CONNECTION_ERROR, detail=refused)
+        try:
+            async with asyncio.timeout(timeout):
+                async with self.session.post(
+                    url, data=request.body, headers=request.headers, allow_redirects=False,
+                    timeout=aiohttp.ClientTimeout(total=None),
+                ) as response:
+                    status = response.status
+                    retry_after = parse_retry_after(response.headers.get("Retry-After"))
+                    # Read a bounded amount so a huge body cannot exhaust memory; it is not used.
+                    await response.content.read(RESPONSE_BODY_CAP)
+        except _Processing:
+            return Outcome(Result.ACK, status=102, latency=time.monotonic() - started)
+        except TimeoutError:
+            return Outcome(Result.TIMEOUT, latency=time.monotonic() - started, detail=f"no answer in {timeout:g}s")
+        except aiohttp.ClientConnectorError as e:
+            detail = str(e.os_error) if isinstance(e.os_error, DestinationRefused) else type(e).__name__
+            return Outcome(Result.CONNECTION_ERROR, latency=time.monotonic() - started, detail=detail)
+        except (aiohttp.ClientError, OSError, ValueError) as e:
+            return Outcome(Result.CONNECTION_ERROR, latency=time.monotonic() - started, detail=type(e).__name__)
+        latency = time.monotonic() - started
+        if is_ack_status(status):
+            return Outcome(Result.ACK, status=status, latency=latency)
+        return Outcome(Result.NACK, status=status, latency=latency,
+                       retry_after=retry_after if status in (429, 503) else None)

@@ -1,0 +1,276 @@
+"""One dispatcher per owned subscription: consumer -> ordering -> delivery -> outcome -> settle.
+
+Ordering is one mechanism for all four types: each message gets a *lane*. Messages of one lane are
+handled one after another (the next is not sent before the previous is acked or dead-lettered);
+lanes run in parallel. shared: every message its own lane. key-shared: a lane per key. exclusive
+and failover: a single lane. `max_ack_pending` bounds messages taken from the broker and not yet
+settled, including those waiting for a retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from worker import logs
+from worker.attempts import AttemptStore
+from worker.backoff import retry_delay
+from worker.deadletter import DeadLetterPublisher, dead_letter_properties
+from worker.delivery import Deliverer, Outcome
+from worker.messages import Envelope, build_request
+from worker.metrics import Metrics
+from worker.subscriptions import Subscription
+
+_SINGLE_LANE = "\x00total-order"
+
+
+class ConsumerLike(Protocol):
+    """What the dispatcher needs of a Pulsar consumer (pulsar.asyncio.Consumer fits)."""
+
+    async def receive(self) -> Any: ...
+    async def acknowledge(self, message: Any) -> None: ...
+    async def close(self) -> None: ...
+
+
+@dataclass
+class Stats:
+    """Per-dispatcher counters, for summaries (the demo, `subs list`)."""
+
+    acked: int = 0
+    retried: int = 0
+    dead_lettered: int = 0
+    dropped: int = 0
+
+
+class Window:
+    """A counting limit whose size can change while permits are held (for live edits)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._changed = asyncio.Condition()
+
+    async def acquire(self) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.used < self.limit)
+            self.used += 1
+
+    async def release(self) -> None:
+        async with self._changed:
+            self.used -= 1
+            self._changed.notify_all()
+
+    async def resize(self, limit: int) -> None:
+        async with self._changed:
+            self.limit = limit
+            self._changed.notify_all()
+
+
+def lane_of(sub: Subscription, env: Envelope) -> str | None:
+    """The ordering lane of a message, or None when it may go in parallel with everything."""
+    if sub.type in ("exclusive", "failover"):
+        return _SINGLE_LANE
+    if sub.type == "key-shared" and env.ordering_key is not None:
+        return env.ordering_key
+    return None
+
+
+class Dispatcher:
+    """Delivers one subscription's messages. `run()` until `stop()`; `update()` applies live edits."""
+
+    def __init__(
+        self,
+        sub: Subscription,
+        consumer: ConsumerLike,
+        to_envelope: Callable[[Any], Envelope],
+        deliverer: Deliverer,
+        attempts: AttemptStore,
+        dead_letters: DeadLetterPublisher,
+        metrics: Metrics,
+    ) -> None:
+        self.sub = sub
+        self.consumer = consumer
+        self.to_envelope = to_envelope
+        self.deliverer = deliverer
+        self.attempts = attempts
+        self.dead_letters = dead_letters
+        self.metrics = metrics
+        self.stats = Stats()
+        self.window = Window(sub.max_ack_pending)
+        self._labels = (sub.tenant, sub.name)
+        self._lanes: dict[str, deque[tuple[Any, Envelope]]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._in_request = 0
+        self._stopping = asyncio.Event()
+        self._receiver: asyncio.Task[None] | None = None
+        self.log = logs.get(project=sub.tenant, subscription=sub.name)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.metrics.owned.labels(*self._labels).set(1)
+        self._receiver = asyncio.create_task(self._receive_loop(), name=f"receive {self.sub.key}")
+
+    async def update(self, sub: Subscription) -> None:
+        """Apply an edit of mutable fields; in-flight work keeps the values it started with."""
+        self.sub = sub
+        await self.window.resize(sub.max_ack_pending)
+
+    async def stop(self, grace: float) -> None:
+        """Stop intake; let requests under way finish within `grace`; release the rest to the broker."""
+        self._stopping.set()
+        if self._receiver is not None:
+            self._receiver.cancel()
+            await asyncio.gather(self._receiver, return_exceptions=True)
+        if self._tasks:
+            _, pending = await asyncio.wait(set(self._tasks), timeout=grace)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        # Closing the consumer hands every unacked message back to the broker for redelivery.
+        with contextlib.suppress(Exception):
+            await self.consumer.close()
+        self.metrics.forget(*self._labels)
+
+    @property
+    def unsettled(self) -> int:
+        return self.window.used
+
+    # -- intake ------------------------------------------------------------------------------
+
+    async def _receive_loop(self) -> None:
+        while not self._stopping.is_set():
+            await self.window.acquire()
+            try:
+                message = await self.consumer.receive()
+            except asyncio.CancelledError:
+                await self.window.release()
+                raise
+            except Exception as e:
+                await self.window.release()
+                self.metrics.broker_errors.labels("receive").inc()
+                self.log.warning("receive failed", error=type(e).__name__)
+                await self._pause(1.0)
+                continue
+            self.metrics.unsettled.labels(*self._labels).set(self.window.used)
+            try:
+                env = self.to_envelope(message)
+            except Exception as e:  # a message we cannot even read is parked, never a crash
+                self.log.error("unreadable message", error=repr(e))
+                env = Envelope(message_id="unreadable", data=b"", topic=self.sub.topic, publish_time_ms=0)
+            self._admit(message, env)
+
+    def _admit(self, message: Any, env: Envelope) -> None:
+        lane = lane_of(self.sub, env)
+        if lane is None:
+            self._spawn(self._settle_one(message, env))
+        elif lane in self._lanes:
+            self._lanes[lane].append((message, env))
+        else:
+            self._lanes[lane] = deque([(message, env)])
+            self._spawn(self._run_lane(lane))
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(work)
+        self._tasks.add(task)  # keep a reference: the loop holds tasks weakly
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run_lane(self, lane: str) -> None:
+        queue = self._lanes[lane]
+        try:
+            while queue and not self._stopping.is_set():
+                message, env = queue.popleft()
+                await self._settle_one(message, env)
+        finally:
+            self._lanes.pop(lane, None)
+            for _ in queue:  # released to the broker when the consumer closes
+                await self.window.release()
+
+    # -- one message -------------------------------------------------------------------------
+
+    async def _settle_one(self, message: Any, env: Envelope) -> None:
+        try:
+            await self._deliver_until_settled(message, env)
+        finally:
+            await self.window.release()
+            self.metrics.unsettled.labels(*self._labels).set(self.window.used)
+
+    async def _deliver_until_settled(self, message: Any, env: Envelope) -> None:
+        while not self._stopping.is_set():
+            sub = self.sub  # an edit applies from the next attempt on
+            record = await self.attempts.begin(sub.key, env.message_id)
+            log = self.log.bind(message_id=env.message_id, attempt=record.number)
+            if record.number > sub.max_deliver:
+                # Exhausted in an earlier life (crash before the dead-letter was confirmed): no new request.
+                await self._give_up(message, env, sub, record.number - 1, record.last_status or "unknown", log)
+                return
+            outcome = await self._attempt(sub, env, record.number)
+            if outcome.acked:
+                await self._ack(message, env, sub)
+                self.stats.acked += 1
+                self.metrics.acked.labels(*self._labels).inc()
+                log.debug("delivered", status=outcome.status, latency=round(outcome.latency, 4))
+                return
+            log.info("delivery failed", status=outcome.last_status, detail=outcome.detail,
+                     latency=round(outcome.latency, 4))
+            if record.number >= sub.max_deliver:
+                await self._give_up(message, env, sub, record.number, outcome.last_status, log)
+                return
+            await self.attempts.record_failure(sub.key, env.message_id, outcome.last_status)
+            self.stats.retried += 1
+            self.metrics.retries.labels(*self._labels).inc()
+            delay = retry_delay(sub.retry, record.number, outcome.retry_after)
+            self.metrics.held_for_retry.labels(*self._labels).inc()
+            try:
+                await self._pause(delay)
+            finally:
+                self.metrics.held_for_retry.labels(*self._labels).dec()
+
+    async def _attempt(self, sub: Subscription, env: Envelope, attempt: int) -> Outcome:
+        request = build_request(sub, env, attempt)
+        if request.omitted_attributes:
+            self.metrics.attributes_omitted.labels(*self._labels).inc(request.omitted_attributes)
+        self.metrics.in_flight.labels(*self._labels).inc()
+        self._in_request += 1
+        try:
+            outcome = await self.deliverer.attempt(sub.url, request, float(sub.ack_deadline_seconds))
+        finally:
+            self._in_request -= 1
+            self.metrics.in_flight.labels(*self._labels).dec()
+        self.metrics.deliveries.labels(*self._labels, outcome.label).inc()
+        self.metrics.delivery_seconds.labels(*self._labels).observe(outcome.latency)
+        return outcome
+
+    async def _ack(self, message: Any, env: Envelope, sub: Subscription) -> None:
+        try:
+            await self.consumer.acknowledge(message)
+        except Exception as e:
+            # The broker will redeliver; the counter stays so the numbering continues.
+            self.metrics.broker_errors.labels("ack").inc()
+            self.log.warning("ack failed", message_id=env.message_id, error=type(e).__name__)
+            return
+        await self.attempts.clear(sub.key, env.message_id)
+
+    async def _give_up(self, message: Any, env: Envelope, sub: Subscription, attempts: int,
+                       last_status: str, log: Any) -> None:
+        if sub.dead_letter_topic:
+            props = dead_letter_properties(env, sub.topic, sub.name, attempts, last_status)
+            await self.dead_letters.publish(sub.dead_letter_topic, env, props)
+            self.stats.dead_lettered += 1
+            self.metrics.dead_lettered.labels(*self._labels).inc()
+            log.warning("dead-lettered", attempts=attempts, last_status=last_status,
+                        dead_letter_topic=sub.dead_letter_topic)
+        else:
+            self.stats.dropped += 1
+            self.metrics.dropped.labels(*self._labels).inc()
+            log.warning("dropped after last attempt", attempts=attempts, last_status=last_status)
+        await self._ack(message, env, sub)
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep, but wake at once when the dispatcher stops."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), timeout=seconds)

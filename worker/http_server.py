@@ -1,0 +1,51 @@
+"""The worker's own HTTP listener: /metrics for Prometheus, /healthz (alive), /readyz (serving)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from worker.metrics import Metrics
+
+ReadyCheck = Callable[[], Awaitable[tuple[bool, str]]]
+
+
+class StatusServer:
+    """Serves metrics and probes; `port` is the bound port (useful when configured as 0)."""
+
+    def __init__(self, host: str, port: int, metrics: Metrics, ready: ReadyCheck) -> None:
+        self.host, self.port = host, port
+        self.metrics = metrics
+        self.ready = ready
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
+        if sockets:
+            self.port = int(sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _healthz(self, _: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _readyz(self, _: web.Request) -> web.Response:
+        ok, reason = await self.ready()
+        return web.json_response({"ready": ok, "reason": reason}, status=200 if ok else 503)

@@ -1,0 +1,49 @@
+"""Prometheus metrics (prefix `pushworker_`). Labels stay low-cardinality: project and subscription
+names, result classes; never URLs or message ids."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+SUB = ("project", "subscription")
+
+
+class Metrics:
+    """All metrics of one worker, on their own registry (tests run several workers in one process)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.deliveries = Counter("pushworker_deliveries", "Delivery attempts by result "
+                                  "(ack, 1xx/3xx/4xx/5xx, timeout, connection_error)", (*SUB, "result"), registry=r)
+        self.delivery_seconds = Histogram(
+            "pushworker_delivery_duration_seconds", "Duration of one delivery attempt", SUB, registry=r,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
+        self.acked = Counter("pushworker_messages_acked", "Messages settled by an ack from the endpoint",
+                             SUB, registry=r)
+        self.dead_lettered = Counter("pushworker_messages_dead_lettered",
+                                     "Messages republished to the dead-letter topic", SUB, registry=r)
+        self.dropped = Counter("pushworker_messages_dropped",
+                               "Exhausted messages acked and dropped (no dead-letter topic)", SUB, registry=r)
+        self.retries = Counter("pushworker_retries", "Failed attempts scheduled for a retry", SUB, registry=r)
+        self.in_flight = Gauge("pushworker_in_flight", "HTTP requests under way", SUB, registry=r)
+        self.held_for_retry = Gauge("pushworker_held_for_retry", "Messages waiting for their retry backoff",
+                                    SUB, registry=r)
+        self.unsettled = Gauge("pushworker_unsettled", "Messages taken from the broker and not yet settled "
+                               "(bounded by max_ack_pending)", SUB, registry=r)
+        self.attributes_omitted = Counter("pushworker_attributes_omitted",
+                                          "Attributes not sent as headers (unsafe name or value)", SUB, registry=r)
+        self.redis_errors = Counter("pushworker_redis_errors", "Redis calls that failed (and were retried)",
+                                    registry=r)
+        self.broker_errors = Counter("pushworker_broker_errors", "Broker calls that failed",
+                                     ("operation",), registry=r)
+        self.owned = Gauge("pushworker_subscription_owned", "1 for each subscription this worker serves",
+                           SUB, registry=r)
+
+    def forget(self, project: str, subscription: str) -> None:
+        """Drop a subscription's series when this worker no longer serves it."""
+        for metric in (self.in_flight, self.held_for_retry, self.unsettled, self.owned):
+            try:
+                metric.remove(project, subscription)
+            except KeyError:
+                pass

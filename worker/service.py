@@ -1,0 +1,177 @@
+"""The worker's lifecycle: start (connections, embedded services) -> run -> drain -> close.
+
+A `Worker` is an async context manager; `close()` is safe to call twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+from tenacity import AsyncRetrying, wait_exponential_jitter
+
+from worker import consumer as pulsar_adapter
+from worker import embedded, logs
+from worker.attempts import AttemptStore, Pipeliner
+from worker.config import Settings
+from worker.deadletter import DeadLetterPublisher
+from worker.delivery import Deliverer, make_session
+from worker.destinations import check_host
+from worker.dispatcher import Dispatcher
+from worker.errors import ConfigError, DestinationRefused
+from worker.http_server import StatusServer
+from worker.metrics import Metrics
+from worker.subscriptions import Subscription
+
+
+def check_destinations(settings: Settings) -> None:
+    """Refuse, at load, push URLs whose host is or resolves to a refused address."""
+    from urllib.parse import urlsplit
+
+    for sub in settings.subscriptions:
+        try:
+            check_host(urlsplit(sub.url).hostname or "", settings.destinations.allow_private)
+        except DestinationRefused as e:
+            raise ConfigError(f"subscription {sub.name!r}", "deliver.push.url", str(e)) from None
+
+
+class Worker:
+    """One worker process's delivery machinery."""
+
+    def __init__(self, settings: Settings, worker_id: str | None = None) -> None:
+        self.settings = settings
+        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.metrics = Metrics()
+        self.log = logs.get(worker=self.worker_id)
+        self.dispatchers: dict[str, Dispatcher] = {}
+        self._starting: dict[str, asyncio.Task[None]] = {}
+        self._services: list[embedded.Service] = []
+        self._stop = asyncio.Event()
+        self._closed = False
+        self.redis: aioredis.Redis | None = None
+        self.pulsar: Any = None
+        self.pulsar_url = ""
+        self.redis_url = ""
+
+    async def __aenter__(self) -> Worker:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- start -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        s = self.settings
+        state_dir = Path(s.state_dir)
+        self.pulsar_url = s.pulsar.service_url or ""
+        self.redis_url = s.redis.url or ""
+        if not self.pulsar_url:
+            service = await asyncio.to_thread(embedded.start_pulsar, state_dir)
+            self._services.append(service)
+            self.pulsar_url = service.url
+            self.log.info("embedded broker started", url=service.url, state_dir=str(state_dir))
+        if not self.redis_url:
+            service = await asyncio.to_thread(embedded.start_redis, state_dir)
+            self._services.append(service)
+            self.redis_url = service.url
+            self.log.info("embedded redis started", port=service.port)
+        self.redis = aioredis.Redis.from_url(self.redis_url, socket_timeout=10, socket_connect_timeout=5,
+                                             health_check_interval=15)
+        self.pipeliner = Pipeliner(self.redis)
+        self.attempts = AttemptStore(self.pipeliner, s.redis.attempts_ttl_seconds,
+                                     on_error=self.metrics.redis_errors.inc)
+        self.pulsar = pulsar_adapter.make_client(s.pulsar, self.pulsar_url)
+        self.session = make_session(s.destinations.allow_private)
+        self.deliverer = Deliverer(self.session, s.destinations.allow_private)
+        self.dead_letters = DeadLetterPublisher(self.pulsar)
+        self.status = StatusServer(s.http.host, s.http.port, self.metrics, self.readiness)
+        await self.status.start()
+        for sub in s.subscriptions:
+            self.add(sub)
+        self.log.info("worker started", subscriptions=len(s.subscriptions), http_port=self.status.port)
+
+    def add(self, sub: Subscription) -> None:
+        """Start serving a subscription (subscribing retries until the broker answers)."""
+        if sub.key in self.dispatchers or sub.key in self._starting:
+            return
+        task = asyncio.create_task(self._subscribe_and_run(sub), name=f"subscribe {sub.key}")
+        self._starting[sub.key] = task
+        task.add_done_callback(lambda _: self._starting.pop(sub.key, None))
+
+    async def _subscribe_and_run(self, sub: Subscription) -> None:
+        async for attempt in AsyncRetrying(wait=wait_exponential_jitter(initial=0.5, max=10.0)):
+            with attempt:
+                try:
+                    consumer = await pulsar_adapter.subscribe(self.pulsar, sub, self.worker_id)
+                except Exception as e:
+                    self.metrics.broker_errors.labels("subscribe").inc()
+                    self.log.warning("subscribe failed; retrying", subscription=sub.key, error=str(e))
+                    raise
+        dispatcher = Dispatcher(sub, consumer, pulsar_adapter.to_envelope, self.deliverer, self.attempts,
+                                self.dead_letters, self.metrics)
+        self.dispatchers[sub.key] = dispatcher
+        dispatcher.start()
+
+    async def remove(self, key: str, grace: float | None = None) -> None:
+        """Stop serving a subscription; its unsettled messages go back to the broker."""
+        starting = self._starting.pop(key, None)
+        if starting is not None:
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+        dispatcher = self.dispatchers.pop(key, None)
+        if dispatcher is not None:
+            await dispatcher.stop(self.settings.shutdown_grace_seconds if grace is None else grace)
+
+    # -- run / stop ------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Signal-safe: only sets a flag; the run loop does the draining."""
+        self._stop.set()
+
+    async def run_until_stopped(self) -> None:
+        await self._stop.wait()
+
+    async def readiness(self) -> tuple[bool, str]:
+        if self._closed or self._stop.is_set():
+            return False, "stopping"
+        try:
+            assert self.redis is not None
+            await asyncio.wait_for(self.redis.ping(), timeout=2)
+        except Exception:
+            return False, "redis unreachable"
+        if self._starting:
+            return False, f"{len(self._starting)} subscription(s) not yet subscribed"
+        return True, "ok"
+
+    async def close(self) -> None:
+        """Drain and release everything; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        grace = self.settings.shutdown_grace_seconds
+        keys = list(self._starting) + list(self.dispatchers)
+        await asyncio.gather(*(self.remove(k, grace) for k in keys), return_exceptions=True)
+        self.log.info("drained")
+        with contextlib.suppress(Exception):
+            await self.status.close()
+        with contextlib.suppress(Exception):
+            await self.dead_letters.close()
+        with contextlib.suppress(Exception):
+            await self.pulsar.close()
+        with contextlib.suppress(Exception):
+            await self.pipeliner.close()
+        with contextlib.suppress(Exception):
+            await self.redis.aclose()  # type: ignore[union-attr]
+        with contextlib.suppress(Exception):
+            await self.session.close()
+        for service in reversed(self._services):
+            await asyncio.to_thread(service.stop)
+        self.log.info("worker stopped")

@@ -1,0 +1,214 @@
+"""The push subscription model and its rules, as the platform docs define them.
+
+A `Subscription` is immutable; edits produce a new value. `parse_subscription` turns untrusted
+mappings (config file, registry) into one, or raises `ConfigError` naming subscription, field and rule.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from worker.errors import ConfigError
+
+NAME_RULE = "lowercase letters, digits and dashes; starts with a letter, does not end with a dash; 63 max"
+_NAME_RE = re.compile(r"^[a-z]([a-z0-9-]{0,61}[a-z0-9])?$")
+# persistent://<tenant>/<namespace>/<topic>; the platform puts every project in tenant p-<short>, ns main.
+_TOPIC_RE = re.compile(r"^(persistent|non-persistent)://([A-Za-z0-9_.=-]+)/([A-Za-z0-9_.=-]+)/([A-Za-z0-9_.=-]+)$")
+
+TYPES = ("shared", "key-shared", "exclusive", "failover")
+START_FROM = ("all", "new")
+CONTENT_MODES = ("wrapped", "raw")
+MODES = ("push", "pull")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff bounds between failed attempts."""
+
+    min_backoff_seconds: float = 1.0
+    max_backoff_seconds: float = 60.0
+
+
+@dataclass(frozen=True)
+class Subscription:
+    """One push subscription: where messages come from, where they go, and how hard to try."""
+
+    name: str
+    topic: str
+    url: str
+    type: str = "shared"
+    content: str = "wrapped"
+    ack_deadline_seconds: int = 30
+    max_deliver: int = 5
+    max_ack_pending: int = 1000
+    start_from: str = "all"
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    dead_letter_topic: str | None = None
+
+    @property
+    def tenant(self) -> str:
+        """The Pulsar tenant of the topic: the platform's project boundary."""
+        return topic_parts(self.topic)[1]
+
+    @property
+    def key(self) -> str:
+        """Unique within a fleet: two projects may both have a subscription called `orders`."""
+        return f"{self.tenant}/{self.name}"
+
+    @property
+    def pulsar_subscription(self) -> str:
+        """The Pulsar subscription name on the topic."""
+        return self.name
+
+
+def topic_parts(topic: str) -> tuple[str, str, str, str]:
+    """Split `persistent://tenant/ns/name` into its four parts (domain, tenant, namespace, name)."""
+    m = _TOPIC_RE.match(topic)
+    if not m:
+        raise ValueError(topic)
+    return m.group(1), m.group(2), m.group(3), m.group(4)
+
+
+class FieldReader:
+    """Reads typed fields from an untrusted mapping, raising `ConfigError` naming the field path."""
+
+    def __init__(self, where: str, data: Any, prefix: str = "") -> None:
+        if not isinstance(data, dict):
+            raise ConfigError(where, prefix.rstrip(".") or "subscription", "must be a mapping")
+        self.where, self.data, self.prefix = where, data, prefix
+
+    def fail(self, name: str, rule: str) -> ConfigError:
+        return ConfigError(self.where, self.prefix + name, rule)
+
+    def sub(self, name: str) -> FieldReader:
+        value = self.data.get(name)
+        return FieldReader(self.where, {} if value is None else value, f"{self.prefix}{name}.")
+
+    def has(self, name: str) -> bool:
+        return self.data.get(name) is not None
+
+    def text(self, name: str, default: str | None = None) -> str:
+        value = self.data.get(name, default)
+        if value is None:
+            raise self.fail(name, "is required")
+        if not isinstance(value, str) or not value:
+            raise self.fail(name, "must be a non-empty string")
+        return value
+
+    def choice(self, name: str, options: tuple[str, ...], default: str) -> str:
+        value = self.text(name, default)
+        if value not in options:
+            raise self.fail(name, f"must be one of {', '.join(options)} (got {value!r})")
+        return value
+
+    def integer(self, name: str, default: int, low: int, high: int) -> int:
+        value = self.data.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(name, f"must be an integer in {low}..{high}")
+        if not low <= value <= high:
+            raise self.fail(name, f"must be in {low}..{high} (got {value})")
+        return value
+
+    def number(self, name: str, default: float, low: float, high: float) -> float:
+        value = self.data.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.fail(name, f"must be a number in {low:g}..{high:g}")
+        if not low <= value <= high:
+            raise self.fail(name, f"must be in {low:g}..{high:g} (got {value})")
+        return float(value)
+
+    def reject_unknown(self, allowed: set[str]) -> None:
+        unknown = sorted(str(k) for k in self.data if k not in allowed)
+        if unknown:
+            raise self.fail(unknown[0], f"is not a known field (known: {', '.join(sorted(allowed))})")
+
+
+def _check_topic(r: FieldReader, name: str, value: str) -> tuple[str, str, str, str]:
+    try:
+        return topic_parts(value)
+    except ValueError:
+        raise r.fail(name, "must be a full topic name like persistent://p-<project>/main/<topic>") from None
+
+
+def _check_url(r: FieldReader, value: str) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https"):
+        raise r.fail("url", "must be an http or https URL")
+    if not parts.hostname:
+        raise r.fail("url", "must name a host")
+    if parts.username or parts.password:
+        raise r.fail("url", "must not carry credentials (use a bearer token secret instead)")
+    return value
+
+
+def is_push(data: Any) -> bool:
+    """True unless the definition says `deliver.mode: pull` (pull is not this fleet's job)."""
+    if not isinstance(data, dict):
+        return True
+    deliver = data.get("deliver")
+    return not (isinstance(deliver, dict) and deliver.get("mode") == "pull")
+
+
+def parse_subscription(data: Any, where: str = "") -> Subscription:
+    """Validate one subscription definition (config or registry) and build its value."""
+    if not isinstance(data, dict):
+        raise ConfigError(where, "subscription", "must be a mapping")
+    name_value = data.get("name")
+    where = f"subscription {name_value!r}" if isinstance(name_value, str) else (where or "subscription")
+    r = FieldReader(where, data)
+    r.reject_unknown({"name", "topic", "type", "ack_deadline_seconds", "max_deliver", "max_ack_pending",
+                      "start_from", "retry", "deliver", "dead_letter", "display_name"})
+    name = r.text("name")
+    if not _NAME_RE.match(name):
+        raise r.fail("name", NAME_RULE)
+    topic = r.text("topic")
+    _, tenant, _, _ = _check_topic(r, "topic", topic)
+
+    deliver = r.sub("deliver")
+    deliver.reject_unknown({"mode", "push"})
+    if deliver.choice("mode", MODES, "pull") != "push":
+        raise deliver.fail("mode", "must be push for this fleet (pull subscriptions are ignored)")
+    push = deliver.sub("push")
+    push.reject_unknown({"url", "content"})
+    url = _check_url(push, push.text("url"))
+    content = push.choice("content", CONTENT_MODES, "wrapped")
+
+    retry = r.sub("retry")
+    retry.reject_unknown({"min_backoff_seconds", "max_backoff_seconds"})
+    lo = retry.number("min_backoff_seconds", 1.0, 0.0, 3600.0)
+    hi = retry.number("max_backoff_seconds", 60.0, 0.0, 3600.0)
+    if hi < lo:
+        raise retry.fail("max_backoff_seconds", f"must be >= min_backoff_seconds ({lo:g})")
+
+    max_deliver = r.integer("max_deliver", 5, 1, 1000)
+    dead_letter_topic = None
+    if r.has("dead_letter"):
+        dl = r.sub("dead_letter")
+        dl.reject_unknown({"topic", "after_attempts"})
+        dl_topic = dl.data.get("topic")
+        if dl_topic != "":  # {"topic": ""} clears it, as in the platform's PATCH rules
+            dead_letter_topic = dl.text("topic")
+            _, dl_tenant, _, _ = _check_topic(dl, "topic", dead_letter_topic)
+            if dead_letter_topic == topic:
+                raise dl.fail("topic", "must differ from the subscription's own topic")
+            if dl_tenant != tenant:
+                raise dl.fail("topic", f"must be in the subscription's project tenant {tenant!r}")
+        if dl.has("after_attempts"):
+            max_deliver = dl.integer("after_attempts", max_deliver, 1, 1000)
+
+    return Subscription(
+        name=name,
+        topic=topic,
+        url=url,
+        type=r.choice("type", TYPES, "shared"),
+        content=content,
+        ack_deadline_seconds=r.integer("ack_deadline_seconds", 30, 1, 600),
+        max_deliver=max_deliver,
+        max_ack_pending=r.integer("max_ack_pending", 1000, 1, 100_000),
+        start_from=r.choice("start_from", START_FROM, "all"),
+        retry=RetryPolicy(lo, hi),
+        dead_letter_topic=dead_letter_topic,
+    )
