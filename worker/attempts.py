@@ -95,7 +95,7 @@ class AttemptStore:
         # No delivery proceeds without its attempt record: wait for Redis rather than guess.
         async for attempt in AsyncRetrying(
             retry=retry_if_exception_type((RedisError, OSError)),
-            wait=wait_exponential_jitter(initial=0.05, max=2.0),
+            wait=wait_exponential_jitter(multiplier=0.05, max=2.0),
             reraise=True,
         ):
             with attempt:

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from worker.errors import ConfigError
-from worker.subscriptions import Subscription, FieldReader, is_push, parse_subscription
+from worker.subscriptions import FieldReader, Subscription, is_push, parse_subscription
 
 
 @dataclass(frozen=True)

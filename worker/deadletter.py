@@ -48,7 +48,7 @@ class DeadLetterPublisher:
         """Publish until confirmed; retries broker errors (the original stays unacked meanwhile)."""
         async for attempt in AsyncRetrying(
             retry=retry_if_exception_type(BrokerError),
-            wait=wait_exponential_jitter(initial=0.2, max=5.0),
+            wait=wait_exponential_jitter(multiplier=0.2, max=5.0),
             reraise=True,
         ):
             with attempt:

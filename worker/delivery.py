@@ -132,14 +132,14 @@ class Deliverer:
                 self._checked_hosts[host] = str(e)
         return self._checked_hosts[host]
 
-    async def attempt(self, url: str, request: PushRequest, timeout: float) -> Outcome:
-        """POST once; the whole exchange (connect, send, status, capped body) is bounded by `timeout`."""
+    async def attempt(self, url: str, request: PushRequest, deadline: float) -> Outcome:
+        """POST once; the whole exchange (connect, send, status, capped body) is bounded by `deadline` s."""
         started = time.monotonic()
         refused = self._literal_refusal(url)
         if refused:
             return Outcome(Result.CONNECTION_ERROR, detail=refused)
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(deadline):
                 async with self.session.post(
                     url, data=request.body, headers=request.headers, allow_redirects=False,
                     timeout=aiohttp.ClientTimeout(total=None),
@@ -151,7 +151,7 @@ class Deliverer:
         except _Processing:
             return Outcome(Result.ACK, status=102, latency=time.monotonic() - started)
         except TimeoutError:
-            return Outcome(Result.TIMEOUT, latency=time.monotonic() - started, detail=f"no answer in {timeout:g}s")
+            return Outcome(Result.TIMEOUT, latency=time.monotonic() - started, detail=f"no answer in {deadline:g}s")
         except aiohttp.ClientConnectorError as e:
             detail = str(e.os_error) if isinstance(e.os_error, DestinationRefused) else type(e).__name__
             return Outcome(Result.CONNECTION_ERROR, latency=time.monotonic() - started, detail=detail)

@@ -30,7 +30,7 @@ class StatusServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
-        sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
+        sockets = getattr(site._server, "sockets", None) or []
         if sockets:
             self.port = int(sockets[0].getsockname()[1])
 

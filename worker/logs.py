@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
@@ -11,7 +12,7 @@ import structlog
 _SECRET_KEYS = ("password", "token", "secret", "authorization", "redis_url")
 
 
-def _redact(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+def _redact(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     # Belt and braces: no event field whose name suggests a secret is ever written.
     for k in event:
         if any(s in k.lower() for s in _SECRET_KEYS):

@@ -3,6 +3,8 @@ names, result classes; never URLs or message ids."""
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 SUB = ("project", "subscription")
@@ -43,7 +45,5 @@ class Metrics:
     def forget(self, project: str, subscription: str) -> None:
         """Drop a subscription's series when this worker no longer serves it."""
         for metric in (self.in_flight, self.held_for_retry, self.unsettled, self.owned):
-            try:
+            with contextlib.suppress(KeyError):
                 metric.remove(project, subscription)
-            except KeyError:
-                pass

@@ -106,7 +106,7 @@ class Worker:
         task.add_done_callback(lambda _: self._starting.pop(sub.key, None))
 
     async def _subscribe_and_run(self, sub: Subscription) -> None:
-        async for attempt in AsyncRetrying(wait=wait_exponential_jitter(initial=0.5, max=10.0)):
+        async for attempt in AsyncRetrying(wait=wait_exponential_jitter(multiplier=0.5, max=10.0)):
             with attempt:
                 try:
                     consumer = await pulsar_adapter.subscribe(self.pulsar, sub, self.worker_id)

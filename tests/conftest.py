@@ -1,0 +1,268 @@
+"""Shared fixtures: real pulsar-lite and redis-server processes on free ports, real HTTP endpoints.
+
+Nothing here is a mock: the broker, Redis and endpoints are the programs a user would run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pulsar
+import pytest
+import redis
+from aiohttp import web
+
+from worker import embedded
+from worker.config import DestinationSettings, HttpSettings, PulsarSettings, RedisSettings, Settings
+from worker.service import Worker
+from worker.subscriptions import RetryPolicy, Subscription
+
+# -- CI: nothing may skip -------------------------------------------------------------------
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = len(reporter.stats.get("skipped", [])) if reporter else 0
+    if os.environ.get("CI") and skipped:
+        if reporter:
+            reporter.write_line(f"CI: {skipped} test(s) skipped; in CI nothing may skip", red=True)
+        session.exitstatus = 1
+
+
+# -- polling helper ---------------------------------------------------------------------------
+
+async def eventually(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
+    """Poll with a deadline (no sleeps as synchronisation)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def wait_sync(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+# -- services ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[embedded.Service]:
+    service = embedded.start_pulsar(tmp_path_factory.mktemp("pulsar"))
+    yield service
+    service.stop()
+
+
+@pytest.fixture
+def own_broker(tmp_path: Path) -> Iterator[embedded.Service]:
+    """A broker of this test's own, for tests that restart it."""
+    service = embedded.start_pulsar(tmp_path / "pulsar")
+    yield service
+    service.kill()
+
+
+@pytest.fixture(scope="session")
+def redis_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[embedded.Service]:
+    service = embedded.start_redis(tmp_path_factory.mktemp("redis"))
+    yield service
+    service.stop()
+
+
+@pytest.fixture
+def redis_url(redis_service: embedded.Service) -> str:
+    client = redis.Redis.from_url(redis_service.url)
+    client.flushall()
+    client.close()
+    return redis_service.url
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[embedded.Service]:
+    service = embedded.start_redis(tmp_path / "redis")
+    yield service
+    service.kill()
+
+
+@pytest.fixture
+def topic() -> str:
+    return f"persistent://p-test/main/t-{uuid.uuid4().hex[:12]}"
+
+
+# -- endpoints --------------------------------------------------------------------------------
+
+@dataclass
+class Received:
+    """One request as the endpoint saw it."""
+
+    headers: dict[str, str]
+    body: bytes
+    at: float
+
+    @property
+    def body_payload(self) -> bytes:
+        """The message payload, whichever content mode carried it."""
+        if self.headers.get("Content-Type") == "application/json":
+            import base64
+            import json
+
+            return base64.b64decode(json.loads(self.body)["message"]["data"])
+        return self.body
+
+
+@dataclass
+class Endpoint:
+    """A real aiohttp server. `behaviour(request_record) -> web.Response` decides each answer."""
+
+    url: str = ""
+    requests: list[Received] = field(default_factory=list)
+    behaviour: Callable[[Received], Awaitable[web.StreamResponse] | web.StreamResponse] | None = None
+
+    def by_id(self) -> dict[str, list[Received]]:
+        out: dict[str, list[Received]] = {}
+        for r in self.requests:
+            out.setdefault(r.headers["Pubsub-Message-Id"], []).append(r)
+        return out
+
+
+@pytest.fixture
+async def endpoint() -> AsyncIterator[Endpoint]:
+    ep = Endpoint()
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        rec = Received(dict(request.headers), await request.read(), time.monotonic())
+        ep.requests.append(rec)
+        if ep.behaviour is None:
+            return web.Response(status=204)
+        result = ep.behaviour(rec)
+        if asyncio.iscoroutine(result):
+            result = await result
+        return result  # type: ignore[return-value]
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_post("/{tail:.*}", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    ep.url = f"http://127.0.0.1:{port}/push"
+    yield ep
+    await runner.cleanup()
+
+
+# -- worker and clients -----------------------------------------------------------------------
+
+def make_sub(topic: str, url: str, **overrides: Any) -> Subscription:
+    values: dict[str, Any] = {
+        "name": "sub-" + uuid.uuid4().hex[:8], "topic": topic, "url": url, "ack_deadline_seconds": 5,
+        "max_deliver": 3, "retry": RetryPolicy(0.05, 0.2),
+    }
+    values.update(overrides)
+    return Subscription(**values)
+
+
+def make_settings(broker_url: str, redis_url: str, subs: tuple[Subscription, ...], **kw: Any) -> Settings:
+    values: dict[str, Any] = {
+        "pulsar": PulsarSettings(service_url=broker_url), "redis": RedisSettings(url=redis_url),
+        "http": HttpSettings(port=0), "destinations": DestinationSettings(allow_private=True),
+        "subscriptions": subs, "shutdown_grace_seconds": 5.0,
+    }
+    values.update(kw)
+    return Settings(**values)
+
+
+@pytest.fixture
+async def start_worker(broker: embedded.Service, redis_url: str) -> AsyncIterator[Callable[..., Awaitable[Worker]]]:
+    workers: list[Worker] = []
+
+    async def start(*subs: Subscription, broker_url: str | None = None, redis: str | None = None,
+                    **kw: Any) -> Worker:
+        w = Worker(make_settings(broker_url or broker.url, redis or redis_url, subs, **kw),
+                   worker_id=f"w{len(workers)}")
+        workers.append(w)
+        await w.start()
+        await eventually(lambda: all(s.key in w.dispatchers for s in subs), what="subscriptions started")
+        return w
+
+    yield start
+    for w in workers:
+        await w.close()
+
+
+def quiet_logger() -> Any:
+    return pulsar.ConsoleLogger(pulsar.LoggerLevel.Error)
+
+
+class Client:
+    """A plain synchronous Pulsar client for tests: publish and read topics."""
+
+    def __init__(self, url: str) -> None:
+        self.client = pulsar.Client(url, logger=quiet_logger(), operation_timeout_seconds=10)
+
+    def publish(self, topic: str, payloads: list[bytes], properties: dict[str, str] | None = None,
+                key: str | None = None) -> list[str]:
+        producer = self.client.create_producer(topic, batching_enabled=False)
+        ids = []
+        for p in payloads:
+            kwargs: dict[str, Any] = {"properties": properties or {}}
+            if key is not None:
+                kwargs["partition_key"] = key
+            mid = producer.send(p, **kwargs)
+            ids.append(f"{mid.ledger_id()}:{mid.entry_id()}:{mid.partition()}:{mid.batch_index()}")
+        producer.close()
+        return ids
+
+    def watch(self, topic: str) -> pulsar.Consumer:
+        """Subscribe before anything is published there, so nothing is missed."""
+        return self.client.subscribe(topic, "inspector-" + uuid.uuid4().hex[:6],
+                                     initial_position=pulsar.InitialPosition.Earliest)
+
+    @staticmethod
+    def drain(consumer: pulsar.Consumer, expected: int, timeout: float = 30.0) -> list[pulsar.Message]:
+        out: list[pulsar.Message] = []
+        deadline = time.monotonic() + timeout
+        while len(out) < expected and time.monotonic() < deadline:
+            try:
+                msg = consumer.receive(timeout_millis=200)
+            except pulsar.Timeout:
+                continue
+            consumer.acknowledge(msg)
+            out.append(msg)
+        return out
+
+    @staticmethod
+    def drain_originals(consumer: pulsar.Consumer, ids: set[str], timeout: float = 60.0) -> list[pulsar.Message]:
+        """Read a dead-letter topic until every original id in `ids` was seen (duplicates allowed:
+        a crash between the confirmed dead-letter publish and the ack republishes once more)."""
+        out: list[pulsar.Message] = []
+        seen: set[str] = set()
+        deadline = time.monotonic() + timeout
+        while not ids <= seen and time.monotonic() < deadline:
+            try:
+                msg = consumer.receive(timeout_millis=200)
+            except pulsar.Timeout:
+                continue
+            consumer.acknowledge(msg)
+            out.append(msg)
+            seen.add(msg.properties().get("pubsub.original_message_id", ""))
+        return out
+
+    def close(self) -> None:
+        self.client.close()
+
+
+@pytest.fixture
+def client(broker: embedded.Service) -> Iterator[Client]:
+    c = Client(broker.url)
+    yield c
+    c.close()

@@ -1,0 +1,186 @@
+"""Config validation: each rule gives a clear error naming subscription, field and rule; the CLI
+exits 2 without a traceback."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from worker.config import load_settings, parse_settings
+from worker.errors import ConfigError
+
+GOOD = {
+    "pulsar": {"service_url": "pulsar://127.0.0.1:6650"},
+    "redis": {"url": "redis://127.0.0.1:6379/0"},
+    "state_dir": ".push-worker",
+    "http": {"host": "127.0.0.1", "port": 9464},
+    "destinations": {"allow_private": False},
+    "subscriptions": [{
+        "name": "orders-push",
+        "topic": "persistent://p-demo/main/orders",
+        "type": "shared",
+        "ack_deadline_seconds": 30,
+        "max_deliver": 5,
+        "max_ack_pending": 1000,
+        "start_from": "all",
+        "retry": {"min_backoff_seconds": 1, "max_backoff_seconds": 60},
+        "deliver": {"mode": "push", "push": {"url": "https://example.com/hook", "content": "wrapped"}},
+        "dead_letter": {"topic": "persistent://p-demo/main/orders-dlq"},
+    }],
+}
+
+
+def with_sub(**changes):
+    doc = copy.deepcopy(GOOD)
+    sub = doc["subscriptions"][0]
+    for path, value in changes.items():
+        *parents, leaf = path.split("__")
+        node = sub
+        for p in parents:
+            node = node.setdefault(p, {})
+        if value is ...:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = value
+    return doc
+
+
+def test_the_documented_example_loads():
+    s = parse_settings(GOOD, env={})
+    [sub] = s.subscriptions
+    assert (sub.name, sub.type, sub.ack_deadline_seconds, sub.max_deliver, sub.max_ack_pending) == (
+        "orders-push", "shared", 30, 5, 1000)
+    assert sub.url == "https://example.com/hook" and sub.content == "wrapped"
+    assert sub.dead_letter_topic == "persistent://p-demo/main/orders-dlq"
+    assert sub.key == "p-demo/orders-push"
+    assert s.pulsar.service_url == "pulsar://127.0.0.1:6650"
+
+
+def test_defaults_follow_the_platform_docs():
+    doc = with_sub(type=..., ack_deadline_seconds=..., max_deliver=..., max_ack_pending=..., start_from=...,
+                   retry=..., dead_letter=...)
+    [sub] = parse_settings(doc, env={}).subscriptions
+    assert (sub.type, sub.ack_deadline_seconds, sub.max_deliver, sub.max_ack_pending, sub.start_from) == (
+        "shared", 30, 5, 1000, "all")
+    assert sub.dead_letter_topic is None
+
+
+def test_after_attempts_overrides_max_deliver():
+    [sub] = parse_settings(with_sub(dead_letter__after_attempts=2), env={}).subscriptions
+    assert sub.max_deliver == 2
+
+
+def test_pull_subscriptions_are_ignored():
+    doc = with_sub(deliver={"mode": "pull"})
+    assert parse_settings(doc, env={}).subscriptions == ()
+
+
+def test_absent_connections_mean_embedded_and_env_overrides():
+    doc = copy.deepcopy(GOOD)
+    del doc["pulsar"], doc["redis"]
+    s = parse_settings(doc, env={})
+    assert s.pulsar.service_url is None and s.redis.url is None
+    s = parse_settings(doc, env={"PUSH_WORKER_PULSAR_URL": "pulsar://b:6650", "PUSH_WORKER_REDIS_URL":
+                                 "redis://:pw@r:6379/1", "PUSH_WORKER_STATE_DIR": "/tmp/x",
+                                 "PUSH_WORKER_PULSAR_TOKEN": "tok"})
+    assert s.pulsar.service_url == "pulsar://b:6650" and s.redis.url == "redis://:pw@r:6379/1"
+    assert str(s.state_dir) == "/tmp/x" and s.pulsar.auth_token == "tok"
+    assert "pw@" not in repr(s) and "tok" not in repr(s)  # secrets stay out of reprs and logs
+
+
+BAD = [
+    (dict(name="Orders"), "name", "lowercase"),
+    (dict(name="9orders"), "name", "starts with a letter"),
+    (dict(name="orders-"), "name", "does not end with a dash"),
+    (dict(name="a" * 64), "name", "63"),
+    (dict(name=...), "name", "required"),
+    (dict(topic="orders"), "topic", "persistent://"),
+    (dict(type="fanout"), "type", "shared, key-shared, exclusive, failover"),
+    (dict(ack_deadline_seconds=0), "ack_deadline_seconds", "1..600"),
+    (dict(ack_deadline_seconds=601), "ack_deadline_seconds", "1..600"),
+    (dict(ack_deadline_seconds="30"), "ack_deadline_seconds", "integer"),
+    (dict(max_deliver=0), "max_deliver", "1..1000"),
+    (dict(max_ack_pending=0), "max_ack_pending", "1..100000"),
+    (dict(start_from="latest"), "start_from", "all, new"),
+    (dict(retry__min_backoff_seconds=-1), "retry.min_backoff_seconds", "0..3600"),
+    (dict(retry__max_backoff_seconds=0.5), "retry.max_backoff_seconds", ">= min_backoff_seconds"),
+    (dict(deliver__push__url="ftp://example.com/x"), "deliver.push.url", "http or https"),
+    (dict(deliver__push__url="https:///nohost"), "deliver.push.url", "host"),
+    (dict(deliver__push__url="https://u:p@example.com/"), "deliver.push.url", "credentials"),
+    (dict(deliver__push__url=...), "deliver.push.url", "required"),
+    (dict(deliver__push__content="xml"), "deliver.push.content", "wrapped, raw"),
+    (dict(dead_letter__topic="persistent://p-demo/main/orders"), "dead_letter.topic", "differ"),
+    (dict(dead_letter__topic="persistent://p-other/main/dlq"), "dead_letter.topic", "tenant"),
+    (dict(dead_letter__after_attempts=0), "dead_letter.after_attempts", "1..1000"),
+    (dict(colour="red"), "colour", "not a known field"),
+]
+
+
+@pytest.mark.parametrize(("changes", "field", "rule"), BAD, ids=[b[1] + ":" + b[2] for b in BAD])
+def test_each_rule_names_subscription_field_and_rule(changes, field, rule):
+    with pytest.raises(ConfigError) as err:
+        parse_settings(with_sub(**changes), env={})
+    message = str(err.value)
+    assert err.value.field == field, message
+    assert rule in message, message
+    if "name" not in changes:
+        assert "'orders-push'" in message
+
+
+def test_top_level_rules():
+    for doc, field in [({"http": {"port": 70000}}, "http.port"), ({"pulsar": {"service_url": "http://x"}},
+                       "pulsar.service_url"), ({"subscriptions": {"a": 1}}, "subscriptions"),
+                       ({"destinations": {"allow_private": "yes"}}, "destinations.allow_private"),
+                       ({"bogus": 1}, "bogus")]:
+        with pytest.raises(ConfigError) as err:
+            parse_settings(doc, env={})
+        assert err.value.field == field
+
+
+def test_duplicate_subscription_is_refused():
+    doc = copy.deepcopy(GOOD)
+    doc["subscriptions"].append(copy.deepcopy(doc["subscriptions"][0]))
+    with pytest.raises(ConfigError, match="defined twice"):
+        parse_settings(doc, env={})
+
+
+def test_unreadable_and_broken_yaml(tmp_path: Path):
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_settings(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("subscriptions: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_settings(bad)
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "worker.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path.cwd())})
+
+
+@pytest.mark.parametrize("command", ["run", "check"])
+def test_cli_exits_2_with_a_clear_message_and_no_traceback(tmp_path: Path, command: str):
+    path = tmp_path / "worker.yaml"
+    path.write_text(yaml.safe_dump(with_sub(ack_deadline_seconds=0)))
+    result = _cli(command, "--config", str(path), cwd=tmp_path)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "subscription 'orders-push': ack_deadline_seconds: must be in 1..600 (got 0)" in result.stderr
+
+
+def test_cli_refuses_private_destination_unless_allowed(tmp_path: Path):
+    path = tmp_path / "worker.yaml"
+    path.write_text(yaml.safe_dump(with_sub(deliver__push__url="http://localhost:9/hook")))
+    result = _cli("check", "--config", str(path), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "deliver.push.url" in result.stderr and "loopback" in result.stderr
+    doc = with_sub(deliver__push__url="http://localhost:9/hook")
+    doc["destinations"]["allow_private"] = True
+    path.write_text(yaml.safe_dump(doc))
+    result = _cli("check", "--config", str(path), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,28 @@
+"""`make demo` runs the main job: the demo command as a user runs it, in a clean directory."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def test_demo_delivers_retries_and_dead_letters_and_loses_nothing(tmp_path: Path):
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "worker.cli", "demo"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+    elapsed = time.monotonic() - started
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    numbers = {k: int(v) for k, v in re.findall(r"^\s+(published|delivered|retried|dead-lettered|lost)\s+(\d+)",
+                                                 out, re.M)}
+    assert numbers["published"] == 300
+    assert numbers["lost"] == 0
+    assert numbers["delivered"] + numbers["dead-lettered"] == 300
+    assert numbers["retried"] > 0 and numbers["dead-lettered"] >= 15  # every 20th payload always fails
+    assert re.search(r"found on \S+: (\d+)\)", out).group(1) == str(numbers["dead-lettered"])
+    assert "settled" in out  # the live progress line
+    assert elapsed < 60

@@ -1,0 +1,156 @@
+"""Crashes and restarts: a worker killed with SIGKILL, SIGTERM drain, broker and Redis restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+from aiohttp import web
+
+from tests.conftest import Client, Endpoint, eventually, make_sub
+from worker.config import DestinationSettings
+from worker.subscriptions import RetryPolicy
+
+
+def worker_config(path: Path, broker_url: str, redis_url: str, topic: str, url: str, **sub) -> Path:
+    doc = {
+        "pulsar": {"service_url": broker_url}, "redis": {"url": redis_url}, "http": {"port": 0},
+        "destinations": {"allow_private": True}, "shutdown_grace_seconds": 10,
+        "log": {"format": "json", "level": "info"},
+        "subscriptions": [{
+            "name": "crashy", "topic": topic, "max_deliver": sub.get("max_deliver", 5),
+            "ack_deadline_seconds": 5, "retry": {"min_backoff_seconds": 0.3, "max_backoff_seconds": 0.6},
+            "deliver": {"mode": "push", "push": {"url": url}},
+            "dead_letter": {"topic": topic + "-dlq"},
+        }],
+    }
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def spawn_worker(config: Path, log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "worker.cli", "run", "--config", str(config)],
+                                stdout=out, stderr=out, env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+
+
+async def test_kill_9_then_restart_continues_attempt_numbers_and_loses_nothing(
+        broker, redis_url, endpoint: Endpoint, client: Client, topic, tmp_path):
+    payloads = [f"m{i}".encode() for i in range(30)]
+    doomed = {p for p in payloads if int(p[1:]) % 3 == 0}  # always fail: must reach the dead-letter topic
+    endpoint.behaviour = lambda rec: web.Response(status=500 if rec.body_payload in doomed else 204)
+    config = worker_config(tmp_path / "w.yaml", broker.url, redis_url, topic, endpoint.url + "?raw",
+                           max_deliver=5)
+    watcher = client.watch(topic + "-dlq")
+    ids = client.publish(topic, payloads)
+    doomed_ids = {mid for mid, p in zip(ids, payloads, strict=True) if p in doomed}
+
+    proc = spawn_worker(config, tmp_path / "w1.log")
+    try:
+        # Kill mid-way: every doomed message has been tried at least twice, none exhausted yet.
+        await eventually(lambda: all(len(endpoint.by_id().get(m, [])) >= 2 for m in doomed_ids), timeout=30,
+                         what="two attempts of each doomed message")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        before = {m: [int(r.headers["Pubsub-Delivery-Attempt"]) for r in rs] for m, rs in endpoint.by_id().items()}
+        proc = spawn_worker(config, tmp_path / "w2.log")
+        dead = await asyncio.to_thread(Client.drain_originals, watcher, doomed_ids)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
+
+    assert {d.properties()["pubsub.original_message_id"] for d in dead} == doomed_ids
+    assert all(d.properties()["pubsub.delivery_attempts"] == "5" for d in dead)
+    by_id = endpoint.by_id()
+    for mid in doomed_ids:
+        numbers = [int(r.headers["Pubsub-Delivery-Attempt"]) for r in by_id[mid]]
+        assert numbers == sorted(set(numbers)), f"{mid}: numbering went back: {numbers}"
+        assert numbers[-1] <= 5
+        after = numbers[len(before.get(mid, [])):]
+        assert not after or after[0] > max(before.get(mid, [0])), f"{mid}: {before.get(mid)} then {after}"
+    delivered = {m for m, rs in by_id.items() if m not in doomed_ids}
+    assert delivered == set(ids) - doomed_ids  # every other message reached the endpoint
+
+
+async def test_sigterm_lets_in_flight_deliveries_finish_then_exits(
+        broker, redis_url, endpoint: Endpoint, client: Client, topic, tmp_path):
+    started = asyncio.Event()
+    finished: list[str] = []
+
+    async def slow(rec):
+        started.set()
+        await asyncio.sleep(1.5)
+        finished.append(rec.headers["Pubsub-Message-Id"])
+        return web.Response(status=204)
+
+    endpoint.behaviour = slow
+    config = worker_config(tmp_path / "w.yaml", broker.url, redis_url, topic, endpoint.url)
+    ids = client.publish(topic, [b"a", b"b", b"c"])
+    proc = spawn_worker(config, tmp_path / "w.log")
+    await asyncio.wait_for(started.wait(), 30)
+    proc.send_signal(signal.SIGTERM)
+    rc = await asyncio.to_thread(proc.wait, 20)
+    assert rc == 0
+    assert sorted(finished) == sorted(ids)  # all three were in flight and finished inside the grace
+    # Acked before exit: a new worker gets nothing more.
+    endpoint.behaviour = None
+    proc = spawn_worker(config, tmp_path / "w2.log")
+    try:
+        await asyncio.sleep(2.0)  # give a (wrong) redelivery the chance to show up
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
+    assert len(endpoint.requests) == 3
+
+
+async def test_broker_restart_during_delivery_recovers_without_loss(
+        own_broker, redis_url, start_worker, endpoint: Endpoint, topic):
+    sub = make_sub(topic, endpoint.url)
+    w = await start_worker(sub, broker_url=own_broker.url)
+    c = Client(own_broker.url)
+    try:
+        first = c.publish(topic, [b"before-%d" % i for i in range(20)])
+        await eventually(lambda: set(first) <= set(endpoint.by_id()), what="first batch")
+    finally:
+        c.close()
+    await asyncio.to_thread(own_broker.restart)
+    c = Client(own_broker.url)
+    try:
+        second = await asyncio.to_thread(c.publish, topic, [b"after-%d" % i for i in range(20)])
+        await eventually(lambda: set(second) <= set(endpoint.by_id()), timeout=60, what="second batch")
+    finally:
+        c.close()
+    assert w.dispatchers[sub.key].stats.acked >= 40
+
+
+async def test_redis_restart_during_delivery_recovers_and_counts_continue(
+        own_redis, start_worker, endpoint: Endpoint, client: Client, topic):
+    fail_first = True
+    endpoint.behaviour = lambda rec: web.Response(status=500 if fail_first else 204)
+    sub = make_sub(topic, endpoint.url, max_deliver=50, retry=RetryPolicy(0.2, 0.4))
+    w = await start_worker(sub, redis=own_redis.url)
+    ids = client.publish(topic, [b"x%d" % i for i in range(10)])
+    await eventually(lambda: all(len(endpoint.by_id().get(m, [])) >= 2 for m in ids), what="two attempts each")
+    await asyncio.to_thread(own_redis.restart)
+    await eventually(lambda: all(len(endpoint.by_id().get(m, [])) >= 4 for m in ids), timeout=30,
+                     what="attempts after the Redis restart")
+    fail_first = False
+    await eventually(lambda: w.dispatchers[sub.key].stats.acked == 10, timeout=30, what="all delivered")
+    for m in ids:
+        numbers = [int(r.headers["Pubsub-Delivery-Attempt"]) for r in endpoint.by_id()[m]]
+        assert numbers == sorted(set(numbers)), numbers  # persisted counts: numbering never goes back
+
+
+async def test_connect_time_check_refuses_private_addresses(start_worker, endpoint: Endpoint, client, topic):
+    """A name that resolves to loopback is refused when connecting, not only when loaded."""
+    port = endpoint.url.split(":")[2].split("/")[0]
+    sub = make_sub(topic, f"http://localhost:{port}/push", max_deliver=2)
+    w = await start_worker(sub, destinations=DestinationSettings(allow_private=False))
+    client.publish(topic, [b"x"])
+    await eventually(lambda: w.dispatchers[sub.key].stats.dropped == 1, what="refused then dropped")
+    assert endpoint.requests == []

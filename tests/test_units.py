@@ -1,0 +1,84 @@
+"""Pure logic: message ids, header safety, backoff, Retry-After, ack statuses, address policy."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from worker.backoff import retry_delay
+from worker.delivery import is_ack_status, parse_retry_after
+from worker.destinations import refusal
+from worker.dispatcher import lane_of
+from worker.messages import Envelope, build_request, format_message_id, header_safe, rfc3339
+from worker.subscriptions import RetryPolicy, Subscription
+
+
+def sub(**kw) -> Subscription:
+    return Subscription(name="s", topic="persistent://p-a/main/t", url="http://e/", **kw)
+
+
+def test_message_id_format():
+    assert format_message_id(12, 7, -1, -1) == "12:7:-1:-1"
+
+
+def test_rfc3339():
+    assert rfc3339(0) == "1970-01-01T00:00:00.000Z"
+    assert rfc3339(1_700_000_000_123) == "2023-11-14T22:13:20.123Z"
+
+
+@pytest.mark.parametrize(("name", "value", "ok"), [
+    ("color", "blue", True), ("x-trace", "a b\tc", True), ("bad name", "x", False), ("k", "a\r\nB: c", False),
+    ("k", "caf\u00e9", False), ("", "x", False), ("k", "x" * 5000, False), ("k:", "x", False)])
+def test_header_safety(name, value, ok):
+    assert header_safe(name, value) is ok
+
+
+def test_raw_caps_attribute_headers_and_counts_the_rest():
+    env = Envelope("1:1:-1:-1", b"x", "t", 0, {f"a{i}": "v" for i in range(100)})
+    req = build_request(sub(content="raw"), env, 1)
+    assert sum(k.startswith("Pubsub-Attr-") for k in req.headers) == 64
+    assert req.omitted_attributes == 36
+
+
+@pytest.mark.parametrize(("status", "ack"), [(102, True), (200, True), (204, True), (299, True), (100, False),
+                                             (101, False), (300, False), (404, False), (500, False)])
+def test_ack_statuses(status, ack):
+    assert is_ack_status(status) is ack
+
+
+def test_retry_after_parsing():
+    assert parse_retry_after("3") == 3.0
+    assert parse_retry_after(None) is None and parse_retry_after("soon") is None
+    assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT", now=1445412470.0) == pytest.approx(10.0)
+
+
+def test_backoff_grows_within_bounds_and_honours_retry_after_up_to_max():
+    policy = RetryPolicy(1.0, 60.0)
+    rng = random.Random(1)
+    ceilings = []
+    for attempt in range(1, 10):
+        samples = [retry_delay(policy, attempt, rng=rng) for _ in range(200)]
+        assert all(1.0 <= s <= 60.0 for s in samples)
+        ceilings.append(max(samples))
+    assert ceilings[0] <= 1.0 + 1e-9 and ceilings[3] > 4.0 and ceilings[-1] > 40.0
+    assert retry_delay(policy, 1, retry_after=30, rng=rng) >= 30
+    assert retry_delay(policy, 1, retry_after=3600, rng=rng) == 60.0
+
+
+@pytest.mark.parametrize(("address", "allow_private", "refused"), [
+    ("93.184.216.34", False, False), ("127.0.0.1", False, True), ("10.1.2.3", False, True),
+    ("192.168.0.1", False, True), ("169.254.1.1", False, True), ("::1", False, True), ("fe80::1", False, True),
+    ("::ffff:127.0.0.1", False, True), ("127.0.0.1", True, False), ("10.1.2.3", True, False),
+    ("169.254.169.254", True, True), ("0.0.0.0", True, True), ("224.0.0.1", True, True)])
+def test_address_policy(address, allow_private, refused):
+    assert (refusal(address, allow_private) is not None) is refused
+
+
+def test_lanes_per_type():
+    keyed = Envelope("1:1:-1:-1", b"", "t", 0, ordering_key="k")
+    plain = Envelope("1:2:-1:-1", b"", "t", 0)
+    assert lane_of(sub(type="shared"), keyed) is None
+    assert lane_of(sub(type="key-shared"), keyed) == "k"
+    assert lane_of(sub(type="key-shared"), plain) is None
+    assert lane_of(sub(type="exclusive"), plain) == lane_of(sub(type="failover"), keyed) is not None
