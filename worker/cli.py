@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import os
 import signal
 import sys
 from collections.abc import Coroutine, Sequence
@@ -112,8 +114,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _exit_now(code: int) -> None:
+    """Leave without running C++ static destructors: the Pulsar client library can abort in them
+    (`terminate called without an active exception`) although every client was closed."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    code = _dispatch(args)
+    if argv is None:  # a real process, not a call from tests
+        _exit_now(code)
+    return code
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args))
     except ConfigError as e:
