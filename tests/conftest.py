@@ -107,6 +107,11 @@ class Received:
     headers: dict[str, str]
     body: bytes
     at: float
+    status: int | None = None  # what the endpoint answered, once it has
+
+    @property
+    def acked(self) -> bool:
+        return self.status is not None and (self.status == 102 or 200 <= self.status < 300)
 
     @property
     def body_payload(self) -> bytes:
@@ -142,11 +147,13 @@ async def endpoint() -> AsyncIterator[Endpoint]:
         rec = Received(dict(request.headers), await request.read(), time.monotonic())
         ep.requests.append(rec)
         if ep.behaviour is None:
-            return web.Response(status=204)
-        result = ep.behaviour(rec)
-        if asyncio.iscoroutine(result):
-            result = await result
-        return result  # type: ignore[return-value]
+            result: Any = web.Response(status=204)
+        else:
+            result = ep.behaviour(rec)
+            if asyncio.iscoroutine(result):
+                result = await result
+        rec.status = result.status
+        return result  # type: ignore[no-any-return]
 
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_post("/{tail:.*}", handle)

@@ -92,6 +92,10 @@ class AttemptStore:
         self._on_error = on_error or (lambda: None)
 
     async def _call(self, add: Callable[[Any], None]) -> Any:
+        try:  # the common case, without building a retry controller
+            return await self.pipeliner.submit(add)
+        except (RedisError, OSError):
+            self._on_error()
         # No delivery proceeds without its attempt record: wait for Redis rather than guess.
         async for attempt in AsyncRetrying(
             retry=retry_if_exception_type((RedisError, OSError)),

@@ -21,6 +21,7 @@ from worker.attempts import AttemptStore
 from worker.backoff import retry_delay
 from worker.deadletter import DeadLetterPublisher, dead_letter_properties
 from worker.delivery import Deliverer, Outcome
+from worker.flow import AdaptiveLimit, Window
 from worker.messages import Envelope, build_request
 from worker.metrics import Metrics
 from worker.subscriptions import Subscription
@@ -44,30 +45,6 @@ class Stats:
     retried: int = 0
     dead_lettered: int = 0
     dropped: int = 0
-
-
-class Window:
-    """A counting limit whose size can change while permits are held (for live edits)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self._changed = asyncio.Condition()
-
-    async def acquire(self) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.used < self.limit)
-            self.used += 1
-
-    async def release(self) -> None:
-        async with self._changed:
-            self.used -= 1
-            self._changed.notify_all()
-
-    async def resize(self, limit: int) -> None:
-        async with self._changed:
-            self.limit = limit
-            self._changed.notify_all()
 
 
 def lane_of(sub: Subscription, env: Envelope) -> str | None:
@@ -101,10 +78,10 @@ class Dispatcher:
         self.metrics = metrics
         self.stats = Stats()
         self.window = Window(sub.max_ack_pending)
+        self.endpoint_limit = AdaptiveLimit(sub.max_ack_pending)
         self._labels = (sub.tenant, sub.name)
         self._lanes: dict[str, deque[tuple[Any, Envelope]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._in_request = 0
         self._stopping = asyncio.Event()
         self._receiver: asyncio.Task[None] | None = None
         self.log = logs.get(project=sub.tenant, subscription=sub.name)
@@ -119,6 +96,7 @@ class Dispatcher:
         """Apply an edit of mutable fields; in-flight work keeps the values it started with."""
         self.sub = sub
         await self.window.resize(sub.max_ack_pending)
+        await self.endpoint_limit.set_ceiling(sub.max_ack_pending)
 
     async def stop(self, grace: float) -> None:
         """Stop intake; let requests under way finish within `grace`; release the rest to the broker."""
@@ -234,13 +212,15 @@ class Dispatcher:
         request = build_request(sub, env, attempt)
         if request.omitted_attributes:
             self.metrics.attributes_omitted.labels(*self._labels).inc(request.omitted_attributes)
+        await self.endpoint_limit.acquire()
         self.metrics.in_flight.labels(*self._labels).inc()
-        self._in_request += 1
+        outcome: Outcome | None = None
         try:
             outcome = await self.deliverer.attempt(sub.url, request, float(sub.ack_deadline_seconds))
         finally:
-            self._in_request -= 1
             self.metrics.in_flight.labels(*self._labels).dec()
+            await self.endpoint_limit.release(outcome)
+            self.metrics.endpoint_window.labels(*self._labels).set(self.endpoint_limit.size)
         self.metrics.deliveries.labels(*self._labels, outcome.label).inc()
         self.metrics.delivery_seconds.labels(*self._labels).observe(outcome.latency)
         return outcome

@@ -39,11 +39,13 @@ class Metrics:
                                     registry=r)
         self.broker_errors = Counter("pushworker_broker_errors", "Broker calls that failed",
                                      ("operation",), registry=r)
+        self.endpoint_window = Gauge("pushworker_endpoint_concurrency_window",
+                                     "Adaptive concurrency window of the subscription's endpoint", SUB, registry=r)
         self.owned = Gauge("pushworker_subscription_owned", "1 for each subscription this worker serves",
                            SUB, registry=r)
 
     def forget(self, project: str, subscription: str) -> None:
         """Drop a subscription's series when this worker no longer serves it."""
-        for metric in (self.in_flight, self.held_for_retry, self.unsettled, self.owned):
+        for metric in (self.in_flight, self.held_for_retry, self.unsettled, self.owned, self.endpoint_window):
             with contextlib.suppress(KeyError):
                 metric.remove(project, subscription)
