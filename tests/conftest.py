@@ -6,6 +6,7 @@ Nothing here is a mock: the broker, Redis and endpoints are the programs a user 
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import time
 import uuid
@@ -33,6 +34,15 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         if reporter:
             reporter.write_line(f"CI: {skipped} test(s) skipped; in CI nothing may skip", red=True)
         session.exitstatus = 1
+
+
+@pytest.fixture(autouse=True)
+def _collect_garbage_between_tests() -> Iterator[None]:
+    """Run finalizers of a test's leftovers (Pulsar C++ callbacks, cancelled tasks) between tests,
+    not in the middle of a later import: CPython 3.11.7 can fail such a compile() with
+    `SystemError: AST constructor recursion depth mismatch`."""
+    yield
+    gc.collect()
 
 
 # -- polling helper ---------------------------------------------------------------------------

@@ -119,7 +119,11 @@ async def test_dead_endpoint_does_not_slow_another_subscription(start_worker, cl
         subs = [healthy]
         if with_dead_neighbour:
             # A neighbour whose endpoint never answers and another whose port refuses connections.
-            hang_server = await asyncio.start_server(lambda r, w: asyncio.sleep(60), "127.0.0.1", 0)
+            async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+                await reader.read()  # until the worker gives up and closes
+                writer.close()
+
+            hang_server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
             hang_port = hang_server.sockets[0].getsockname()[1]
             subs.append(make_sub(topic + "-hang", f"http://127.0.0.1:{hang_port}/", ack_deadline_seconds=3,
                                  max_deliver=1000, retry=RetryPolicy(0.5, 2.0)))
@@ -134,6 +138,9 @@ async def test_dead_endpoint_does_not_slow_another_subscription(start_worker, cl
         elapsed = time.monotonic() - t0
         await w.close()
         await runner.cleanup()
+        if with_dead_neighbour:
+            hang_server.close()
+            await hang_server.wait_closed()
         return 600 / elapsed
 
     alone = await measure(False)
@@ -149,28 +156,28 @@ def test_adaptive_limit_slow_start_shrink_and_growth():
         ok = Outcome(Result.ACK, status=204)
         for _ in range(20):
             await limit.acquire()
-            await limit.release(ok)
+            limit.release(ok)
         assert limit.size == 24  # slow start: one more per success
         await limit.acquire()
-        await limit.release(Outcome(Result.TIMEOUT))
+        limit.release(Outcome(Result.TIMEOUT))
         assert limit.size == 12
         before = limit.window
         await limit.acquire()
-        await limit.release(ok)
+        limit.release(ok)
         assert 0 < limit.window - before < 1  # past the threshold: additive growth
         await limit.acquire()
-        await limit.release(Outcome(Result.NACK, status=404))  # not an overload signal
+        limit.release(Outcome(Result.NACK, status=404))  # not an overload signal
         assert limit.size == 12
         for _ in range(10):
             await limit.acquire()
-            await limit.release(Outcome(Result.NACK, status=503))
+            limit.release(Outcome(Result.NACK, status=503))
         assert limit.size == 1
         t0 = time.monotonic()
         await limit.acquire()
-        await limit.release(Outcome(Result.NACK, status=429, retry_after=0.3))
+        limit.release(Outcome(Result.NACK, status=429, retry_after=0.3))
         await limit.acquire()  # paused by Retry-After
         assert time.monotonic() - t0 >= 0.29
-        await limit.release(ok)
+        limit.release(ok)
 
     asyncio.run(scenario())
 

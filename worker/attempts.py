@@ -39,12 +39,11 @@ class AttemptRecord:
 class Pipeliner:
     """Coalesces Redis commands issued concurrently into one pipeline round trip."""
 
-    def __init__(self, client: aioredis.Redis) -> None:
+    def __init__(self, client: aioredis.Redis, on_round_trip: Callable[[int], None] | None = None) -> None:
         self.client = client
+        self._on_round_trip = on_round_trip or (lambda _: None)
         self._queue: list[Queued] = []
         self._flusher: asyncio.Task[None] | None = None
-        self.round_trips = 0
-        self.commands = 0
 
     def submit(self, add: Callable[[Any], None]) -> asyncio.Future[Any]:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -67,8 +66,7 @@ class Pipeliner:
                 for _, future in batch:
                     future.cancel()
                 raise
-            self.round_trips += 1
-            self.commands += len(batch)
+            self._on_round_trip(len(batch))
             for (_, future), result in zip(batch, results, strict=True):
                 if future.done():
                     continue

@@ -57,7 +57,7 @@ def lane_of(sub: Subscription, env: Envelope) -> str | None:
 
 
 class Dispatcher:
-    """Delivers one subscription's messages. `run()` until `stop()`; `update()` applies live edits."""
+    """Delivers one subscription's messages. `start()`, then `stop()`; `update()` applies live edits."""
 
     def __init__(
         self,
@@ -76,10 +76,10 @@ class Dispatcher:
         self.attempts = attempts
         self.dead_letters = dead_letters
         self.metrics = metrics
+        self.m = metrics.for_subscription(sub.tenant, sub.name)
         self.stats = Stats()
         self.window = Window(sub.max_ack_pending)
         self.endpoint_limit = AdaptiveLimit(sub.max_ack_pending)
-        self._labels = (sub.tenant, sub.name)
         self._lanes: dict[str, deque[tuple[Any, Envelope]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
@@ -89,14 +89,14 @@ class Dispatcher:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        self.metrics.owned.labels(*self._labels).set(1)
+        self.m.owned.set(1)
         self._receiver = asyncio.create_task(self._receive_loop(), name=f"receive {self.sub.key}")
 
-    async def update(self, sub: Subscription) -> None:
-        """Apply an edit of mutable fields; in-flight work keeps the values it started with."""
+    def update(self, sub: Subscription) -> None:
+        """Apply an edit of mutable fields; a request under way keeps the values it started with."""
         self.sub = sub
-        await self.window.resize(sub.max_ack_pending)
-        await self.endpoint_limit.set_ceiling(sub.max_ack_pending)
+        self.window.resize(sub.max_ack_pending)
+        self.endpoint_limit.set_ceiling(sub.max_ack_pending)
 
     async def stop(self, grace: float) -> None:
         """Stop intake; let requests under way finish within `grace`; release the rest to the broker."""
@@ -112,7 +112,7 @@ class Dispatcher:
         # Closing the consumer hands every unacked message back to the broker for redelivery.
         with contextlib.suppress(Exception):
             await self.consumer.close()
-        self.metrics.forget(*self._labels)
+        self.metrics.forget(self.sub.tenant, self.sub.name)
 
     @property
     def unsettled(self) -> int:
@@ -126,20 +126,21 @@ class Dispatcher:
             try:
                 message = await self.consumer.receive()
             except asyncio.CancelledError:
-                await self.window.release()
+                self.window.release()
                 raise
             except Exception as e:
-                await self.window.release()
-                self.metrics.broker_errors.labels("receive").inc()
+                self.window.release()
+                self.m.broker_errors.labels("receive").inc()
                 self.log.warning("receive failed", error=type(e).__name__)
                 await self._pause(1.0)
                 continue
-            self.metrics.unsettled.labels(*self._labels).set(self.window.used)
+            self.m.unsettled.set(self.window.used)
             try:
                 env = self.to_envelope(message)
-            except Exception as e:  # a message we cannot even read is parked, never a crash
+            except Exception as e:  # a message we cannot even read is logged and parked, never a crash
                 self.log.error("unreadable message", error=repr(e))
-                env = Envelope(message_id="unreadable", data=b"", topic=self.sub.topic, publish_time_ms=0)
+                env = Envelope(message_id=f"unreadable-{id(message)}", data=b"", topic=self.sub.topic,
+                               publish_time_ms=0)
             self._admit(message, env)
 
     def _admit(self, message: Any, env: Envelope) -> None:
@@ -166,7 +167,7 @@ class Dispatcher:
         finally:
             self._lanes.pop(lane, None)
             for _ in queue:  # released to the broker when the consumer closes
-                await self.window.release()
+                self.window.release()
 
     # -- one message -------------------------------------------------------------------------
 
@@ -174,55 +175,54 @@ class Dispatcher:
         try:
             await self._deliver_until_settled(message, env)
         finally:
-            await self.window.release()
-            self.metrics.unsettled.labels(*self._labels).set(self.window.used)
+            self.window.release()
+            self.m.unsettled.set(self.window.used)
 
     async def _deliver_until_settled(self, message: Any, env: Envelope) -> None:
         while not self._stopping.is_set():
             sub = self.sub  # an edit applies from the next attempt on
             record = await self.attempts.begin(sub.key, env.message_id)
-            log = self.log.bind(message_id=env.message_id, attempt=record.number)
             if record.number > sub.max_deliver:
                 # Exhausted in an earlier life (crash before the dead-letter was confirmed): no new request.
-                await self._give_up(message, env, sub, record.number - 1, record.last_status or "unknown", log)
+                await self._give_up(message, env, sub, record.number - 1, record.last_status or "unknown")
                 return
             outcome = await self._attempt(sub, env, record.number)
             if outcome.acked:
                 await self._ack(message, env, sub)
                 self.stats.acked += 1
-                self.metrics.acked.labels(*self._labels).inc()
-                log.debug("delivered", status=outcome.status, latency=round(outcome.latency, 4))
+                self.m.acked.inc()
+                self.log.debug("delivered", message_id=env.message_id, attempt=record.number,
+                               status=outcome.status, latency=round(outcome.latency, 4))
                 return
-            log.info("delivery failed", status=outcome.last_status, detail=outcome.detail,
-                     latency=round(outcome.latency, 4))
+            self.log.info("delivery failed", message_id=env.message_id, attempt=record.number,
+                          status=outcome.last_status, detail=outcome.detail, latency=round(outcome.latency, 4))
             if record.number >= sub.max_deliver:
-                await self._give_up(message, env, sub, record.number, outcome.last_status, log)
+                await self._give_up(message, env, sub, record.number, outcome.last_status)
                 return
             await self.attempts.record_failure(sub.key, env.message_id, outcome.last_status)
             self.stats.retried += 1
-            self.metrics.retries.labels(*self._labels).inc()
-            delay = retry_delay(sub.retry, record.number, outcome.retry_after)
-            self.metrics.held_for_retry.labels(*self._labels).inc()
+            self.m.retries.inc()
+            self.m.held_for_retry.inc()
             try:
-                await self._pause(delay)
+                await self._pause(retry_delay(sub.retry, record.number, outcome.retry_after))
             finally:
-                self.metrics.held_for_retry.labels(*self._labels).dec()
+                self.m.held_for_retry.dec()
 
     async def _attempt(self, sub: Subscription, env: Envelope, attempt: int) -> Outcome:
         request = build_request(sub, env, attempt)
         if request.omitted_attributes:
-            self.metrics.attributes_omitted.labels(*self._labels).inc(request.omitted_attributes)
+            self.m.attributes_omitted.inc(request.omitted_attributes)
         await self.endpoint_limit.acquire()
-        self.metrics.in_flight.labels(*self._labels).inc()
+        self.m.in_flight.inc()
         outcome: Outcome | None = None
         try:
             outcome = await self.deliverer.attempt(sub.url, request, float(sub.ack_deadline_seconds))
         finally:
-            self.metrics.in_flight.labels(*self._labels).dec()
-            await self.endpoint_limit.release(outcome)
-            self.metrics.endpoint_window.labels(*self._labels).set(self.endpoint_limit.size)
-        self.metrics.deliveries.labels(*self._labels, outcome.label).inc()
-        self.metrics.delivery_seconds.labels(*self._labels).observe(outcome.latency)
+            self.m.in_flight.dec()
+            self.endpoint_limit.release(outcome)
+        self.m.endpoint_window.set(self.endpoint_limit.size)
+        self.m.delivery(outcome.label).inc()
+        self.m.delivery_seconds.observe(outcome.latency)
         return outcome
 
     async def _ack(self, message: Any, env: Envelope, sub: Subscription) -> None:
@@ -230,24 +230,23 @@ class Dispatcher:
             await self.consumer.acknowledge(message)
         except Exception as e:
             # The broker will redeliver; the counter stays so the numbering continues.
-            self.metrics.broker_errors.labels("ack").inc()
+            self.m.broker_errors.labels("ack").inc()
             self.log.warning("ack failed", message_id=env.message_id, error=type(e).__name__)
             return
         await self.attempts.clear(sub.key, env.message_id)
 
-    async def _give_up(self, message: Any, env: Envelope, sub: Subscription, attempts: int,
-                       last_status: str, log: Any) -> None:
+    async def _give_up(self, message: Any, env: Envelope, sub: Subscription, attempts: int, last_status: str) -> None:
+        log = self.log.bind(message_id=env.message_id, attempts=attempts, last_status=last_status)
         if sub.dead_letter_topic:
             props = dead_letter_properties(env, sub.topic, sub.name, attempts, last_status)
             await self.dead_letters.publish(sub.dead_letter_topic, env, props)
             self.stats.dead_lettered += 1
-            self.metrics.dead_lettered.labels(*self._labels).inc()
-            log.warning("dead-lettered", attempts=attempts, last_status=last_status,
-                        dead_letter_topic=sub.dead_letter_topic)
+            self.m.dead_lettered.inc()
+            log.warning("dead-lettered", dead_letter_topic=sub.dead_letter_topic)
         else:
             self.stats.dropped += 1
-            self.metrics.dropped.labels(*self._labels).inc()
-            log.warning("dropped after last attempt", attempts=attempts, last_status=last_status)
+            self.m.dropped.inc()
+            log.warning("dropped after last attempt")
         await self._ack(message, env, sub)
 
     async def _pause(self, seconds: float) -> None:

@@ -4,32 +4,57 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 
 from worker.delivery import Outcome, Result
 
 
-class Window:
-    """A counting limit whose size can change while permits are held (for live edits)."""
+class _Slots:
+    """Counting slots with a limit that may change while slots are held. `release` is synchronous
+    (no lock needed on one event loop) and wakes only as many waiters as there are free slots."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
-        self._changed = asyncio.Condition()
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    async def _take(self) -> None:
+        while self.used >= self.limit:
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake()  # pass on a wake-up this task can no longer use
+                raise
+        self.used += 1
+
+    def _give(self) -> None:
+        self.used -= 1
+        self._wake()
+
+    def _wake(self) -> None:
+        free = self.limit - self.used
+        while free > 0 and self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                free -= 1
+
+
+class Window(_Slots):
+    """The `max_ack_pending` window: messages taken from the broker and not yet settled."""
 
     async def acquire(self) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.used < self.limit)
-            self.used += 1
+        await self._take()
 
-    async def release(self) -> None:
-        async with self._changed:
-            self.used -= 1
-            self._changed.notify(1)
+    def release(self) -> None:
+        self._give()
 
-    async def resize(self, limit: int) -> None:
-        async with self._changed:
-            self.limit = limit
-            self._changed.notify_all()
+    def resize(self, limit: int) -> None:
+        self.limit = limit
+        self._wake()
 
 
 def overloaded(outcome: Outcome) -> bool:
@@ -40,7 +65,7 @@ def overloaded(outcome: Outcome) -> bool:
     return outcome.status is not None and (outcome.status == 429 or outcome.status >= 500)
 
 
-class AdaptiveLimit:
+class AdaptiveLimit(_Slots):
     """TCP-like concurrency control for one endpoint.
 
     Slow start: the window grows by one per success until the threshold, then by 1/window
@@ -54,51 +79,48 @@ class AdaptiveLimit:
         self.window = float(min(initial, self.ceiling))
         self.threshold = float(self.ceiling)
         self.cooldown = cooldown
-        self.in_use = 0
         self._last_cut = 0.0
         self._paused_until = 0.0
-        self._changed = asyncio.Condition()
+        super().__init__(self.size)
 
     @property
     def size(self) -> int:
-        return max(1, int(self.window))
+        return max(1, min(int(self.window), self.ceiling))
+
+    @property
+    def in_use(self) -> int:
+        return self.used
 
     async def acquire(self) -> None:
-        while True:
+        pause = self._paused_until - time.monotonic()
+        while pause > 0:
+            await asyncio.sleep(pause)
             pause = self._paused_until - time.monotonic()
-            if pause > 0:
-                await asyncio.sleep(pause)
-                continue
-            async with self._changed:
-                if self.in_use < min(self.size, self.ceiling):
-                    self.in_use += 1
-                    return
-                await self._changed.wait()
+        await self._take()
 
-    async def release(self, outcome: Outcome | None) -> None:
-        async with self._changed:
-            self.in_use -= 1
-            if outcome is not None:
-                self._learn(outcome)
-            # Wake only as many waiters as there are free slots: with hundreds of messages queued
-            # on a failing endpoint, waking all of them on every release costs O(n^2) CPU.
-            self._changed.notify(max(0, min(self.size, self.ceiling) - self.in_use))
+    def release(self, outcome: Outcome | None) -> None:
+        if outcome is not None:
+            self._learn(outcome)
+            self.limit = self.size
+        self._give()
 
-    async def set_ceiling(self, ceiling: int) -> None:
-        async with self._changed:
-            self.ceiling = max(1, ceiling)
-            self.window = min(self.window, float(self.ceiling))
-            self._changed.notify_all()
+    def set_ceiling(self, ceiling: int) -> None:
+        self.ceiling = max(1, ceiling)
+        self.window = min(self.window, float(self.ceiling))
+        self.limit = self.size
+        self._wake()
 
     def _learn(self, outcome: Outcome) -> None:
-        now = time.monotonic()
-        if overloaded(outcome):
-            if now - self._last_cut >= self.cooldown:
-                self.threshold = max(1.0, self.window / 2)
-                self.window = self.threshold
-                self._last_cut = now
-            if outcome.retry_after:
-                self._paused_until = max(self._paused_until, now + min(outcome.retry_after, 60.0))
-        elif outcome.acked:
+        if outcome.acked:
             step = 1.0 if self.window < self.threshold else 1.0 / self.window
             self.window = min(float(self.ceiling), self.window + step)
+            return
+        if not overloaded(outcome):
+            return
+        now = time.monotonic()
+        if now - self._last_cut >= self.cooldown:
+            self.threshold = max(1.0, self.window / 2)
+            self.window = self.threshold
+            self._last_cut = now
+        if outcome.retry_after:
+            self._paused_until = max(self._paused_until, now + min(outcome.retry_after, 60.0))

@@ -4,6 +4,7 @@ names, result classes; never URLs or message ids."""
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -35,6 +36,9 @@ class Metrics:
                                "(bounded by max_ack_pending)", SUB, registry=r)
         self.attributes_omitted = Counter("pushworker_attributes_omitted",
                                           "Attributes not sent as headers (unsafe name or value)", SUB, registry=r)
+        self.redis_round_trips = Counter("pushworker_redis_round_trips", "Pipelined round trips to Redis",
+                                         registry=r)
+        self.redis_commands = Counter("pushworker_redis_commands", "Commands sent to Redis", registry=r)
         self.redis_errors = Counter("pushworker_redis_errors", "Redis calls that failed (and were retried)",
                                     registry=r)
         self.broker_errors = Counter("pushworker_broker_errors", "Broker calls that failed",
@@ -44,8 +48,43 @@ class Metrics:
         self.owned = Gauge("pushworker_subscription_owned", "1 for each subscription this worker serves",
                            SUB, registry=r)
 
+    def round_trip(self, commands: int) -> None:
+        self.redis_round_trips.inc()
+        self.redis_commands.inc(commands)
+
+    def for_subscription(self, project: str, subscription: str) -> SubscriptionMetrics:
+        return SubscriptionMetrics(self, project, subscription)
+
     def forget(self, project: str, subscription: str) -> None:
         """Drop a subscription's series when this worker no longer serves it."""
         for metric in (self.in_flight, self.held_for_retry, self.unsettled, self.owned, self.endpoint_window):
             with contextlib.suppress(KeyError):
                 metric.remove(project, subscription)
+
+
+class SubscriptionMetrics:
+    """One subscription's metric children, bound once: the hot path does no label lookups."""
+
+    def __init__(self, m: Metrics, project: str, subscription: str) -> None:
+        labels = (project, subscription)
+        self._deliveries = m.deliveries
+        self._labels = labels
+        self._by_result: dict[str, Any] = {}
+        self.delivery_seconds = m.delivery_seconds.labels(*labels)
+        self.acked = m.acked.labels(*labels)
+        self.dead_lettered = m.dead_lettered.labels(*labels)
+        self.dropped = m.dropped.labels(*labels)
+        self.retries = m.retries.labels(*labels)
+        self.in_flight = m.in_flight.labels(*labels)
+        self.held_for_retry = m.held_for_retry.labels(*labels)
+        self.unsettled = m.unsettled.labels(*labels)
+        self.attributes_omitted = m.attributes_omitted.labels(*labels)
+        self.endpoint_window = m.endpoint_window.labels(*labels)
+        self.owned = m.owned.labels(*labels)
+        self.broker_errors = m.broker_errors
+
+    def delivery(self, result: str) -> Any:
+        child = self._by_result.get(result)
+        if child is None:
+            child = self._by_result[result] = self._deliveries.labels(*self._labels, result)
+        return child

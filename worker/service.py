@@ -84,7 +84,7 @@ class Worker:
             self.log.info("embedded redis started", port=service.port)
         self.redis = aioredis.Redis.from_url(self.redis_url, socket_timeout=10, socket_connect_timeout=5,
                                              health_check_interval=15)
-        self.pipeliner = Pipeliner(self.redis)
+        self.pipeliner = Pipeliner(self.redis, on_round_trip=self.metrics.round_trip)
         self.attempts = AttemptStore(self.pipeliner, s.redis.attempts_ttl_seconds,
                                      on_error=self.metrics.redis_errors.inc)
         self.pulsar = pulsar_adapter.make_client(s.pulsar, self.pulsar_url)

@@ -1,0 +1,309 @@
+"""`push-worker bench` / `make bench`: delivery speed measured against a reference in the same run.
+
+Everything runs on this machine: the embedded broker and Redis, a sink endpoint answering 204 (in
+its own process), the reference (a bare aiohttp POST loop at the same concurrency, its own
+process) and one `push-worker run` process. Figures are printed as ratios against the reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+import pulsar
+import redis
+import yaml
+from aiohttp import web
+
+from worker import embedded
+
+PAYLOAD = os.urandom(768).hex().encode()[:1024]  # 1 KiB
+
+
+# -- the sink (own process) ---------------------------------------------------------------------
+
+def sink_main(port: int, fail_rate: float) -> None:
+    """Answers 204 (or 500 for `fail_rate` of requests); counts and records publish-to-ack latency."""
+    state: dict[str, Any] = {"count": 0, "acked": 0, "first": None, "last": None, "latency": []}
+    rng = random.Random(3)
+
+    async def push(request: web.Request) -> web.Response:
+        await request.read()
+        now = time.time()
+        state["count"] += 1
+        state["first"] = state["first"] or now
+        if rng.random() < fail_rate:
+            return web.Response(status=500)
+        state["acked"] += 1
+        state["last"] = now
+        published = request.headers.get("Pubsub-Publish-Time")
+        if published and len(state["latency"]) < 200_000:
+            sent = datetime.fromisoformat(published.replace("Z", "+00:00")).timestamp()
+            state["latency"].append(now - sent)
+        return web.Response(status=204)
+
+    async def stats(_: web.Request) -> web.Response:
+        return web.json_response(state)
+
+    async def reset(_: web.Request) -> web.Response:
+        state.update(count=0, acked=0, first=None, last=None, latency=[])
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_post("/push", push)
+    app.router.add_get("/stats", stats)
+    app.router.add_post("/reset", reset)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+# -- the reference (own process) ----------------------------------------------------------------
+
+async def reference_main(url: str, total: int, concurrency: int) -> None:
+    """A bare aiohttp POST loop: the most one process can push to this sink."""
+    remaining = total
+    async with aiohttp.ClientSession() as session:
+        async def loop() -> None:
+            nonlocal remaining
+            while remaining > 0:
+                remaining -= 1
+                async with session.post(url, data=PAYLOAD, headers={"Content-Type": "application/octet-stream"}) as r:
+                    await r.read()
+
+        started = time.monotonic()
+        await asyncio.gather(*(loop() for _ in range(concurrency)))
+        print(json.dumps({"elapsed": time.monotonic() - started}))
+
+
+# -- orchestration ------------------------------------------------------------------------------
+
+@dataclass
+class Figures:
+    name: str
+    rate: float
+    p50_ms: float
+    p99_ms: float
+    redis_per_msg: float
+    round_trips_per_msg: float
+    cpu_s_per_1k: float
+    rss_mb: float
+
+
+def _get(url: str) -> Any:
+    async def go() -> Any:
+        async with aiohttp.ClientSession() as s, s.get(url) as r:
+            return await r.json()
+
+    return asyncio.run(go())
+
+
+def _post(url: str) -> None:
+    async def go() -> None:
+        async with aiohttp.ClientSession() as s, s.post(url) as r:
+            await r.read()
+
+    asyncio.run(go())
+
+
+def _wait(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"bench: timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _redis_commands(client: redis.Redis) -> int:
+    """Commands clients sent (a script counts once, not per call inside it), less this INFO."""
+    return int(client.info("stats")["total_commands_processed"])
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class Bench:
+    def __init__(self, messages: int, concurrency: int) -> None:
+        self.messages = messages
+        self.concurrency = concurrency
+        self.dir = Path(tempfile.mkdtemp(prefix="push-worker-bench-"))
+        self.broker = embedded.start_pulsar(self.dir / "pulsar")
+        self.redis_service = embedded.start_redis(self.dir / "redis")
+        self.redis = redis.Redis.from_url(self.redis_service.url)
+        self.client = pulsar.Client(self.broker.url, logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
+        self.sinks: list[subprocess.Popen[bytes]] = []
+
+    def close(self) -> None:
+        for p in self.sinks:
+            p.terminate()
+        self.client.close()
+        self.redis.close()
+        self.broker.stop()
+        self.redis_service.stop()
+
+    def sink(self, fail_rate: float = 0.0) -> str:
+        port = embedded.free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "worker.bench", "sink", str(port), str(fail_rate)])
+        self.sinks.append(proc)
+        embedded.wait_for_port(port, proc, "sink")
+        return f"http://127.0.0.1:{port}"
+
+    def reference(self, sink: str) -> float:
+        out = subprocess.run([sys.executable, "-m", "worker.bench", "reference", sink + "/push",
+                              str(self.messages), str(self.concurrency)], capture_output=True, text=True, check=True)
+        return self.messages / float(json.loads(out.stdout)["elapsed"])
+
+    def publish(self, topic: str, n: int, keys: int = 0, rate: float = 0.0) -> None:
+        producer = self.client.create_producer(topic, batching_enabled=True, batching_max_publish_delay_ms=5,
+                                               block_if_queue_full=True)
+        started = time.monotonic()
+        for i in range(n):
+            kwargs: dict[str, Any] = {}
+            if keys:
+                kwargs["partition_key"] = f"key-{i % keys}"
+            producer.send_async(PAYLOAD, None, **kwargs)
+            if rate and i % 50 == 0:
+                ahead = i / rate - (time.monotonic() - started)
+                if ahead > 0:
+                    time.sleep(ahead)
+        producer.flush()
+        producer.close()
+
+    def config(self, subs: list[dict[str, Any]]) -> Path:
+        path = self.dir / f"worker-{time.monotonic_ns()}.yaml"
+        path.write_text(yaml.safe_dump({
+            "pulsar": {"service_url": self.broker.url}, "redis": {"url": self.redis_service.url},
+            "http": {"port": 0}, "destinations": {"allow_private": True}, "log": {"format": "json", "level": "error"},
+            "state_dir": str(self.dir / "worker"), "subscriptions": subs}))
+        return path
+
+    def sub(self, name: str, topic: str, url: str, kind: str = "shared") -> dict[str, Any]:
+        return {"name": name, "topic": topic, "type": kind, "max_ack_pending": self.concurrency, "max_deliver": 1000,
+                "retry": {"min_backoff_seconds": 0.05, "max_backoff_seconds": 0.5},
+                "deliver": {"mode": "push", "push": {"url": url, "content": "raw"}}}
+
+    def start_worker(self, config: Path) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-m", "worker.cli", "run", "--config", str(config)],
+                                stderr=open(self.dir / "worker.log", "ab"))
+
+    def run_worker(self, name: str, kind: str = "shared", keys: int = 0, fail_rate: float = 0.0) -> Figures:
+        sink = self.sink(fail_rate)
+        topic = f"persistent://p-bench/main/{name}"
+        self.client.subscribe(topic, name, consumer_type=pulsar.ConsumerType.Failover).close()  # create the cursor
+        self.publish(topic, self.messages, keys=keys)
+        before = _redis_commands(self.redis)
+        proc = self.start_worker(self.config([self.sub(name, topic, sink + "/push", kind)]))
+        ps = psutil.Process(proc.pid)
+        try:
+            _wait(lambda: _get(sink + "/stats")["acked"] >= self.messages, 600, f"{name}: all acked")
+            stats = _get(sink + "/stats")
+            cpu = ps.cpu_times()
+            rss = ps.memory_info().rss
+            redis_per_msg = (_redis_commands(self.redis) - before - 1) / self.messages
+            round_trips = _metric(ps, "pushworker_redis_round_trips_total")
+            rate = self.messages / (stats["last"] - stats["first"])
+            # Latency phase: a steady stream at half the measured rate, publish-to-ack.
+            _post(sink + "/reset")
+            n = min(self.messages, int(rate * 4))
+            self.publish(topic, n, keys=keys, rate=rate / 2)
+            _wait(lambda: _get(sink + "/stats")["acked"] >= n, 120, f"{name}: latency phase")
+            latency = _get(sink + "/stats")["latency"]
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        return Figures(name, rate, 1000 * _percentile(latency, 0.5), 1000 * _percentile(latency, 0.99),
+                       redis_per_msg, round_trips / self.messages,
+                       1000 * (cpu.user + cpu.system) / (self.messages + n), rss / 2**20)
+
+    def idle(self, count: int = 1000) -> tuple[float, float, float]:
+        sink = self.sink()
+        subs = [self.sub(f"idle-{i}", f"persistent://p-bench/main/idle-{i}", sink + "/push") for i in range(count)]
+        proc = self.start_worker(self.config(subs))
+        ps = psutil.Process(proc.pid)
+        try:
+            started = time.monotonic()
+            # Subscribed when the broker shows every cursor: wait for the worker's own readiness instead.
+            _wait(lambda: _worker_ready(ps), 300, "1000 subscriptions")
+            ready_after = time.monotonic() - started
+            cpu0 = sum(ps.cpu_times()[:2])
+            time.sleep(10)
+            idle_cpu = (sum(ps.cpu_times()[:2]) - cpu0) / 10
+            rss = ps.memory_info().rss / 2**20
+        finally:
+            proc.terminate()
+            proc.wait(60)
+        return ready_after, idle_cpu, rss
+
+
+def _status_port(ps: psutil.Process) -> int | None:
+    for conn in ps.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN:
+            return int(conn.laddr.port)
+    return None
+
+
+def _worker_ready(ps: psutil.Process) -> bool:
+    port = _status_port(ps)
+    try:
+        return port is not None and bool(_get(f"http://127.0.0.1:{port}/readyz").get("ready"))
+    except (aiohttp.ClientError, ValueError):
+        return False
+
+
+def _metric(ps: psutil.Process, name: str) -> float:
+    """Sum of a metric's samples on the worker's /metrics."""
+    async def go() -> str:
+        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{_status_port(ps)}/metrics") as r:
+            return await r.text()
+
+    total = 0.0
+    for line in asyncio.run(go()).splitlines():
+        if line.startswith(name):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def run_bench(messages: int = 20000, concurrency: int = 64) -> int:
+    def work() -> int:
+        bench = Bench(messages, concurrency)
+        try:
+            print(f"push-worker bench: {messages} messages of 1 KiB, concurrency {concurrency}, "
+                  f"{os.cpu_count()} cores\n")
+            reference = bench.reference(bench.sink())
+            print(f"reference (bare aiohttp POST loop, one process): {reference:,.0f} req/s\n")
+            rows = [bench.run_worker("shared"), bench.run_worker("keyshared", "key-shared", keys=1000),
+                    bench.run_worker("failing10", fail_rate=0.10)]
+            print(f"{'case':<12}{'deliveries/s':>14}{'x reference':>13}{'p50 ms':>9}{'p99 ms':>9}"
+                  f"{'redis cmd/msg':>15}{'round trips/msg':>17}{'cpu s/1k msg':>14}{'rss MiB':>9}")
+            for f in rows:
+                print(f"{f.name:<12}{f.rate:>14,.0f}{f.rate / reference:>13.2f}{f.p50_ms:>9.1f}{f.p99_ms:>9.1f}"
+                      f"{f.redis_per_msg:>15.2f}{f.round_trips_per_msg:>17.2f}{f.cpu_s_per_1k:>14.3f}{f.rss_mb:>9.0f}")
+            ready, cpu, rss = bench.idle()
+            print(f"\nidle: 1000 push subscriptions ready in {ready:.1f}s; idle CPU {100 * cpu:.1f}% of a core; "
+                  f"RSS {rss:.0f} MiB")
+            return 0
+        finally:
+            bench.close()
+
+    return await asyncio.to_thread(work)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "sink":
+        sink_main(int(sys.argv[2]), float(sys.argv[3]))
+    elif sys.argv[1] == "reference":
+        asyncio.run(reference_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
