@@ -202,3 +202,18 @@ async def test_endpoint_window_is_exported_shrinks_on_failures_and_grows_on_succ
                                                    {"project": sub.tenant, "subscription": sub.name})
 
     assert window(bad) < 4 < window(good)  # 4 is where slow start begins
+
+
+@pytest.mark.parametrize("kind", ["key-shared", "exclusive", "failover"])
+async def test_ordered_types_deliver_each_message_once_on_the_happy_path(start_worker, endpoint, client, topic, kind):
+    sub = make_sub(topic, endpoint.url, type=kind)
+    w = await start_worker(sub)
+    producer = client.client.create_producer(topic, batching_enabled=True, batching_max_publish_delay_ms=5)
+    for i in range(300):
+        producer.send_async(b"%d" % i, None, partition_key=f"k{i % 30}")
+    producer.flush()
+    await eventually(lambda: w.dispatchers[sub.key].stats.acked == 300, what="all acked")
+    await w.close()  # releases anything the broker still thinks is unacked...
+    w2 = await start_worker(sub)  # ...to a second worker, which must get nothing
+    await asyncio.sleep(1.0)
+    assert len(endpoint.requests) == 300 and w2.dispatchers[sub.key].stats.acked == 0
