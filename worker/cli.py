@@ -83,6 +83,29 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return _run_loop(run_bench(messages=args.messages, concurrency=args.concurrency))
 
 
+def _cmd_subs(args: argparse.Namespace) -> int:
+    from worker.admin import Admin, connection
+
+    url, fleet = connection(args.redis_url, args.config)
+
+    async def go() -> int:
+        admin = Admin(url, fleet, as_json=args.json)
+        try:
+            if args.action == "apply":
+                print(await admin.apply(args.file))
+            elif args.action == "delete":
+                print(await admin.delete(args.name))
+            elif args.action == "list":
+                print(await admin.list())
+            else:
+                print(await admin.get(args.name))
+        finally:
+            await admin.close()
+        return 0
+
+    return asyncio.run(go())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="push-worker", description=__doc__.splitlines()[0] if __doc__ else None)
     cmds = parser.add_subparsers(dest="command", required=True)
@@ -103,6 +126,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--messages", type=int, default=20000)
     p.add_argument("--concurrency", type=int, default=64)
     p.set_defaults(func=_cmd_bench)
+
+    subs = cmds.add_parser("subs", help="the live subscription registry").add_subparsers(dest="action", required=True)
+    for action, help_text in (("apply", "create or edit subscriptions from a YAML file"),
+                              ("delete", "delete a subscription"),
+                              ("list", "subscriptions with owner, state, counters"),
+                              ("get", "one subscription's definition and status")):
+        p = subs.add_parser(action, help=help_text)
+        if action == "apply":
+            p.add_argument("-f", "--file", required=True,
+                           help="YAML: one subscription, a list, or {subscriptions: [...]}; - for stdin")
+        elif action in ("delete", "get"):
+            p.add_argument("name", help="NAME or PROJECT/NAME")
+        p.add_argument("--config", "-c", help="worker.yaml (for redis.url and fleet.name)")
+        p.add_argument("--redis-url", help="default: $PUSH_WORKER_REDIS_URL, the config, or a local embedded worker")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.set_defaults(func=_cmd_subs)
 
     p = cmds.add_parser("publish", help="publish one message (for trying things out)")
     p.add_argument("topic")

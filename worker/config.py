@@ -6,6 +6,8 @@ Environment variables (they win over the file, so secrets need not live in it):
   PUSH_WORKER_REDIS_URL      redis.url (may carry a password; it is never logged)
   PUSH_WORKER_STATE_DIR      state_dir
   PUSH_WORKER_HTTP_PORT      http.port
+  PUSH_WORKER_FLEET          fleet.name
+  PUSH_WORKER_ID             this worker's id in the fleet (default: hostname-pid; use the pod name)
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from worker.errors import ConfigError
-from worker.subscriptions import FieldReader, Subscription, is_push, parse_subscription
+from worker.subscriptions import NAME_PATTERN, NAME_RULE, FieldReader, Subscription, is_push, parse_subscription
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,15 @@ class DestinationSettings:
 
 
 @dataclass(frozen=True)
+class FleetSettings:
+    """Membership and lease timing. Takeover after a crash happens within about `lease_seconds`."""
+
+    name: str = "default"
+    lease_seconds: float = 10.0
+    heartbeat_seconds: float = 1.0
+
+
+@dataclass(frozen=True)
 class Settings:
     """Everything a worker process needs, validated."""
 
@@ -66,6 +77,7 @@ class Settings:
     http: HttpSettings = field(default_factory=HttpSettings)
     destinations: DestinationSettings = field(default_factory=DestinationSettings)
     subscriptions: tuple[Subscription, ...] = ()
+    fleet: FleetSettings = field(default_factory=FleetSettings)
     shutdown_grace_seconds: float = 30.0
     log_format: str = "auto"
     log_level: str = "info"
@@ -87,7 +99,7 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
         data = {}
     r = FieldReader("config", data)
     r.reject_unknown({"pulsar", "redis", "state_dir", "http", "destinations", "subscriptions",
-                      "shutdown_grace_seconds", "log"})
+                      "shutdown_grace_seconds", "log", "fleet"})
 
     p = r.sub("pulsar")
     p.reject_unknown({"service_url", "tls_trust_certs_file", "operation_timeout_seconds"})
@@ -121,6 +133,17 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
     if not isinstance(allow_private, bool):
         raise d.fail("allow_private", "must be true or false")
 
+    f = r.sub("fleet")
+    f.reject_unknown({"name", "lease_seconds", "heartbeat_seconds"})
+    fleet_name = env.get("PUSH_WORKER_FLEET") or f.text("name", "default")
+    if not NAME_PATTERN.match(fleet_name):
+        raise f.fail("name", NAME_RULE)
+    lease = f.number("lease_seconds", 10.0, 2.0, 300.0)
+    heartbeat = f.number("heartbeat_seconds", 1.0, 0.1, 60.0)
+    if heartbeat * 2 > lease:
+        raise f.fail("heartbeat_seconds", f"must be at most half of lease_seconds ({lease:g})")
+    fleet = FleetSettings(fleet_name, lease, heartbeat)
+
     log = r.sub("log")
     log.reject_unknown({"format", "level"})
 
@@ -145,6 +168,7 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
         http=http,
         destinations=DestinationSettings(allow_private=allow_private),
         subscriptions=tuple(subs),
+        fleet=fleet,
         shutdown_grace_seconds=r.number("shutdown_grace_seconds", 30.0, 0.0, 3600.0),
         log_format=log.choice("format", ("auto", "json", "console"), "auto"),
         log_level=log.choice("level", ("debug", "info", "warning", "error"), "info"),

@@ -20,13 +20,14 @@ from worker import logs
 from worker.attempts import AttemptStore
 from worker.backoff import retry_delay
 from worker.deadletter import DeadLetterPublisher, dead_letter_properties
-from worker.delivery import Deliverer, Outcome
+from worker.delivery import Deliverer, Outcome, Result
 from worker.flow import AdaptiveLimit, Window
 from worker.messages import Envelope, build_request
 from worker.metrics import Metrics
 from worker.subscriptions import Subscription
 
 _SINGLE_LANE = "\x00total-order"
+FAILING_AFTER = 20  # failed attempts in a row before a subscription shows an error state
 
 
 class ConsumerLike(Protocol):
@@ -68,8 +69,12 @@ class Dispatcher:
         attempts: AttemptStore,
         dead_letters: DeadLetterPublisher,
         metrics: Metrics,
+        may_deliver: Callable[[], bool] | None = None,
     ) -> None:
         self.sub = sub
+        self.may_deliver = may_deliver or (lambda: True)
+        self._failures_in_row = 0
+        self._last_failure = ""
         self.consumer = consumer
         self.to_envelope = to_envelope
         self.deliverer = deliverer
@@ -117,6 +122,20 @@ class Dispatcher:
     @property
     def unsettled(self) -> int:
         return self.window.used
+
+    @property
+    def state(self) -> str:
+        """`active`, or `error: <reason>` while the endpoint keeps failing (for `subs list`)."""
+        if self._failures_in_row >= FAILING_AFTER:
+            return f"error: endpoint failing ({self._last_failure}, {self._failures_in_row} attempts in a row)"
+        return "active"
+
+    async def _fenced(self) -> bool:
+        """False once this worker may no longer deliver (lease lost): then wait to be stopped."""
+        if self.may_deliver():
+            return True
+        await self._stopping.wait()
+        return False
 
     # -- intake ------------------------------------------------------------------------------
 
@@ -181,6 +200,8 @@ class Dispatcher:
     async def _deliver_until_settled(self, message: Any, env: Envelope) -> None:
         while not self._stopping.is_set():
             sub = self.sub  # an edit applies from the next attempt on
+            if not await self._fenced():
+                return
             record = await self.attempts.begin(sub.key, env.message_id)
             if record.number > sub.max_deliver:
                 # Exhausted in an earlier life (crash before the dead-letter was confirmed): no new request.
@@ -213,6 +234,10 @@ class Dispatcher:
         if request.omitted_attributes:
             self.m.attributes_omitted.inc(request.omitted_attributes)
         await self.endpoint_limit.acquire()
+        if not self.may_deliver():  # checked again right before the request: Redis may have been slow
+            self.endpoint_limit.release(None)
+            await self._stopping.wait()
+            return Outcome(Result.CONNECTION_ERROR, detail="lease lost")
         self.m.in_flight.inc()
         outcome: Outcome | None = None
         try:
@@ -221,6 +246,11 @@ class Dispatcher:
             self.m.in_flight.dec()
             self.endpoint_limit.release(outcome)
         self.m.endpoint_window.set(self.endpoint_limit.size)
+        if outcome.acked:
+            self._failures_in_row = 0
+        else:
+            self._failures_in_row += 1
+            self._last_failure = outcome.last_status
         self.m.delivery(outcome.label).inc()
         self.m.delivery_seconds.observe(outcome.latency)
         return outcome

@@ -45,6 +45,7 @@ class Metrics:
                                      ("operation",), registry=r)
         self.endpoint_window = Gauge("pushworker_endpoint_concurrency_window",
                                      "Adaptive concurrency window of the subscription's endpoint", SUB, registry=r)
+        self.fleet_size = Gauge("pushworker_fleet_size", "Live workers this worker sees in its fleet", registry=r)
         self.owned = Gauge("pushworker_subscription_owned", "1 for each subscription this worker serves",
                            SUB, registry=r)
 

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from worker.delivery import Deliverer, make_session
 from worker.destinations import check_host
 from worker.dispatcher import Dispatcher
 from worker.errors import ConfigError, DestinationRefused
+from worker.fleet import Fleet
 from worker.http_server import StatusServer
 from worker.metrics import Metrics
 from worker.subscriptions import Subscription
@@ -45,7 +47,7 @@ class Worker:
 
     def __init__(self, settings: Settings, worker_id: str | None = None) -> None:
         self.settings = settings
-        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.worker_id = worker_id or os.environ.get("PUSH_WORKER_ID") or f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = Metrics()
         self.log = logs.get(worker=self.worker_id)
         self.dispatchers: dict[str, Dispatcher] = {}
@@ -57,6 +59,7 @@ class Worker:
         self.pulsar: Any = None
         self.pulsar_url = ""
         self.redis_url = ""
+        self.fleet: Fleet | None = None
 
     async def __aenter__(self) -> Worker:
         await self.start()
@@ -82,6 +85,10 @@ class Worker:
             self._services.append(service)
             self.redis_url = service.url
             self.log.info("embedded redis started", port=service.port)
+        if self._services:
+            from worker.admin import write_endpoints
+
+            write_endpoints(state_dir, self.pulsar_url, self.redis_url)
         self.redis = aioredis.Redis.from_url(self.redis_url, socket_timeout=10, socket_connect_timeout=5,
                                              health_check_interval=15)
         self.pipeliner = Pipeliner(self.redis, on_round_trip=self.metrics.round_trip)
@@ -93,19 +100,20 @@ class Worker:
         self.dead_letters = DeadLetterPublisher(self.pulsar)
         self.status = StatusServer(s.http.host, s.http.port, self.metrics, self.readiness)
         await self.status.start()
-        for sub in s.subscriptions:
-            self.add(sub)
-        self.log.info("worker started", subscriptions=len(s.subscriptions), http_port=self.status.port)
+        self.fleet = Fleet(self, self.redis, s.fleet, s.subscriptions)
+        await self.fleet.start()
+        self.log.info("worker started", fleet=s.fleet.name, members=len(self.fleet.members),
+                      owned=len(self.fleet.leases), http_port=self.status.port)
 
-    def add(self, sub: Subscription) -> None:
+    def add(self, sub: Subscription, may_deliver: Callable[[], bool] | None = None) -> None:
         """Start serving a subscription (subscribing retries until the broker answers)."""
         if sub.key in self.dispatchers or sub.key in self._starting:
             return
-        task = asyncio.create_task(self._subscribe_and_run(sub), name=f"subscribe {sub.key}")
+        task = asyncio.create_task(self._subscribe_and_run(sub, may_deliver), name=f"subscribe {sub.key}")
         self._starting[sub.key] = task
         task.add_done_callback(lambda _: self._starting.pop(sub.key, None))
 
-    async def _subscribe_and_run(self, sub: Subscription) -> None:
+    async def _subscribe_and_run(self, sub: Subscription, may_deliver: Callable[[], bool] | None) -> None:
         async for attempt in AsyncRetrying(wait=wait_exponential_jitter(multiplier=0.5, max=10.0)):
             with attempt:
                 try:
@@ -115,7 +123,7 @@ class Worker:
                     self.log.warning("subscribe failed; retrying", subscription=sub.key, error=str(e))
                     raise
         dispatcher = Dispatcher(sub, consumer, pulsar_adapter.to_envelope, self.deliverer, self.attempts,
-                                self.dead_letters, self.metrics)
+                                self.dead_letters, self.metrics, may_deliver)
         self.dispatchers[sub.key] = dispatcher
         dispatcher.start()
 
@@ -148,6 +156,8 @@ class Worker:
             return False, "redis unreachable"
         if self._starting:
             return False, f"{len(self._starting)} subscription(s) not yet subscribed"
+        if self.fleet is None or not self.fleet.members:
+            return False, "not yet in the fleet"
         return True, "ok"
 
     async def close(self) -> None:
@@ -156,6 +166,9 @@ class Worker:
             return
         self._closed = True
         self._stop.set()
+        if self.fleet is not None:
+            with contextlib.suppress(Exception):
+                await self.fleet.leave()  # drains and releases leases so others take over at once
         grace = self.settings.shutdown_grace_seconds
         keys = list(self._starting) + list(self.dispatchers)
         await asyncio.gather(*(self.remove(k, grace) for k in keys), return_exceptions=True)

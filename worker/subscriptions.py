@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 from worker.errors import ConfigError
 
 NAME_RULE = "lowercase letters, digits and dashes; starts with a letter, does not end with a dash; 63 max"
-_NAME_RE = re.compile(r"^[a-z]([a-z0-9-]{0,61}[a-z0-9])?$")
+NAME_PATTERN = re.compile(r"^[a-z]([a-z0-9-]{0,61}[a-z0-9])?$")
 # persistent://<tenant>/<namespace>/<topic>; the platform puts every project in tenant p-<short>, ns main.
 _TOPIC_RE = re.compile(r"^(persistent|non-persistent)://([A-Za-z0-9_.=-]+)/([A-Za-z0-9_.=-]+)/([A-Za-z0-9_.=-]+)$")
 
@@ -162,7 +162,7 @@ def parse_subscription(data: Any, where: str = "") -> Subscription:
     r.reject_unknown({"name", "topic", "type", "ack_deadline_seconds", "max_deliver", "max_ack_pending",
                       "start_from", "retry", "deliver", "dead_letter", "display_name"})
     name = r.text("name")
-    if not _NAME_RE.match(name):
+    if not NAME_PATTERN.match(name):
         raise r.fail("name", NAME_RULE)
     topic = r.text("topic")
     _, tenant, _, _ = _check_topic(r, "topic", topic)

@@ -1,0 +1,224 @@
+"""The fleet: membership, balanced ownership with fenced leases, and the live registry.
+
+Each worker heartbeats into a sorted set scored by Redis server time (no cross-host clock skew),
+computes the owner of every subscription by rendezvous hashing over the live members (a join or
+leave moves about 1/N of them), and serves a subscription only while it holds that
+subscription's lease. The lease is fenced on the worker's own monotonic clock: it stops
+delivering `margin` before the lease could have expired in Redis, so a paused or partitioned
+worker has stopped before anyone else can start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from worker import keys, logs
+from worker.config import FleetSettings
+from worker.registry import Registry, fleet_key
+from worker.subscriptions import Subscription
+
+if TYPE_CHECKING:
+    from worker.service import Worker
+
+_HEARTBEAT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+return redis.call('ZRANGE', KEYS[1], 0, -1)
+"""
+_RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
+_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+def lease_key(sub_key: str) -> str:
+    return f"{keys.PREFIX}:{keys.tag(sub_key)}:lease"
+
+
+def status_key(sub_key: str) -> str:
+    return f"{keys.PREFIX}:{keys.tag(sub_key)}:status"
+
+
+def owner_of(sub_key: str, members: Iterable[str]) -> str | None:
+    """Rendezvous (highest random weight) hashing: stable, balanced, minimal movement."""
+    best, best_score = None, -1
+    for member in members:
+        score = int.from_bytes(hashlib.blake2b(f"{member}\0{sub_key}".encode(), digest_size=8).digest(), "big")
+        if score > best_score:
+            best, best_score = member, score
+    return best
+
+
+class Lease:
+    """A held lease; `valid()` is the fencing check made before every delivery attempt."""
+
+    def __init__(self, ttl: float, margin: float) -> None:
+        self.ttl, self.margin = ttl, margin
+        self.valid_until = 0.0
+
+    def renewed(self, sent_at: float) -> None:
+        # Counted from when the renew was *sent*: Redis set its expiry later than that.
+        self.valid_until = sent_at + self.ttl - self.margin
+
+    def valid(self) -> bool:
+        return time.monotonic() < self.valid_until
+
+
+class Fleet:
+    """Runs the ownership loop of one worker."""
+
+    def __init__(self, worker: Worker, client: aioredis.Redis, settings: FleetSettings,
+                 static: tuple[Subscription, ...]) -> None:
+        self.worker = worker
+        self.client = client
+        self.settings = settings
+        self.static = {s.key: s for s in static}
+        self.registry = Registry(client, settings.name)
+        self.members_key = fleet_key(settings.name, "members")
+        self.leases: dict[str, Lease] = {}
+        self.members: list[str] = []
+        self.subscriptions: dict[str, Subscription] = dict(self.static)
+        self._registry_version = -1
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self.log = logs.get(worker=worker.worker_id, fleet=settings.name)
+        self.ttl_ms = int(settings.lease_seconds * 1000)
+        self.member_ttl_ms = self.ttl_ms
+
+    @property
+    def me(self) -> str:
+        return self.worker.worker_id
+
+    async def start(self) -> None:
+        await self.tick()
+        self._tasks = [asyncio.create_task(self._loop(), name="fleet loop"),
+                       asyncio.create_task(self._listen(), name="fleet events")]
+
+    async def _loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.settings.heartbeat_seconds)
+            self._wake.clear()
+            try:
+                await self.tick()
+            except (RedisError, OSError) as e:
+                self.worker.metrics.redis_errors.inc()
+                self.log.warning("fleet tick failed", error=type(e).__name__)
+                await self._drop_expired()
+
+    async def _listen(self) -> None:
+        """Registry and membership notifications make changes land well inside the resync period."""
+        while True:
+            try:
+                pubsub = self.client.pubsub()
+                await pubsub.subscribe(self.registry.channel)
+                async for message in pubsub.listen():
+                    if message.get("type") == "message":
+                        self._wake.set()
+            except (RedisError, OSError):
+                await asyncio.sleep(1.0)
+
+    async def tick(self) -> None:
+        """One round: heartbeat, read the registry if it changed, renew, release, acquire."""
+        sent_at = time.monotonic()
+        pipe = self.client.pipeline(transaction=False)
+        pipe.eval(_HEARTBEAT, 1, self.members_key, self.me, self.member_ttl_ms)
+        pipe.get(self.registry.version_key)
+        held = list(self.leases)
+        for key in held:
+            pipe.eval(_RENEW, 1, lease_key(key), self.me, self.ttl_ms)
+        results = await pipe.execute()
+        self.members = sorted(m.decode() for m in results[0])
+        self.worker.metrics.fleet_size.set(len(self.members))
+        version = int(results[1] or 0)
+        for key, renewed in zip(held, results[2:], strict=True):
+            if renewed:
+                self.leases[key].renewed(sent_at)
+            else:
+                await self._lost(key)
+        if version != self._registry_version:
+            live = await self.registry.snapshot()
+            self.subscriptions = {**self.static, **live}
+            self._registry_version = version
+        await self._reconcile()
+
+    async def _reconcile(self) -> None:
+        wanted = {k for k in self.subscriptions if owner_of(k, self.members) == self.me}
+        for key in [k for k in self.leases if k not in wanted]:
+            await self._hand_over(key)
+        for key in sorted(wanted - set(self.leases)):
+            await self._try_acquire(key)
+        for key in wanted & set(self.leases):
+            dispatcher = self.worker.dispatchers.get(key)
+            sub = self.subscriptions[key]
+            if dispatcher is not None and dispatcher.sub != sub:
+                dispatcher.update(sub)
+                self.log.info("subscription updated", subscription=key)
+        await self._publish_status()
+
+    async def _try_acquire(self, key: str) -> None:
+        sent_at = time.monotonic()
+        if not await self.client.set(lease_key(key), self.me, nx=True, px=self.ttl_ms):
+            return  # the previous owner still holds it: it releases on handover, or it expires
+        lease = Lease(self.settings.lease_seconds, margin=min(2.0, self.settings.lease_seconds / 4))
+        lease.renewed(sent_at)
+        self.leases[key] = lease
+        self.worker.add(self.subscriptions[key], may_deliver=lease.valid)
+        self.log.info("subscription acquired", subscription=key)
+
+    async def _hand_over(self, key: str) -> None:
+        """Deleted, or now someone else's: drain, then release at once so the next owner starts."""
+        await self.worker.remove(key)
+        lease = self.leases.pop(key, None)
+        if lease is not None:
+            with contextlib.suppress(RedisError, OSError):
+                await self.client.eval(_RELEASE, 1, lease_key(key), self.me)
+        if key not in self.subscriptions:
+            with contextlib.suppress(RedisError, OSError):
+                await self.client.delete(status_key(key))
+        self.log.info("subscription released", subscription=key)
+
+    async def _lost(self, key: str) -> None:
+        """The lease is gone (expired while we were paused or cut off): stop at once."""
+        self.leases.pop(key, None)
+        await self.worker.remove(key, grace=0)
+        self.log.warning("lease lost; stopped delivering", subscription=key)
+
+    async def _drop_expired(self) -> None:
+        for key in [k for k, lease in self.leases.items() if not lease.valid()]:
+            await self._lost(key)
+
+    async def _publish_status(self) -> None:
+        if not self.leases:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for key in self.leases:
+            dispatcher = self.worker.dispatchers.get(key)
+            fields: dict[str, str | int] = {"owner": self.me, "updated_ms": int(time.time() * 1000)}
+            if dispatcher is not None:
+                s = dispatcher.stats
+                fields.update(state=dispatcher.state, acked=s.acked, retried=s.retried,
+                              dead_lettered=s.dead_lettered, dropped=s.dropped, unsettled=dispatcher.unsettled)
+            else:
+                fields.update(state="starting")
+            pipe.hset(status_key(key), mapping=fields)  # type: ignore[arg-type]
+            pipe.pexpire(status_key(key), self.ttl_ms * 3)
+        await pipe.execute()
+
+    async def leave(self) -> None:
+        """Clean scale-down: drain and release every lease, leave the member set, tell the others."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(self._hand_over(k) for k in list(self.leases)), return_exceptions=True)
+        with contextlib.suppress(RedisError, OSError):
+            await self.client.zrem(self.members_key, self.me)
+            await self.client.publish(self.registry.channel, b"members")

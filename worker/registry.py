@@ -1,0 +1,111 @@
+"""The live subscription registry in Redis, shared by a fleet.
+
+Layout (all under the fleet's hash tag): `pw:{fleet/<name>}:registry` hash of subscription key
+(`tenant/name`) -> JSON definition; `...:version` counter bumped on every change; changes are also
+announced on the channel `...:events`. Edits follow the platform's PATCH rules: topic, type and
+start_from are immutable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+from redis.exceptions import WatchError
+
+from worker.errors import ConfigError
+from worker.subscriptions import Subscription, is_push, parse_subscription
+
+IMMUTABLE = ("topic", "type", "start_from")
+
+
+def text_of(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def fleet_key(fleet: str, what: str) -> str:
+    return f"pw:{{fleet/{fleet}}}:{what}"
+
+
+def _defaults(data: dict[str, Any]) -> dict[str, Any]:
+    return {"type": data.get("type", "shared"), "start_from": data.get("start_from", "all"), "topic": data.get("topic")}
+
+
+class Registry:
+    """Read and write subscription definitions of one fleet."""
+
+    def __init__(self, client: aioredis.Redis, fleet: str) -> None:
+        self.client = client
+        self.fleet = fleet
+        self.hash = fleet_key(fleet, "registry")
+        self.version_key = fleet_key(fleet, "version")
+        self.channel = fleet_key(fleet, "events")
+
+    async def version(self) -> int:
+        return int(await self.client.get(self.version_key) or 0)
+
+    async def snapshot(self) -> dict[str, Subscription]:
+        """Every valid push definition; an entry that no longer validates is skipped, not fatal."""
+        raw = await self.client.hgetall(self.hash)
+        out: dict[str, Subscription] = {}
+        for value in raw.values():
+            try:
+                data = orjson.loads(value)
+                if is_push(data):
+                    sub = parse_subscription(data)
+                    out[sub.key] = sub
+            except (ConfigError, orjson.JSONDecodeError):
+                continue
+        return out
+
+    async def definitions(self) -> dict[str, dict[str, Any]]:
+        raw = await self.client.hgetall(self.hash)
+        return {text_of(k): orjson.loads(v) for k, v in raw.items()}
+
+    async def apply(self, data: Any) -> tuple[Subscription, str]:
+        """Create or edit one subscription; returns it and `created`, `updated` or `unchanged`.
+        Validates fully first, refuses immutable changes, and writes atomically."""
+        sub = parse_subscription(data)
+        where = f"subscription {sub.name!r}"
+        async with self.client.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(self.hash)
+                    current = await pipe.hget(self.hash, sub.key)
+                    if current is not None:
+                        old = orjson.loads(current)
+                        if old == data:
+                            return sub, "unchanged"
+                        for field in IMMUTABLE:
+                            if _defaults(old)[field] != _defaults(data)[field]:
+                                raise ConfigError(where, field,
+                                                  "is immutable after creation (delete and recreate to change it)")
+                    pipe.multi()  # type: ignore[no-untyped-call]
+                    pipe.hset(self.hash, sub.key, orjson.dumps(data))
+                    pipe.incr(self.version_key)
+                    pipe.publish(self.channel, b"registry")
+                    await pipe.execute()
+                    return sub, "updated" if current is not None else "created"
+                except WatchError:
+                    continue
+
+    async def delete(self, key: str) -> bool:
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.hdel(self.hash, key)
+            pipe.incr(self.version_key)
+            pipe.publish(self.channel, b"registry")
+            removed, _, _ = await pipe.execute()
+        return bool(removed)
+
+    async def resolve(self, name: str) -> str:
+        """`tenant/name` as given, or the one key whose name is `name`."""
+        if "/" in name:
+            return name
+        keys = [text_of(k) for k in await self.client.hkeys(self.hash)]
+        matches = [k for k in keys if k.split("/", 1)[1] == name]
+        if not matches:
+            raise ConfigError("registry", name, "no such subscription")
+        if len(matches) > 1:
+            raise ConfigError("registry", name, f"is ambiguous; name the project: {', '.join(sorted(matches))}")
+        return matches[0]
