@@ -27,7 +27,7 @@ ENDPOINTS_FILE = "endpoints.json"
 def write_endpoints(state_dir: Path, pulsar_url: str, redis_url: str) -> None:
     """Record where the embedded services listen, for the operator commands (no secrets: loopback)."""
     state_dir.mkdir(parents=True, exist_ok=True)
-    (state_dir / ENDPOINTS_FILE).writetext_of(json.dumps({"pulsar_url": pulsar_url, "redis_url": redis_url}))
+    (state_dir / ENDPOINTS_FILE).write_text(json.dumps({"pulsar_url": pulsar_url, "redis_url": redis_url}))
 
 
 def connection(redis_url: str | None, config: str | None) -> tuple[str, str]:
@@ -37,7 +37,7 @@ def connection(redis_url: str | None, config: str | None) -> tuple[str, str]:
     if not url:
         recorded = Path(settings.state_dir) / ENDPOINTS_FILE
         if recorded.exists():
-            url = json.loads(recorded.readtext_of())["redis_url"]
+            url = json.loads(recorded.read_text())["redis_url"]
     if not url:
         raise ConfigError("subs", "--redis-url", "is required (or --config with redis.url, or a running "
                           "embedded worker's state_dir)")
@@ -46,7 +46,7 @@ def connection(redis_url: str | None, config: str | None) -> tuple[str, str]:
 
 def _load_definitions(path: str) -> list[Any]:
     try:
-        text = Path(path).readtext_of(encoding="utf-8") if path != "-" else sys.stdin.read()
+        text = Path(path).read_text(encoding="utf-8") if path != "-" else sys.stdin.read()
     except OSError as e:
         raise ConfigError("subs apply", path, f"cannot be read ({e.strerror})") from None
     try:
