@@ -28,6 +28,11 @@ def _run_loop(main: Coroutine[Any, Any, int]) -> int:
         return asyncio.run(main)
 
 
+# Objects holding Pulsar clients stay referenced until the process exits through os._exit: their
+# C++ destructors can block at interpreter teardown.
+_KEEP_UNTIL_EXIT: list[object] = []
+
+
 async def _serve(config_path: str) -> int:
     from worker.service import Worker, check_destinations
 
@@ -35,6 +40,7 @@ async def _serve(config_path: str) -> int:
     check_destinations(settings)
     logs.configure(settings.log_format, settings.log_level)
     worker = Worker(settings)
+    _KEEP_UNTIL_EXIT.append(worker)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.request_stop)

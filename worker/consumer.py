@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import pulsar
@@ -27,10 +26,12 @@ CONSUMER_TYPES = {
 
 
 def make_client(settings: PulsarSettings, service_url: str) -> pulsar_async.Client:
-    """An asyncio Pulsar client; TLS hostnames are verified, C++ client logs go to Python logging."""
+    """An asyncio Pulsar client; TLS hostnames are verified."""
     kwargs: dict[str, Any] = {
         "operation_timeout_seconds": settings.operation_timeout_seconds,
-        "logger": logging.getLogger("pulsar"),
+        # The C++ client's own logger: a Python logger is called from client threads that need the
+        # GIL, which can deadlock the client's destructor at exit.
+        "logger": pulsar.ConsoleLogger(pulsar.LoggerLevel.Warn),
         "tls_validate_hostname": True,
         "tls_allow_insecure_connection": False,
     }

@@ -87,6 +87,7 @@ class Dispatcher:
         self.endpoint_limit = AdaptiveLimit(sub.max_ack_pending)
         self._lanes: dict[str, deque[tuple[Any, Envelope]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._active: set[str] = set()  # message ids taken and not yet settled
         self._stopping = asyncio.Event()
         self._receiver: asyncio.Task[None] | None = None
         self.log = logs.get(project=sub.tenant, subscription=sub.name)
@@ -163,6 +164,12 @@ class Dispatcher:
             self._admit(message, env)
 
     def _admit(self, message: Any, env: Envelope) -> None:
+        if env.message_id in self._active:
+            # A redelivery (e.g. after a broker reconnect) of a message already in hand: the copy in
+            # hand settles it; a second loop would send it twice at once.
+            self.window.release()
+            return
+        self._active.add(env.message_id)
         lane = lane_of(self.sub, env)
         if lane is None:
             self._spawn(self._settle_one(message, env))
@@ -185,7 +192,8 @@ class Dispatcher:
                 await self._settle_one(message, env)
         finally:
             self._lanes.pop(lane, None)
-            for _ in queue:  # released to the broker when the consumer closes
+            for _, env in queue:  # released to the broker when the consumer closes
+                self._active.discard(env.message_id)
                 self.window.release()
 
     # -- one message -------------------------------------------------------------------------
@@ -194,6 +202,7 @@ class Dispatcher:
         try:
             await self._deliver_until_settled(message, env)
         finally:
+            self._active.discard(env.message_id)
             self.window.release()
             self.m.unsettled.set(self.window.used)
 

@@ -113,7 +113,8 @@ def start_pulsar(state_dir: Path, port: int | None = None) -> Service:
     conf.write_text("[metrics]\nenabled = false\n")
     port = port or free_port()
     argv = [pulsar_lite_binary(), "--config", str(conf), "--addr", f"127.0.0.1:{port}",
-            "--db-path", str((state_dir / "pulsar-data").absolute()), "--log-level", "warn"]
+            "--db-path", str((state_dir / "pulsar-data").absolute()),
+            "--log-level", os.environ.get("PULSAR_LITE_LOG_LEVEL", "warn")]
     log_path = state_dir / "pulsar-lite.log"
     proc = _spawn(argv, state_dir, log_path)
     wait_for_port(port, proc, "pulsar-lite")

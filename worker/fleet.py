@@ -47,14 +47,28 @@ def status_key(sub_key: str) -> str:
     return f"{keys.PREFIX}:{keys.tag(sub_key)}:status"
 
 
-def owner_of(sub_key: str, members: Iterable[str]) -> str | None:
-    """Rendezvous (highest random weight) hashing: stable, balanced, minimal movement."""
-    best, best_score = None, -1
-    for member in members:
-        score = int.from_bytes(hashlib.blake2b(f"{member}\0{sub_key}".encode(), digest_size=8).digest(), "big")
-        if score > best_score:
-            best, best_score = member, score
-    return best
+def _weight(member: str, sub_key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{member}\0{sub_key}".encode(), digest_size=8).digest(), "big")
+
+
+def assign(sub_keys: Iterable[str], members: Iterable[str]) -> dict[str, str]:
+    """Rendezvous hashing with bounded loads: each subscription goes to its highest-ranked member
+    that has fewer than ceil(S/M). Every worker computes the same answer; spread is even (within
+    one); a join or leave moves about 1/N of the subscriptions."""
+    ranked_members = sorted(set(members))
+    keys_sorted = sorted(set(sub_keys))
+    if not ranked_members:
+        return {}
+    cap = -(-len(keys_sorted) // len(ranked_members))
+    load = dict.fromkeys(ranked_members, 0)
+    out: dict[str, str] = {}
+    for key in keys_sorted:
+        for member in sorted(ranked_members, key=lambda m: _weight(m, key), reverse=True):
+            if load[member] < cap:
+                out[key] = member
+                load[member] += 1
+                break
+    return out
 
 
 class Lease:
@@ -87,6 +101,8 @@ class Fleet:
         self.members: list[str] = []
         self.subscriptions: dict[str, Subscription] = dict(self.static)
         self._registry_version = -1
+        self._assignment: dict[str, str] = {}
+        self._assignment_basis: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self.log = logs.get(worker=worker.worker_id, fleet=settings.name)
@@ -150,12 +166,24 @@ class Fleet:
             self._registry_version = version
         await self._reconcile()
 
+    def _owners(self) -> dict[str, str]:
+        basis = (tuple(self.members), tuple(sorted(self.subscriptions)))
+        if basis != self._assignment_basis:
+            self._assignment = assign(self.subscriptions, self.members)
+            self._assignment_basis = basis
+        return self._assignment
+
     async def _reconcile(self) -> None:
-        wanted = {k for k in self.subscriptions if owner_of(k, self.members) == self.me}
+        owners = self._owners()
+        wanted = {k for k in self.subscriptions if owners.get(k) == self.me}
         for key in [k for k in self.leases if k not in wanted]:
             await self._hand_over(key)
         for key in sorted(wanted - set(self.leases)):
+            if self.worker.stopping:
+                break  # leaving: take on nothing new
             await self._try_acquire(key)
+        for key in self.worker.serving - set(self.leases):  # safety net: nothing runs without a lease
+            await self.worker.remove(key, grace=0)
         for key in wanted & set(self.leases):
             dispatcher = self.worker.dispatchers.get(key)
             sub = self.subscriptions[key]

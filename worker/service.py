@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import socket
 from collections.abc import Callable
@@ -14,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
-from tenacity import AsyncRetrying, wait_exponential_jitter
 
 from worker import consumer as pulsar_adapter
 from worker import embedded, logs
@@ -52,6 +52,7 @@ class Worker:
         self.log = logs.get(worker=self.worker_id)
         self.dispatchers: dict[str, Dispatcher] = {}
         self._starting: dict[str, asyncio.Task[None]] = {}
+        self._orphans: set[asyncio.Future[None]] = set()
         self._services: list[embedded.Service] = []
         self._stop = asyncio.Event()
         self._closed = False
@@ -107,25 +108,49 @@ class Worker:
 
     def add(self, sub: Subscription, may_deliver: Callable[[], bool] | None = None) -> None:
         """Start serving a subscription (subscribing retries until the broker answers)."""
-        if sub.key in self.dispatchers or sub.key in self._starting:
+        if sub.key in self.dispatchers or sub.key in self._starting or self.stopping:
             return
         task = asyncio.create_task(self._subscribe_and_run(sub, may_deliver), name=f"subscribe {sub.key}")
         self._starting[sub.key] = task
-        task.add_done_callback(lambda _: self._starting.pop(sub.key, None))
+        task.add_done_callback(functools.partial(self._forget_start, sub.key))
 
     async def _subscribe_and_run(self, sub: Subscription, may_deliver: Callable[[], bool] | None) -> None:
-        async for attempt in AsyncRetrying(wait=wait_exponential_jitter(multiplier=0.5, max=10.0)):
-            with attempt:
-                try:
-                    consumer = await pulsar_adapter.subscribe(self.pulsar, sub, self.worker_id)
-                except Exception as e:
-                    self.metrics.broker_errors.labels("subscribe").inc()
-                    self.log.warning("subscribe failed; retrying", subscription=sub.key, error=str(e))
-                    raise
+        delay = 0.5
+        while True:
+            subscribing = asyncio.ensure_future(pulsar_adapter.subscribe(self.pulsar, sub, self.worker_id))
+            try:
+                consumer = await asyncio.shield(subscribing)
+                break
+            except asyncio.CancelledError:
+                # Cancelling does not stop the subscribe inside the client: close the consumer it
+                # creates, or that orphan would take messages and never ack them.
+                subscribing.add_done_callback(self._close_orphan)
+                raise
+            except Exception as e:
+                self.metrics.broker_errors.labels("subscribe").inc()
+                self.log.warning("subscribe failed; retrying", subscription=sub.key, error=str(e), in_seconds=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
         dispatcher = Dispatcher(sub, consumer, pulsar_adapter.to_envelope, self.deliverer, self.attempts,
                                 self.dead_letters, self.metrics, may_deliver)
         self.dispatchers[sub.key] = dispatcher
         dispatcher.start()
+
+    def _forget_start(self, key: str, task: asyncio.Task[None]) -> None:
+        if self._starting.get(key) is task:  # a newer start of the same key is not ours to forget
+            del self._starting[key]
+
+    @property
+    def serving(self) -> set[str]:
+        """Keys with a dispatcher or a subscribe under way."""
+        return set(self.dispatchers) | set(self._starting)
+
+    def _close_orphan(self, subscribing: asyncio.Future[Any]) -> None:
+        if subscribing.cancelled() or subscribing.exception() is not None:
+            return
+        task = asyncio.ensure_future(subscribing.result().close())
+        self._orphans.add(task)
+        task.add_done_callback(self._orphans.discard)
 
     async def remove(self, key: str, grace: float | None = None) -> None:
         """Stop serving a subscription; its unsettled messages go back to the broker."""
@@ -138,6 +163,10 @@ class Worker:
             await dispatcher.stop(self.settings.shutdown_grace_seconds if grace is None else grace)
 
     # -- run / stop ------------------------------------------------------------------------
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
 
     def request_stop(self) -> None:
         """Signal-safe: only sets a flag; the run loop does the draining."""
@@ -172,13 +201,16 @@ class Worker:
         grace = self.settings.shutdown_grace_seconds
         keys = list(self._starting) + list(self.dispatchers)
         await asyncio.gather(*(self.remove(k, grace) for k in keys), return_exceptions=True)
+        if self._orphans:
+            await asyncio.wait(set(self._orphans), timeout=5)
         self.log.info("drained")
         with contextlib.suppress(Exception):
             await self.status.close()
         with contextlib.suppress(Exception):
             await self.dead_letters.close()
         with contextlib.suppress(Exception):
-            await self.pulsar.close()
+            # Bounded: a subscribe still pending in the C++ client can hold close() for its operation timeout.
+            await asyncio.wait_for(self.pulsar.close(), timeout=5)
         with contextlib.suppress(Exception):
             await self.pipeliner.close()
         with contextlib.suppress(Exception):

@@ -1,0 +1,113 @@
+"""Real worker processes sharing one broker and one Redis, for the fleet tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import redis as redis_sync
+import yaml
+
+from worker.embedded import free_port
+from worker.fleet import lease_key
+
+
+class WorkerProcess:
+    def __init__(self, worker_id: str, config: Path, log: Path) -> None:
+        self.id = worker_id
+        self.port = free_port()
+        env = {**os.environ, "PYTHONPATH": str(Path.cwd()), "PUSH_WORKER_ID": worker_id,
+               "PUSH_WORKER_HTTP_PORT": str(self.port)}
+        self.log = open(log, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "run", "--config", str(config)],
+                                     stdout=self.log, stderr=self.log, env=env)
+
+    def metrics(self) -> dict[str, float]:
+        """Samples of /metrics as {'name{labels}': value}."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def owned(self) -> set[str]:
+        try:
+            samples = self.metrics()
+        except OSError:
+            return set()
+        return {k for k, v in samples.items() if k.startswith("pushworker_subscription_owned{") and v == 1}
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+class FleetHarness:
+    def __init__(self, tmp: Path, broker_url: str, redis_url: str, **fleet: Any) -> None:
+        self.tmp = tmp
+        self.redis_url = redis_url
+        self.redis = redis_sync.Redis.from_url(redis_url)
+        self.config = tmp / "worker.yaml"
+        self.config.write_text(yaml.safe_dump({
+            "pulsar": {"service_url": broker_url}, "redis": {"url": redis_url},
+            "destinations": {"allow_private": True}, "shutdown_grace_seconds": 10,
+            "log": {"format": "json", "level": "info"},
+            "fleet": {"name": "test", "lease_seconds": 3, "heartbeat_seconds": 0.3, **fleet},
+        }))
+        self.workers: dict[str, WorkerProcess] = {}
+        self._n = 0
+
+    def start(self, worker_id: str | None = None) -> WorkerProcess:
+        worker_id = worker_id or f"w{self._n}"
+        self._n += 1
+        w = WorkerProcess(worker_id, self.config, self.tmp / f"{worker_id}.log")
+        self.workers[worker_id] = w
+        return w
+
+    def apply(self, definitions: list[dict[str, Any]]) -> subprocess.CompletedProcess[str]:
+        path = self.tmp / f"subs-{uuid.uuid4().hex[:8]}.yaml"
+        path.write_text(yaml.safe_dump({"subscriptions": definitions}))
+        return self.cli("subs", "apply", "-f", str(path))
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "worker.cli", *args, "--config", str(self.config)],
+                              capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+
+    def owners(self, keys: list[str]) -> dict[str, str | None]:
+        values = self.redis.mget([lease_key(k) for k in keys])
+        return {k: (v.decode() if v else None) for k, v in zip(keys, values, strict=True)}
+
+    def close(self) -> None:
+        for w in self.workers.values():
+            if w.proc.poll() is None:
+                w.proc.send_signal(signal.SIGCONT)
+            w.stop()
+        self.redis.close()
+
+
+def push_sub(name: str, topic: str, url: str, **extra: Any) -> dict[str, Any]:
+    d: dict[str, Any] = {"name": name, "topic": topic, "ack_deadline_seconds": 5, "max_deliver": 1000,
+                         "retry": {"min_backoff_seconds": 0.2, "max_backoff_seconds": 0.5},
+                         "deliver": {"mode": "push", "push": {"url": url}}}
+    d.update(extra)
+    return d

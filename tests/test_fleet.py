@@ -1,0 +1,212 @@
+"""The fleet with several real worker processes, a real broker, Redis and endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import signal
+import threading
+import time
+import uuid
+
+import pytest
+from aiohttp import web
+
+from tests.conftest import Client, Endpoint, eventually, wait_sync
+from tests.fleet_harness import FleetHarness, push_sub
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def fleet(tmp_path, broker, redis_url):
+    h = FleetHarness(tmp_path, broker.url, redis_url)
+    yield h
+    h.close()
+
+
+def topics(n: int) -> list[str]:
+    base = uuid.uuid4().hex[:8]
+    return [f"persistent://p-fleet/main/{base}-{i}" for i in range(n)]
+
+
+def settled_ownership(fleet: FleetHarness, workers, keys: list[str], per_worker: int) -> None:
+    """Wait until leases and every worker's own metrics agree, and stay so for a second.
+
+    (pulsar-lite leaks a consumer whose connection dies in the same moment it subscribed; killing
+    a worker in the middle of a handover would hit that broker bug rather than test the fleet.)"""
+    def agree() -> bool:
+        owners = fleet.owners(keys)
+        return all(len(w.owned()) == per_worker and sum(o == w.id for o in owners.values()) == per_worker
+                   for w in workers)
+
+    wait_sync(agree, 30, "ownership settled")
+    time.sleep(1.0)
+    wait_sync(agree, 5, "ownership still settled")
+
+
+def delivered(endpoint: Endpoint) -> dict[str, set[str]]:
+    """Per subscription name, the message ids the endpoint acked."""
+    out: dict[str, set[str]] = collections.defaultdict(set)
+    for r in endpoint.requests:
+        if r.acked:
+            out[r.headers["Pubsub-Subscription"]].add(r.headers["Pubsub-Message-Id"])
+    return out
+
+
+async def test_three_workers_share_thirty_subscriptions_evenly(fleet: FleetHarness, endpoint: Endpoint):
+    subs = [push_sub(f"s{i:02d}", t, endpoint.url) for i, t in enumerate(topics(30))]
+    result = fleet.apply(subs)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("created") == 30
+    workers = [fleet.start() for _ in range(3)]
+    started = time.monotonic()
+    keys = [f"p-fleet/s{i:02d}" for i in range(30)]
+
+    def converged() -> bool:
+        owned = [w.owned() for w in workers]
+        return (sum(len(o) for o in owned) == 30 and all(len(o) for o in owned)
+                and all(v for v in fleet.owners(keys).values()))
+
+    await asyncio.to_thread(wait_sync, converged, 30, "30 subscriptions spread over 3 workers")
+    owned = [w.owned() for w in workers]
+    assert set.union(*owned) == {f'pushworker_subscription_owned{{project="p-fleet",subscription="s{i:02d}"}}'
+                                 for i in range(30)}
+    assert sum(len(o) for o in owned) == 30  # each owned by exactly one worker
+    assert all(8 <= len(o) <= 12 for o in owned), [len(o) for o in owned]
+    assert collections.Counter(fleet.owners(keys).values()) == {w.id: len(o) for w, o in zip(workers, owned,
+                                                                                            strict=True)}
+    assert all(w.metrics()["pushworker_fleet_size"] == 3 for w in workers)
+    print(f"\nconverged in {time.monotonic() - started:.1f}s: {[len(o) for o in owned]}")
+    listing = json.loads(fleet.cli("subs", "list", "--json").stdout)
+    assert len(listing) == 30 and all(row["owner"] in {"w0", "w1", "w2"} for row in listing)
+
+
+async def test_kill_9_under_load_reowns_within_target_and_loses_nothing(
+        tmp_path, own_broker, redis_url, endpoint: Endpoint):
+    fleet = FleetHarness(tmp_path, own_broker.url, redis_url)
+    client = Client(own_broker.url)
+    try:
+        await _kill_9_scenario(fleet, own_broker, endpoint, client)
+    finally:
+        client.close()
+        fleet.close()
+
+
+async def _kill_9_scenario(fleet: FleetHarness, broker, endpoint: Endpoint, client: Client) -> None:
+    endpoint.behaviour = lambda rec: web.Response(
+        status=500 if rec.headers["Pubsub-Subscription"] == "doomed" else 204)
+    names = [f"k{i}" for i in range(5)] + ["doomed"]
+    ts = topics(len(names))
+    fleet.apply([push_sub(n, t, endpoint.url) for n, t in zip(names, ts, strict=True)])
+    workers = [fleet.start() for _ in range(3)]
+    keys = [f"p-fleet/{n}" for n in names]
+    await asyncio.to_thread(settled_ownership, fleet, workers, keys, 2)
+    before = {t: client.publish(t, [b"before-%d" % i for i in range(20)]) for t in ts}
+    await eventually(lambda: sum(len(v) for v in delivered(endpoint).values()) >= 50, timeout=30,
+                     what="deliveries under way")
+    victim = next(w for w in workers if fleet.owners(keys)["p-fleet/doomed"] != w.id)
+    victim_keys = {k for k, o in fleet.owners(keys).items() if o == victim.id}
+    victim.signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    after = {t: client.publish(t, [b"after-%d" % i for i in range(20)]) for t in ts}
+    survivors = {w.id for w in workers if w is not victim}
+    await asyncio.to_thread(wait_sync, lambda: all(fleet.owners(keys)[k] in survivors for k in keys), 30,
+                            "re-owned by survivors")
+    reowned_after = time.monotonic() - killed_at
+    assert reowned_after <= 10.0, reowned_after  # lease 3 s: takeover well within the 10 s target
+    assert victim_keys  # the victim did own something
+    expected = {n: set(before[t]) | set(after[t]) for n, t in zip(names, ts, strict=True) if n != "doomed"}
+    def all_delivered() -> bool:
+        return all(expected[n] <= delivered(endpoint)[n] for n in expected)
+
+    try:
+        await eventually(all_delivered, timeout=10, what="every message delivered to every subscription")
+    except AssertionError:
+        # pulsar-lite keeps the killed worker's Shared consumers after their connection closed and
+        # goes on dispatching to them; the messages stay unacked on the broker. Apache Pulsar removes
+        # a dead connection's consumers. A broker restart clears them: nothing may be missing then.
+        print("\npulsar-lite kept the dead worker's consumers; restarting the broker")
+        await asyncio.to_thread(broker.restart)
+        await eventually(all_delivered, timeout=60, what="every message delivered after the broker restart")
+    # Attempt counts continue across the move: numbering of the always-failing subscription never goes back.
+    doomed = collections.defaultdict(list)
+    for r in endpoint.requests:
+        if r.headers["Pubsub-Subscription"] == "doomed":
+            doomed[r.headers["Pubsub-Message-Id"]].append(int(r.headers["Pubsub-Delivery-Attempt"]))
+    assert doomed and all(n == sorted(set(n)) for n in doomed.values())
+
+
+async def test_paused_worker_delivers_nothing_for_subscriptions_it_lost(
+        fleet: FleetHarness, endpoint: Endpoint, client: Client):
+    names = [f"p{i}" for i in range(4)]
+    ts = topics(4)
+    fleet.apply([push_sub(n, t, endpoint.url) for n, t in zip(names, ts, strict=True)])
+    a, b = fleet.start(), fleet.start()
+    keys = [f"p-fleet/{n}" for n in names]
+    await asyncio.to_thread(settled_ownership, fleet, [a, b], keys, 2)
+    for t in ts:
+        client.publish(t, [b"warm"])
+    await eventually(lambda: len(endpoint.requests) >= 4, what="warm-up deliveries")
+    a_keys = [k for k, o in fleet.owners(keys).items() if o == a.id]
+    a_counts = a.metrics()
+    a.signal(signal.SIGSTOP)
+    paused_at = time.monotonic()
+    await asyncio.to_thread(wait_sync, lambda: all(o == b.id for o in fleet.owners(keys).values()), 20,
+                            "b owns everything")
+    assert time.monotonic() - paused_at > 2.5  # only after a's lease expired (3 s, renewed every 0.3 s)
+    during = {t: client.publish(t, [b"during-%d" % i for i in range(5)]) for t in ts}
+    a.signal(signal.SIGCONT)
+    after = {t: client.publish(t, [b"after-%d" % i for i in range(5)]) for t in ts}
+    want = {n: set(during[t]) | set(after[t]) for n, t in zip(names, ts, strict=True)}
+    await eventually(lambda: all(want[n] <= delivered(endpoint)[n] for n in names), timeout=60,
+                     what="all delivered (by b)")
+    await asyncio.to_thread(wait_sync, lambda: not a.owned() or len(a.owned()) < 2, 20, "a gave up its leases")
+    # a delivered nothing for the subscriptions it lost, after it resumed.
+    a_now = a.metrics()
+    for key in a_keys:
+        labels = f'project="p-fleet",subscription="{key.split("/")[1]}"'
+        sent_then = sum(v for k, v in a_counts.items() if k.startswith("pushworker_deliveries_total{") and labels in k)
+        sent_now = sum(v for k, v in a_now.items() if k.startswith("pushworker_deliveries_total{") and labels in k)
+        assert sent_now == sent_then, (key, sent_then, sent_now)
+
+
+async def test_rolling_restart_under_load_loses_nothing(fleet: FleetHarness, endpoint: Endpoint, client: Client):
+    names = [f"r{i}" for i in range(6)]
+    ts = topics(6)
+    fleet.apply([push_sub(n, t, endpoint.url) for n, t in zip(names, ts, strict=True)])
+    workers = [fleet.start() for _ in range(3)]
+    keys = [f"p-fleet/{n}" for n in names]
+    await asyncio.to_thread(settled_ownership, fleet, workers, keys, 2)
+    published: dict[str, list[str]] = collections.defaultdict(list)
+    stop = threading.Event()
+
+    def publish_steadily() -> None:
+        i = 0
+        while not stop.is_set():
+            for n, t in zip(names, ts, strict=True):
+                published[n] += client.publish(t, [b"m-%d" % i])
+            i += 1
+            time.sleep(0.02)
+
+    publisher = threading.Thread(target=publish_steadily)
+    publisher.start()
+    try:
+        for old in list(workers):
+            assert await asyncio.to_thread(old.stop) == 0  # SIGTERM: drains and hands over
+            workers.append(fleet.start())
+            live = {w.id for w in workers if w.proc.poll() is None}
+            await asyncio.to_thread(wait_sync, lambda live=live: all(o in live for o in fleet.owners(keys).values()),
+                                    30, "handed over")
+    finally:
+        stop.set()
+        publisher.join()
+    total = sum(len(v) for v in published.values())
+    await eventually(lambda: all(set(published[n]) <= delivered(endpoint)[n] for n in names), timeout=60,
+                     what="every published message delivered")
+    acks = collections.Counter((r.headers["Pubsub-Subscription"], r.headers["Pubsub-Message-Id"])
+                               for r in endpoint.requests if r.acked)
+    duplicates = sum(c - 1 for c in acks.values())
+    print(f"\nrolling restart: {total} messages x subscriptions, lost 0, duplicates {duplicates} "
+          f"({100 * duplicates / total:.2f}%)")
