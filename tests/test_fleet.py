@@ -210,3 +210,85 @@ async def test_rolling_restart_under_load_loses_nothing(fleet: FleetHarness, end
     duplicates = sum(c - 1 for c in acks.values())
     print(f"\nrolling restart: {total} messages x subscriptions, lost 0, duplicates {duplicates} "
           f"({100 * duplicates / total:.2f}%)")
+
+
+async def test_live_edits_take_effect_immutable_edits_refused_delete_stops(
+        fleet: FleetHarness, endpoint: Endpoint, client: Client, broker, redis_url, tmp_path):
+    second = Endpoint()
+    from aiohttp import web as aioweb
+
+    async def handle(request):
+        second.requests.append(request.headers.get("Pubsub-Message-Id"))  # type: ignore[arg-type]
+        return aioweb.Response(status=204)
+
+    app = aioweb.Application()
+    app.router.add_post("/other", handle)
+    runner = aioweb.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = aioweb.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    other_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/other"
+
+    [t] = topics(1)
+    definition = push_sub("edit-me", t, endpoint.url, ack_deadline_seconds=1, max_deliver=1000,
+                          dead_letter={"topic": t + "-dlq"})
+    assert fleet.apply([definition]).returncode == 0
+    w = fleet.start()
+    await asyncio.to_thread(wait_sync, lambda: len(w.owned()) == 1, 30, "owned")
+
+    async def slow(rec):
+        await asyncio.sleep(2)
+        return web.Response(status=204)
+
+    # Ack deadline: a 2 s endpoint times out under a 1 s deadline, and is acked once it is 5 s.
+    endpoint.behaviour = slow
+    [mid] = client.publish(t, [b"slow"])
+    await eventually(lambda: len(endpoint.by_id().get(mid, [])) >= 2, what="timeouts under 1 s deadline")
+    definition["ack_deadline_seconds"] = 5
+    edited = time.monotonic()
+    assert "updated" in fleet.apply([definition]).stdout
+    await eventually(lambda: any(r.acked for r in endpoint.by_id()[mid]), timeout=15, what="acked under 5 s")
+    assert time.monotonic() - edited < 2 + 2 + 2  # within the 2 s propagation target, plus one retry and the 2 s answer
+
+    # Push URL: the next delivery goes to the new endpoint.
+    definition["deliver"]["push"]["url"] = other_url
+    fleet.apply([definition])
+    await asyncio.sleep(2.0)  # the documented propagation bound
+    [mid2] = client.publish(t, [b"to-the-other"])
+    await eventually(lambda: mid2 in second.requests, timeout=10, what="delivered to the new URL")
+    assert mid2 not in endpoint.by_id()
+
+    # max_deliver: lowered to 2, a failing message is dead-lettered after its second attempt.
+    definition["deliver"]["push"]["url"] = endpoint.url
+    definition["max_deliver"] = 2
+    definition["dead_letter"]["after_attempts"] = 2
+    endpoint.behaviour = lambda rec: web.Response(status=500)
+    watcher = client.watch(t + "-dlq")
+    fleet.apply([definition])
+    await asyncio.sleep(2.0)
+    [mid3] = client.publish(t, [b"fails"])
+    [dead] = await asyncio.to_thread(Client.drain, watcher, 1)
+    assert dead.properties()["pubsub.delivery_attempts"] == "2"
+    assert len(endpoint.by_id()[mid3]) == 2
+
+    # Immutable fields are refused with a clear error, and nothing changes.
+    for field, value in (("type", "exclusive"), ("start_from", "new"), ("topic", t + "-other")):
+        bad = json.loads(json.dumps(definition))
+        bad[field] = value
+        result = fleet.apply([bad])
+        assert result.returncode == 2, result.stdout
+        assert f"subscription 'edit-me': {field}: is immutable" in result.stderr
+    got = json.loads(fleet.cli("subs", "get", "edit-me", "--json").stdout)
+    assert got["definition"].get("type", "shared") == "shared" and got["status"]["owner"] == w.id
+
+    # Delete stops delivery promptly.
+    endpoint.behaviour = None
+    result = fleet.cli("subs", "delete", "edit-me")
+    assert result.returncode == 0 and "deleted" in result.stdout
+    await asyncio.to_thread(wait_sync, lambda: not w.owned(), 5, "no longer served")
+    before = len(endpoint.requests)
+    client.publish(t, [b"after-delete"])
+    await asyncio.sleep(2.0)  # nothing may arrive; a (wrong) delivery would within this time
+    assert len(endpoint.requests) == before
+    assert fleet.cli("subs", "get", "edit-me").returncode == 2
+    await runner.cleanup()
