@@ -3,6 +3,7 @@
 Environment variables (they win over the file, so secrets need not live in it):
   PUSH_WORKER_PULSAR_URL     pulsar.service_url
   PUSH_WORKER_PULSAR_TOKEN   pulsar auth token (never read from the file)
+  PUSH_WORKER_PULSAR_ADMIN_URL  pulsar.admin_url
   PUSH_WORKER_REDIS_URL      redis.url (may carry a password; it is never logged)
   PUSH_WORKER_STATE_DIR      state_dir
   PUSH_WORKER_HTTP_PORT      http.port
@@ -33,6 +34,9 @@ class PulsarSettings:
     tls_trust_certs_file: str | None = None
     auth_token: str | None = field(default=None, repr=False)
     operation_timeout_seconds: int = 30
+    admin_url: str | None = None  # Pulsar admin REST API, for backlog (topic stats msgBacklog)
+    metrics_url: str | None = None  # or the broker's Prometheus endpoint (pulsar_subscription_back_log)
+    backlog_interval_seconds: float = 15.0
 
 
 @dataclass(frozen=True)
@@ -102,13 +106,17 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
                       "shutdown_grace_seconds", "log", "fleet"})
 
     p = r.sub("pulsar")
-    p.reject_unknown({"service_url", "tls_trust_certs_file", "operation_timeout_seconds"})
+    p.reject_unknown({"service_url", "tls_trust_certs_file", "operation_timeout_seconds", "admin_url",
+                      "metrics_url", "backlog_interval_seconds"})
     pulsar_url = env.get("PUSH_WORKER_PULSAR_URL") or _url(p, "service_url", ("pulsar", "pulsar+ssl"))
     pulsar = PulsarSettings(
         service_url=pulsar_url,
         tls_trust_certs_file=p.text("tls_trust_certs_file") if p.has("tls_trust_certs_file") else None,
         auth_token=env.get("PUSH_WORKER_PULSAR_TOKEN") or None,
         operation_timeout_seconds=p.integer("operation_timeout_seconds", 30, 1, 600),
+        admin_url=env.get("PUSH_WORKER_PULSAR_ADMIN_URL") or _url(p, "admin_url", ("http", "https")),
+        metrics_url=_url(p, "metrics_url", ("http", "https")),
+        backlog_interval_seconds=p.number("backlog_interval_seconds", 15.0, 1.0, 3600.0),
     )
 
     rd = r.sub("redis")

@@ -74,6 +74,7 @@ class Service:
     argv: list[str] = field(default_factory=list)
     cwd: Path | None = None
     log_path: Path | None = None
+    metrics_url: str | None = None
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc.poll() is None:
@@ -107,10 +108,11 @@ def _spawn(argv: list[str], cwd: Path | None, log_path: Path | None) -> subproce
 
 
 def start_pulsar(state_dir: Path, port: int | None = None) -> Service:
-    """pulsar-lite with its metrics listener off (it would bind 0.0.0.0:8080)."""
+    """pulsar-lite; its metrics listener on a free loopback port (its default is 0.0.0.0:8080)."""
     state_dir.mkdir(parents=True, exist_ok=True)
     conf = state_dir / "pulsar-lite.toml"
-    conf.write_text("[metrics]\nenabled = false\n")
+    metrics_port = free_port()
+    conf.write_text(f'[metrics]\nenabled = true\naddr = "127.0.0.1:{metrics_port}"\n')
     port = port or free_port()
     argv = [pulsar_lite_binary(), "--config", str(conf), "--addr", f"127.0.0.1:{port}",
             "--db-path", str((state_dir / "pulsar-data").absolute()),
@@ -118,7 +120,9 @@ def start_pulsar(state_dir: Path, port: int | None = None) -> Service:
     log_path = state_dir / "pulsar-lite.log"
     proc = _spawn(argv, state_dir, log_path)
     wait_for_port(port, proc, "pulsar-lite")
-    return Service("pulsar-lite", proc, port, f"pulsar://127.0.0.1:{port}", argv, state_dir, log_path)
+    service = Service("pulsar-lite", proc, port, f"pulsar://127.0.0.1:{port}", argv, state_dir, log_path)
+    service.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    return service
 
 
 def start_redis(state_dir: Path, port: int | None = None) -> Service:

@@ -45,6 +45,8 @@ class Metrics:
                                      ("operation",), registry=r)
         self.endpoint_window = Gauge("pushworker_endpoint_concurrency_window",
                                      "Adaptive concurrency window of the subscription's endpoint", SUB, registry=r)
+        self.backlog = Gauge("pushworker_subscription_backlog", "Messages the broker holds for the subscription "
+                             "(msgBacklog), reported by its owner", SUB, registry=r)
         self.fleet_size = Gauge("pushworker_fleet_size", "Live workers this worker sees in its fleet", registry=r)
         self.owned = Gauge("pushworker_subscription_owned", "1 for each subscription this worker serves",
                            SUB, registry=r)
@@ -58,7 +60,8 @@ class Metrics:
 
     def forget(self, project: str, subscription: str) -> None:
         """Drop a subscription's series when this worker no longer serves it."""
-        for metric in (self.in_flight, self.held_for_retry, self.unsettled, self.owned, self.endpoint_window):
+        for metric in (self.in_flight, self.held_for_retry, self.unsettled, self.owned, self.endpoint_window,
+                       self.backlog):
             with contextlib.suppress(KeyError):
                 metric.remove(project, subscription)
 

@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from worker import consumer as pulsar_adapter
 from worker import embedded, logs
 from worker.attempts import AttemptStore, Pipeliner
+from worker.backlog import BacklogReader
 from worker.config import Settings
 from worker.deadletter import DeadLetterPublisher
 from worker.delivery import Deliverer, make_session
@@ -61,6 +62,7 @@ class Worker:
         self.pulsar_url = ""
         self.redis_url = ""
         self.fleet: Fleet | None = None
+        self._backlog_task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Worker:
         await self.start()
@@ -76,10 +78,12 @@ class Worker:
         state_dir = Path(s.state_dir)
         self.pulsar_url = s.pulsar.service_url or ""
         self.redis_url = s.redis.url or ""
+        metrics_url = s.pulsar.metrics_url
         if not self.pulsar_url:
             service = await asyncio.to_thread(embedded.start_pulsar, state_dir)
             self._services.append(service)
             self.pulsar_url = service.url
+            metrics_url = metrics_url or service.metrics_url
             self.log.info("embedded broker started", url=service.url, state_dir=str(state_dir))
         if not self.redis_url:
             service = await asyncio.to_thread(embedded.start_redis, state_dir)
@@ -99,10 +103,13 @@ class Worker:
         self.session = make_session(s.destinations.allow_private)
         self.deliverer = Deliverer(self.session, s.destinations.allow_private)
         self.dead_letters = DeadLetterPublisher(self.pulsar)
+        self.backlog = BacklogReader(self.session, s.pulsar.admin_url, metrics_url)
         self.status = StatusServer(s.http.host, s.http.port, self.metrics, self.readiness)
         await self.status.start()
         self.fleet = Fleet(self, self.redis, s.fleet, s.subscriptions)
         await self.fleet.start()
+        if self.backlog.enabled:
+            self._backlog_task = asyncio.create_task(self._report_backlog(), name="backlog")
         self.log.info("worker started", fleet=s.fleet.name, members=len(self.fleet.members),
                       owned=len(self.fleet.leases), http_port=self.status.port)
 
@@ -152,6 +159,19 @@ class Worker:
         self._orphans.add(task)
         task.add_done_callback(self._orphans.discard)
 
+    async def _report_backlog(self) -> None:
+        while True:
+            try:
+                owned = [d.sub for d in self.dispatchers.values()]
+                for key, value in (await self.backlog.read(owned)).items():
+                    dispatcher = self.dispatchers.get(key)
+                    if dispatcher is not None:
+                        self.metrics.backlog.labels(dispatcher.sub.tenant, dispatcher.sub.name).set(value)
+            except Exception as e:  # the backlog is a report: its failure never stops delivery
+                self.metrics.broker_errors.labels("backlog").inc()
+                self.log.warning("backlog read failed", error=type(e).__name__)
+            await asyncio.sleep(self.settings.pulsar.backlog_interval_seconds)
+
     async def remove(self, key: str, grace: float | None = None) -> None:
         """Stop serving a subscription; its unsettled messages go back to the broker."""
         starting = self._starting.pop(key, None)
@@ -195,6 +215,8 @@ class Worker:
             return
         self._closed = True
         self._stop.set()
+        if self._backlog_task is not None:
+            self._backlog_task.cancel()
         if self.fleet is not None:
             with contextlib.suppress(Exception):
                 await self.fleet.leave()  # drains and releases leases so others take over at once

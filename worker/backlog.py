@@ -1,0 +1,89 @@
+"""The broker's backlog per owned subscription, for `pushworker_subscription_backlog`.
+
+Two sources, whichever is configured: the Pulsar admin REST API (topic stats, `msgBacklog`) via
+`pulsar.admin_url`, or the broker's Prometheus endpoint (`pulsar_subscription_back_log`) via
+`pulsar.metrics_url`. Apache Pulsar labels the full topic name; pulsar-lite the short one: both match.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from urllib.parse import quote
+
+import aiohttp
+
+from worker.subscriptions import Subscription, topic_parts
+
+_SAMPLE = re.compile(r'^pulsar_subscription_back_log\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)')
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+BODY_CAP = 32 * 1024 * 1024
+
+
+def parse_backlog_metrics(text: str) -> dict[tuple[str, str], float]:
+    """{(topic label, subscription label): backlog} from a Prometheus text exposition."""
+    out: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        labels = dict(_LABEL.findall(m.group("labels")))
+        key = (labels.get("topic", ""), labels.get("subscription", ""))
+        out[key] = out.get(key, 0.0) + float(m.group("value"))
+    return out
+
+
+def _topic_matches(label: str, topic: str) -> bool:
+    if label == topic:
+        return True
+    short = topic_parts(topic)[3]
+    # a partition of the topic, in full or short form
+    return label == short or label.startswith(topic + "-partition-") or label.startswith(short + "-partition-")
+
+
+class BacklogReader:
+    """Reads backlogs; `read()` returns {subscription key: messages} for what it could read."""
+
+    def __init__(self, session: aiohttp.ClientSession, admin_url: str | None, metrics_url: str | None) -> None:
+        self.session = session
+        self.admin_url = admin_url.rstrip("/") if admin_url else None
+        self.metrics_url = metrics_url
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.admin_url or self.metrics_url)
+
+    async def read(self, subs: Iterable[Subscription]) -> dict[str, float]:
+        subs = list(subs)
+        if self.admin_url:
+            return {s.key: v for s in subs if (v := await self._from_admin(s)) is not None}
+        if self.metrics_url:
+            samples = parse_backlog_metrics(await self._get_text(self.metrics_url))
+            out: dict[str, float] = {}
+            for s in subs:
+                values = [v for (t, name), v in samples.items() if name == s.pulsar_subscription
+                          and _topic_matches(t, s.topic)]
+                if values:
+                    out[s.key] = sum(values)
+            return out
+        return {}
+
+    async def _get_text(self, url: str) -> str:
+        timeout = aiohttp.ClientTimeout(total=10)
+        async with self.session.get(url, timeout=timeout, allow_redirects=False) as response:
+            response.raise_for_status()
+            return (await response.content.read(BODY_CAP)).decode("utf-8", "replace")
+
+    async def _from_admin(self, sub: Subscription) -> float | None:
+        domain, tenant, namespace, name = topic_parts(sub.topic)
+        base = f"{self.admin_url}/admin/v2/{domain}/{quote(tenant)}/{quote(namespace)}/{quote(name)}"
+        timeout = aiohttp.ClientTimeout(total=10)
+        for path in ("stats", "partitioned-stats"):
+            async with self.session.get(f"{base}/{path}", timeout=timeout, allow_redirects=False) as response:
+                if response.status != 200:
+                    continue
+                stats = await response.json(content_type=None)
+            entry = (stats.get("subscriptions") or {}).get(sub.pulsar_subscription)
+            if entry is not None:
+                return float(entry.get("msgBacklog", 0))
+        return None
