@@ -1,0 +1,137 @@
+"""Dashboards and alert rules against a real Prometheus scraping a real worker with traffic."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from aiohttp import web
+
+from tests.conftest import Client, make_sub
+from worker.config import PulsarSettings
+from worker.embedded import free_port, wait_for_port
+from worker.subscriptions import RetryPolicy
+
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARDS = sorted((ROOT / "grafana" / "dashboards").glob("*.json"))
+RULES = ROOT / "grafana" / "alerts" / "push-worker.rules.yaml"
+
+needs_prometheus = pytest.mark.skipif(not shutil.which("prometheus") and not os.environ.get("CI"),
+                                      reason="prometheus not installed (CI installs Debian's package)")
+
+
+def panel_queries() -> list[tuple[str, str, str]]:
+    out = []
+    for path in DASHBOARDS:
+        board = json.loads(path.read_text())
+        for panel in board["panels"]:
+            for target in panel["targets"]:
+                out.append((path.name, panel["title"], target["expr"]))
+    return out
+
+
+def alert_rules() -> list[dict]:
+    return [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
+
+
+def test_dashboards_are_well_formed_and_generated_from_their_source():
+    assert len(DASHBOARDS) == 2
+    generated = subprocess.run(["python", str(ROOT / "grafana" / "build_dashboards.py")], capture_output=True,
+                               text=True, cwd=ROOT, check=True)
+    assert "wrote" in generated.stdout
+    for path in DASHBOARDS:
+        board = json.loads(path.read_text())
+        assert board["uid"] and board["panels"]
+        ids = [p["id"] for p in board["panels"]]
+        assert len(ids) == len(set(ids))
+    sub = json.loads((ROOT / "grafana/dashboards/push-worker-subscription.json").read_text())
+    assert any(v["name"] == "subscription" for v in sub["templating"]["list"])
+    assert all("$subscription" in t["expr"] for p in sub["panels"] for t in p["targets"])
+
+
+@needs_prometheus
+def test_promtool_accepts_the_rules():
+    result = subprocess.run(["promtool", "check", "rules", str(RULES)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS: 5 rules found" in result.stdout
+
+
+@needs_prometheus
+async def test_every_panel_query_and_alert_returns_series_against_a_scraped_worker(
+        broker, start_worker, endpoint, client: Client, topic, tmp_path):
+    endpoint.behaviour = lambda rec: web.Response(
+        status=500 if rec.headers["Pubsub-Subscription"].startswith("failing") else 204)
+    good = make_sub(topic, endpoint.url, name="healthy-" + topic[-6:])
+    bad = make_sub(topic + "-b", endpoint.url, name="failing-" + topic[-6:], max_deliver=2,
+                   dead_letter_topic=topic + "-b-dlq", retry=RetryPolicy(0.05, 0.1))
+    w = await start_worker(good, bad, pulsar=PulsarSettings(service_url=broker.url, metrics_url=broker.metrics_url,
+                                                            backlog_interval_seconds=1))
+    prom_port = free_port()
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(RULES)],
+        "scrape_configs": [{"job_name": "push-worker",
+                            "static_configs": [{"targets": [f"127.0.0.1:{w.status.port}"]}]}],
+    }))
+    prom = subprocess.Popen(["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "wb"))  # noqa: SIM115
+    try:
+        await asyncio.to_thread(wait_for_port, prom_port, prom, "prometheus", 30)
+
+        def query(expr: str) -> dict:
+            url = f"http://127.0.0.1:{prom_port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+            try:
+                with urllib.request.urlopen(url, timeout=10) as r:
+                    return json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                return json.loads(e.read())
+
+        def enough_data() -> bool:
+            history = query("pushworker_delivery_duration_seconds_count[20s]")["data"]["result"]
+            return bool(query("sum(pushworker_messages_dead_lettered_total)")["data"]["result"]
+                        and query("sum(pushworker_subscription_backlog)")["data"]["result"]
+                        and history and len(history[0]["values"]) >= 5)
+
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline and not enough_data():  # traffic while Prometheus scrapes
+            client.publish(good.topic, [b"ok"] * 20)
+            client.publish(bad.topic, [b"no"] * 5)
+            await asyncio.sleep(1.0)
+
+        failures = []
+        for board, title, expr in panel_queries():
+            concrete = expr.replace("$__rate_interval", "15s").replace("$subscription", ".*")
+            answer = query(concrete)
+            if answer.get("status") != "success":
+                failures.append(f"{board} / {title}: does not evaluate: {answer.get('error')}")
+            elif not answer["data"]["result"]:
+                failures.append(f"{board} / {title}: no series for {concrete}")
+        for rule in alert_rules():
+            answer = query(rule["expr"])
+            if answer.get("status") != "success":
+                failures.append(f"alert {rule['alert']}: does not evaluate: {answer.get('error')}")
+                continue
+            # Every metric an alert reads must exist, so the alert can fire when its condition holds.
+            for metric in set(re.findall(r"\b(pushworker_\w+|up)\b(?=[{\[\s)])", rule["expr"])):
+                if not query(metric)["data"]["result"]:
+                    failures.append(f"alert {rule['alert']}: no series for {metric}")
+        # The conditions that do hold in this traffic fire: dead-lettering and a failing endpoint.
+        for name in ("PushWorkerDeadLettering", "PushWorkerEndpointFailing"):
+            expr = next(r["expr"] for r in alert_rules() if r["alert"] == name)
+            if not query(expr)["data"]["result"]:
+                failures.append(f"alert {name}: its condition holds but the expression returns nothing")
+        assert not failures, "\n".join(failures)
+    finally:
+        prom.terminate()
+        prom.wait(20)
