@@ -17,7 +17,7 @@ import pytest
 import yaml
 from aiohttp import web
 
-from tests.conftest import Client, make_sub
+from tests.conftest import Client, make_sub, wait_sync
 from worker.config import PulsarSettings
 from worker.embedded import free_port, wait_for_port
 from worker.subscriptions import RetryPolicy
@@ -88,6 +88,15 @@ async def test_every_panel_query_and_alert_returns_series_against_a_scraped_work
                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "wb"))  # noqa: SIM115
     try:
         await asyncio.to_thread(wait_for_port, prom_port, prom, "prometheus", 30)
+
+        def prometheus_ready() -> bool:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{prom_port}/-/ready", timeout=2) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+
+        await asyncio.to_thread(wait_sync, prometheus_ready, 30, "prometheus ready")
 
         def query(expr: str) -> dict:
             url = f"http://127.0.0.1:{prom_port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
