@@ -1,0 +1,116 @@
+"""deploy/ offline: kustomize renders, objects validate against the Kubernetes schemas, and the
+pieces refer to each other correctly (HPA -> Deployment, metric names, ports, grace period)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from worker.config import parse_settings
+from worker.metrics import Metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+needs_kubectl = pytest.mark.skipif(not shutil.which("kubectl") and not os.environ.get("CI"),
+                                   reason="kubectl not installed (CI installs Debian's package)")
+CRDS = {"ServiceMonitor", "ScaledObject"}
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, dict]:
+    out = subprocess.run(["kubectl", "kustomize", str(DEPLOY / "overlays" / "example")], capture_output=True,
+                         text=True, check=True).stdout
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    return {d["kind"]: d for d in docs}
+
+
+def exported_metric_names() -> set[str]:
+    names = set()
+    for metric in Metrics().registry.collect():
+        names.add(metric.name)
+        names.update(s.name for s in metric.samples)
+    return names
+
+
+@needs_kubectl
+def test_every_object_validates(rendered):
+    assert {"Namespace", "ServiceAccount", "ConfigMap", "Service", "Deployment", "PodDisruptionBudget",
+            "HorizontalPodAutoscaler", "ServiceMonitor"} <= set(rendered)
+    for kind, obj in rendered.items():
+        if kind not in CRDS:
+            kubernetes_validate.validate(obj, "1.30", strict=True)
+        assert kind == "Namespace" or obj["metadata"]["namespace"] == "pubsub"
+    keda = yaml.safe_load((DEPLOY / "keda" / "scaledobject.yaml").read_text())
+    assert keda["apiVersion"] == "keda.sh/v1alpha1" and keda["spec"]["triggers"][0]["type"] == "prometheus"
+    sm = rendered["ServiceMonitor"]
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1" and sm["spec"]["endpoints"][0]["path"] == "/metrics"
+
+
+@needs_kubectl
+def test_cross_references(rendered):
+    deployment, hpa = rendered["Deployment"], rendered["HorizontalPodAutoscaler"]
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("Deployment", deployment["metadata"]["name"])
+    assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 300
+
+    # The HPA's metric is what the adapter rule serves, and the adapter reads a metric the worker exports.
+    adapter = yaml.safe_load((DEPLOY / "prometheus-adapter" / "rules.yaml").read_text())
+    [rule] = adapter["externalRules"]
+    assert hpa["spec"]["metrics"][0]["external"]["metric"]["name"] == rule["name"]["as"]
+    exported = exported_metric_names()
+    assert re.match(r"(\w+)", rule["seriesQuery"]).group(1) in exported
+    keda = yaml.safe_load((DEPLOY / "keda" / "scaledobject.yaml").read_text())
+    assert keda["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    assert set(re.findall(r"pushworker_\w+", keda["spec"]["triggers"][0]["metadata"]["query"])) <= exported
+
+    # The config in the ConfigMap is valid, and its port is the one probes and the Service use.
+    settings = parse_settings(yaml.safe_load(rendered["ConfigMap"]["data"]["worker.yaml"]), env={})
+    pod = deployment["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["http"] == settings.http.port and settings.http.host == "0.0.0.0"
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert container[probe]["httpGet"]["port"] == "http"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    service = rendered["Service"]
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+    assert rendered["ServiceMonitor"]["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"]
+
+    # Grace: the longest allowed ack deadline (600 s) plus the drain grace fits before SIGKILL.
+    assert pod["terminationGracePeriodSeconds"] > 600 + settings.shutdown_grace_seconds
+
+    # Selectors match the pods; the pods run non-root with a read-only root filesystem.
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    for selector in (deployment["spec"]["selector"]["matchLabels"], rendered["PodDisruptionBudget"]["spec"]["selector"]
+                     ["matchLabels"], service["spec"]["selector"]):
+        assert selector.items() <= labels.items()
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["resources"]["requests"] and container["resources"]["limits"]
+    assert pod["topologySpreadConstraints"]
+    # Credentials come from Secrets, never from the ConfigMap.
+    env = {e["name"]: e for e in container["env"]}
+    for name in ("PUSH_WORKER_PULSAR_URL", "PUSH_WORKER_REDIS_URL", "PUSH_WORKER_PULSAR_TOKEN"):
+        assert "secretKeyRef" in env[name]["valueFrom"]
+    assert "redis://" not in rendered["ConfigMap"]["data"]["worker.yaml"]
+    # The image listens where the Deployment expects and runs as the same non-root user.
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert f"EXPOSE {ports['http']}" in dockerfile
+    assert f"USER {pod['securityContext']['runAsUser']}" in dockerfile
+
+
+def test_alerts_use_the_job_name_the_service_monitor_produces():
+    rules = (ROOT / "grafana" / "alerts" / "push-worker.rules.yaml").read_text()
+    sm = yaml.safe_load((DEPLOY / "base" / "servicemonitor.yaml").read_text())
+    kustomization = yaml.safe_load((DEPLOY / "base" / "kustomization.yaml").read_text())
+    job = kustomization["labels"][0]["pairs"][sm["spec"]["jobLabel"]]
+    assert f'job="{job}"' in rules
