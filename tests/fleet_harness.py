@@ -14,7 +14,7 @@ from typing import Any
 import redis as redis_sync
 import yaml
 
-from worker.embedded import free_port
+from worker.embedded import free_port, terminate
 from worker.fleet import lease_key
 
 
@@ -50,15 +50,9 @@ class WorkerProcess:
         self.proc.send_signal(sig)
 
     def stop(self, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        code = terminate(self.proc, timeout)  # type: ignore[arg-type]
         self.log.close()
-        return self.proc.returncode
+        return code
 
 
 class FleetHarness:

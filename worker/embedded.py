@@ -42,6 +42,18 @@ def wait_for_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout: 
     raise EmbeddedError(f"{what} did not accept connections on port {port} within {timeout:g}s")
 
 
+def terminate(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> int:
+    """SIGTERM, wait up to `timeout`, then SIGKILL; returns the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
 def pulsar_lite_binary() -> str:
     import pulsar_lite
 
@@ -77,13 +89,7 @@ class Service:
     metrics_url: str | None = None
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, timeout)
 
     def kill(self) -> None:
         if self.proc.poll() is None:

@@ -133,14 +133,17 @@ class Fleet:
     async def _listen(self) -> None:
         """Registry and membership notifications make changes land well inside the resync period."""
         while True:
+            pubsub = self.client.pubsub()
             try:
-                pubsub = self.client.pubsub()
                 await pubsub.subscribe(self.registry.channel)
                 async for message in pubsub.listen():
                     if message.get("type") == "message":
                         self._wake.set()
             except (RedisError, OSError):
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(1.0)  # the heartbeat resync covers the gap
+            finally:
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     async def tick(self) -> None:
         """One round: heartbeat, read the registry if it changed, renew, release, acquire."""

@@ -16,7 +16,7 @@ def publish(service_url: str | None, topic: str, data: bytes, attributes: dict[s
     url = service_url or os.environ.get("PUSH_WORKER_PULSAR_URL")
     if not url:
         raise ConfigError("publish", "--service-url", "is required (or set PUSH_WORKER_PULSAR_URL)")
-    client = pulsar.Client(url, operation_timeout_seconds=10)
+    client = pulsar.Client(url, operation_timeout_seconds=10, logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Warn))
     try:
         producer = client.create_producer(topic, batching_enabled=False)
         kwargs: dict[str, object] = {"properties": attributes}
