@@ -112,6 +112,12 @@ def _cmd_subs(args: argparse.Namespace) -> int:
     return asyncio.run(go())
 
 
+def _cmd_bench_fleet(args: argparse.Namespace) -> int:
+    from worker.fleet_bench import run
+
+    return _run_loop(run(args.subscriptions, args.workers, args.lease_seconds))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="push-worker", description=__doc__.splitlines()[0] if __doc__ else None)
     cmds = parser.add_subparsers(dest="command", required=True)
@@ -148,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--redis-url", help="default: $PUSH_WORKER_REDIS_URL, the config, or a local embedded worker")
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.set_defaults(func=_cmd_subs)
+
+    p = cmds.add_parser("bench-fleet", help="ownership convergence after a kill, movement on a join")
+    p.add_argument("--subscriptions", type=int, default=60)
+    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--lease-seconds", type=float, default=5.0)
+    p.set_defaults(func=_cmd_bench_fleet)
 
     p = cmds.add_parser("publish", help="publish one message (for trying things out)")
     p.add_argument("topic")

@@ -1,0 +1,97 @@
+"""`push-worker bench-fleet`: ownership convergence after a kill and movement on a join, measured
+with real worker processes on the embedded broker and Redis (a benchmark, not a test)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import redis
+import yaml
+
+from worker import embedded
+from worker.fleet import assign, lease_key
+from worker.registry import text_of
+
+
+def run_fleet_bench(subscriptions: int = 60, workers: int = 3, lease_seconds: float = 5.0) -> int:
+    tmp = Path(tempfile.mkdtemp(prefix="push-worker-fleet-bench-"))
+    broker, redis_service = embedded.start_pulsar(tmp / "pulsar"), embedded.start_redis(tmp / "redis")
+    client = redis.Redis.from_url(redis_service.url)
+    config = tmp / "worker.yaml"
+    config.write_text(yaml.safe_dump({
+        "pulsar": {"service_url": broker.url}, "redis": {"url": redis_service.url}, "http": {"port": 0},
+        "destinations": {"allow_private": True}, "log": {"format": "json", "level": "warning"},
+        "fleet": {"name": "bench", "lease_seconds": lease_seconds, "heartbeat_seconds": 0.5},
+        "subscriptions": [{"name": f"s{i:04d}", "topic": f"persistent://p-bench/main/t{i}",
+                           "deliver": {"mode": "push", "push": {"url": "http://127.0.0.1:9/never"}}}
+                          for i in range(subscriptions)]}))
+    keys = [f"p-bench/s{i:04d}" for i in range(subscriptions)]
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(worker_id: str) -> None:
+        env = {**os.environ, "PUSH_WORKER_ID": worker_id}
+        procs[worker_id] = subprocess.Popen([sys.executable, "-m", "worker.cli", "run", "--config", str(config)],
+                                            env=env, stderr=open(tmp / f"{worker_id}.log", "ab"))  # noqa: SIM115
+
+    def owners() -> dict[str, str | None]:
+        values = client.mget([lease_key(k) for k in keys])
+        return {k: text_of(v) if v else None for k, v in zip(keys, values, strict=True)}
+
+    def wait_until(predicate: object, timeout: float = 120) -> float:
+        started = time.monotonic()
+        while not predicate():  # type: ignore[operator]
+            if time.monotonic() - started > timeout:
+                raise TimeoutError("fleet did not converge")
+            time.sleep(0.05)
+        return time.monotonic() - started
+
+    def balanced(ids: set[str]) -> bool:
+        o = owners()
+        counts = Counter(o.values())
+        return set(counts) == ids and max(counts.values()) - min(counts.values()) <= 1
+
+    try:
+        print(f"push-worker bench-fleet: {subscriptions} subscriptions, {workers} workers, "
+              f"lease {lease_seconds:g}s, heartbeat 0.5s\n")
+        for i in range(workers):
+            start(f"w{i}")
+        ids = set(procs)
+        wait_until(lambda: balanced(ids))
+        before = owners()
+        start(f"w{workers}")
+        join_time = wait_until(lambda: balanced(set(procs)))
+        after = owners()
+        moved = sum(before[k] != after[k] for k in keys) / subscriptions
+        ideal = 1 / (workers + 1)
+        print(f"join:  a worker joins 3 -> {workers + 1}: balanced again in {join_time:.1f}s; "
+              f"{100 * moved:.1f}% of subscriptions moved (ideal {100 * ideal:.1f}%)")
+        victim = "w0"
+        procs[victim].send_signal(signal.SIGKILL)
+        procs[victim].wait()
+        survivors = set(procs) - {victim}
+        kill_time = wait_until(lambda: all(o in survivors for o in owners().values()))
+        print(f"kill:  kill -9 of one worker: its subscriptions re-owned in {kill_time:.1f}s "
+              f"(lease {lease_seconds:g}s)")
+        big = [f"p-x/s{i}" for i in range(10_000)]
+        a, b = assign(big, [f"w{i}" for i in range(10)]), assign(big, [f"w{i}" for i in range(11)])
+        print(f"model: 10,000 subscriptions, 10 -> 11 workers: {100 * sum(a[k] != b[k] for k in big) / len(big):.1f}% "
+              f"moved (ideal {100 / 11:.1f}%)")
+        return 0
+    finally:
+        for proc in procs.values():
+            embedded.terminate(proc, 20)
+        client.close()
+        broker.stop()
+        redis_service.stop()
+
+
+async def run(subscriptions: int, workers: int, lease_seconds: float) -> int:
+    return await asyncio.to_thread(run_fleet_bench, subscriptions, workers, lease_seconds)
