@@ -63,7 +63,8 @@ class DeadLetterPublisher:
         async with self._lock:
             producer = self._producers.pop(topic, None)
         if producer is not None:
-            await asyncio.gather(producer.close(), return_exceptions=True)
+            # Bounded: a close the client never confirms must not hold up a shutdown.
+            await asyncio.gather(asyncio.wait_for(producer.close(), timeout=5.0), return_exceptions=True)
 
     async def close(self) -> None:
         for topic in list(self._producers):

@@ -27,6 +27,7 @@ from worker.metrics import Metrics
 from worker.subscriptions import Subscription
 
 _SINGLE_LANE = "\x00total-order"
+CLOSE_TIMEOUT = 5.0  # seconds a broker close may take before shutdown goes on without it
 FAILING_AFTER = 20  # failed attempts in a row before a subscription shows an error state
 
 
@@ -116,8 +117,9 @@ class Dispatcher:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
         # Closing the consumer hands every unacked message back to the broker for redelivery.
+        # Bounded: a close that the client never confirms must not hold up a shutdown.
         with contextlib.suppress(Exception):
-            await self.consumer.close()
+            await asyncio.wait_for(self.consumer.close(), timeout=CLOSE_TIMEOUT)
         self.metrics.forget(self.sub.tenant, self.sub.name)
 
     @property

@@ -155,7 +155,7 @@ class Worker:
     def _close_orphan(self, subscribing: asyncio.Future[Any]) -> None:
         if subscribing.cancelled() or subscribing.exception() is not None:
             return
-        task = asyncio.ensure_future(subscribing.result().close())
+        task = asyncio.ensure_future(asyncio.wait_for(subscribing.result().close(), timeout=5.0))
         self._orphans.add(task)
         task.add_done_callback(self._orphans.discard)
 
