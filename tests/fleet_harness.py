@@ -64,7 +64,7 @@ class FleetHarness:
         self.config.write_text(yaml.safe_dump({
             "pulsar": {"service_url": broker_url}, "redis": {"url": redis_url},
             "destinations": {"allow_private": True}, "shutdown_grace_seconds": 10,
-            "log": {"format": "json", "level": "info"},
+            "log": {"format": "json", "level": "debug"},
             "fleet": {"name": "test", "lease_seconds": 3, "heartbeat_seconds": 0.3, **fleet},
         }))
         self.workers: dict[str, WorkerProcess] = {}

@@ -39,10 +39,10 @@ def test_metrics_parser_sums_partitions_and_reads_both_label_styles():
         'pulsar_subscription_back_log{cluster="c",namespace="p-a/main",topic="persistent://p-a/main/t-partition-0",'
         'subscription="s"} 3',
         'pulsar_subscription_back_log{topic="persistent://p-a/main/t-partition-1",subscription="s"} 4',
-        'pulsar_subscription_back_log{topic="t",subscription="s"} 5',
+        'pulsar_subscription_back_log{namespace="p-a/main",topic="t",subscription="s"} 5',
         'pulsar_subscription_back_log_other{topic="t",subscription="s"} 99',
     ])
     samples = parse_backlog_metrics(text)
-    assert samples[("persistent://p-a/main/t-partition-0", "s")] == 3
-    assert samples[("t", "s")] == 5
+    assert samples[("persistent://p-a/main/t-partition-0", "p-a/main", "s")] == 3
+    assert samples[("t", "p-a/main", "s")] == 5
     assert len(samples) == 3

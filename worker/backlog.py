@@ -20,15 +20,16 @@ _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 BODY_CAP = 32 * 1024 * 1024
 
 
-def parse_backlog_metrics(text: str) -> dict[tuple[str, str], float]:
-    """{(topic label, subscription label): backlog} from a Prometheus text exposition."""
-    out: dict[tuple[str, str], float] = {}
+def parse_backlog_metrics(text: str) -> dict[tuple[str, str, str], float]:
+    """{(topic, namespace, subscription labels): backlog} from a Prometheus text exposition.
+    A short topic label is only unique within its namespace label (pulsar-lite sets both)."""
+    out: dict[tuple[str, str, str], float] = {}
     for line in text.splitlines():
         m = _SAMPLE.match(line)
         if not m:
             continue
         labels = dict(_LABEL.findall(m.group("labels")))
-        key = (labels.get("topic", ""), labels.get("subscription", ""))
+        key = (labels.get("topic", ""), labels.get("namespace", ""), labels.get("subscription", ""))
         out[key] = out.get(key, 0.0) + float(m.group("value"))
     return out
 
@@ -61,8 +62,9 @@ class BacklogReader:
             samples = parse_backlog_metrics(await self._get_text(self.metrics_url))
             out: dict[str, float] = {}
             for s in subs:
-                values = [v for (t, name), v in samples.items() if name == s.pulsar_subscription
-                          and _topic_matches(t, s.topic)]
+                _, tenant, namespace, _ = topic_parts(s.topic)
+                values = [v for (t, ns, name), v in samples.items() if name == s.pulsar_subscription
+                          and _topic_matches(t, s.topic) and ns in ("", f"{tenant}/{namespace}")]
                 if values:
                     out[s.key] = sum(values)
             return out

@@ -1,0 +1,70 @@
+"""/healthz, /readyz and the logs of a real worker process: JSON events, and no secrets in them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import redis as redis_sync
+import yaml
+from aiohttp import web
+
+from tests.conftest import Client, eventually
+from worker.embedded import free_port, start_redis, terminate
+
+
+def get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+    except OSError:
+        return 0, {}
+
+
+async def test_probes_and_json_logs_without_secrets(broker, endpoint, client: Client, topic, tmp_path: Path):
+    secret_redis = start_redis(tmp_path / "redis")
+    password = "s3cret-Redis-pw"
+    redis_sync.Redis.from_url(secret_redis.url).config_set("requirepass", password)
+    url_with_password = secret_redis.url.replace("redis://", f"redis://:{password}@")
+    endpoint.behaviour = lambda rec: web.Response(status=500 if rec.body_payload == b"bad" else 204)
+    port = free_port()
+    config = tmp_path / "w.yaml"
+    config.write_text(yaml.safe_dump({
+        "pulsar": {"service_url": broker.url}, "http": {"port": port}, "destinations": {"allow_private": True},
+        "log": {"format": "json", "level": "debug"},
+        "subscriptions": [{"name": "logged", "topic": topic, "max_deliver": 2,
+                           "retry": {"min_backoff_seconds": 0.05, "max_backoff_seconds": 0.1},
+                           "deliver": {"mode": "push", "push": {"url": endpoint.url}}}]}))
+    log = tmp_path / "worker.log"
+    env = {**os.environ, "PYTHONPATH": str(Path.cwd()), "PUSH_WORKER_REDIS_URL": url_with_password}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "run", "--config", str(config)],
+                                stdout=out, stderr=out, env=env)
+    try:
+        await eventually(lambda: get(f"http://127.0.0.1:{port}/healthz")[0] == 200, what="alive")
+        await eventually(lambda: get(f"http://127.0.0.1:{port}/readyz") == (200, {"ready": True, "reason": "ok"}),
+                         what="ready")
+        client.publish(topic, [b"good", b"bad"])
+        await eventually(lambda: "dropped after last attempt" in log.read_text(), what="the bad message settled")
+        secret_redis.stop()  # Redis gone: not ready any more
+        await eventually(lambda: get(f"http://127.0.0.1:{port}/readyz")[0] == 503, what="not ready without Redis")
+        assert get(f"http://127.0.0.1:{port}/readyz")[1]["reason"] == "redis unreachable"
+        assert get(f"http://127.0.0.1:{port}/healthz")[0] == 200
+    finally:
+        assert terminate(proc, 30) == 0
+    text = log.read_text()
+    assert password not in text
+    events = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    delivered = [e for e in events if e["event"] == "delivered"]
+    failed = [e for e in events if e["event"] == "delivery failed"]
+    assert delivered and failed
+    for e in delivered + failed:
+        assert {"subscription", "project", "message_id", "attempt", "status", "latency", "level", "timestamp"} <= set(e)
+    assert delivered[0]["level"] == "debug" and failed[0]["level"] == "info"
