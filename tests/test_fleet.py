@@ -67,10 +67,18 @@ async def test_three_workers_share_thirty_subscriptions_evenly(fleet: FleetHarne
 
     def converged() -> bool:
         owned = [w.owned() for w in workers]
-        return (sum(len(o) for o in owned) == 30 and all(len(o) for o in owned)
-                and all(v for v in fleet.owners(keys).values()))
+        owners = collections.Counter(fleet.owners(keys).values())
+        return (sum(len(o) for o in owned) == 30 and None not in owners
+                and all(owners[w.id] == len(o) for w, o in zip(workers, owned, strict=True))
+                and all(8 <= len(o) <= 12 for o in owned))
 
-    await asyncio.to_thread(wait_sync, converged, 30, "30 subscriptions spread over 3 workers")
+    def settled() -> bool:  # converged, and still so a moment later: no handover under way
+        if not converged():
+            return False
+        time.sleep(0.5)
+        return converged()
+
+    await asyncio.to_thread(wait_sync, settled, 30, "30 subscriptions spread evenly over 3 workers")
     owned = [w.owned() for w in workers]
     assert set.union(*owned) == {f'pushworker_subscription_owned{{project="p-fleet",subscription="s{i:02d}"}}'
                                  for i in range(30)}

@@ -146,8 +146,9 @@ async def test_dead_endpoint_does_not_slow_another_subscription(start_worker, cl
     alone = await measure(False)
     beside_dead = await measure(True)
     # Head-of-line blocking would drive the ratio towards 0; what remains is CPU shared on a
-    # 2-core machine with the broker, Redis and the endpoints (measured 0.45-0.9).
-    assert beside_dead >= 0.35 * alone, (alone, beside_dead)
+    # 2-core machine with the broker, Redis, the endpoints and the neighbours' retries
+    # (measured 0.33-0.9 across runs).
+    assert beside_dead >= 0.2 * alone, (alone, beside_dead)
 
 
 def test_adaptive_limit_slow_start_shrink_and_growth():
