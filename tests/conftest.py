@@ -149,6 +149,21 @@ class Endpoint:
         return out
 
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+async def serve(path: str, handler: Handler) -> tuple[web.AppRunner, str]:
+    """A real aiohttp server on a free loopback port answering POST `path`; returns (runner, url)."""
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_post(path, handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}{path.replace('{tail:.*}', 'push')}"
+
+
 @pytest.fixture
 async def endpoint() -> AsyncIterator[Endpoint]:
     ep = Endpoint()
@@ -165,14 +180,7 @@ async def endpoint() -> AsyncIterator[Endpoint]:
         rec.status = result.status
         return result  # type: ignore[no-any-return]
 
-    app = web.Application(client_max_size=64 * 1024 * 1024)
-    app.router.add_post("/{tail:.*}", handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    ep.url = f"http://127.0.0.1:{port}/push"
+    runner, ep.url = await serve("/{tail:.*}", handle)
     yield ep
     await runner.cleanup()
 

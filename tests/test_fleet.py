@@ -14,7 +14,7 @@ from datetime import datetime
 import pytest
 from aiohttp import web
 
-from tests.conftest import Client, Endpoint, eventually, wait_sync
+from tests.conftest import Client, Endpoint, eventually, serve, wait_sync
 from tests.fleet_harness import FleetHarness, push_sub
 
 pytestmark = pytest.mark.slow
@@ -239,13 +239,7 @@ async def test_live_edits_take_effect_immutable_edits_refused_delete_stops(
         second.requests.append(request.headers.get("Pubsub-Message-Id"))  # type: ignore[arg-type]
         return aioweb.Response(status=204)
 
-    app = aioweb.Application()
-    app.router.add_post("/other", handle)
-    runner = aioweb.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = aioweb.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    other_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/other"
+    runner, other_url = await serve("/other", handle)
 
     [t] = topics(1)
     definition = push_sub("edit-me", t, endpoint.url, ack_deadline_seconds=1, max_deliver=1000,

@@ -10,7 +10,7 @@ from collections import defaultdict
 import pytest
 from aiohttp import web
 
-from tests.conftest import Client, Endpoint, eventually, make_sub
+from tests.conftest import Client, Endpoint, eventually, make_sub, serve
 from worker.delivery import Outcome, Result
 from worker.flow import AdaptiveLimit
 from worker.subscriptions import RetryPolicy
@@ -107,15 +107,9 @@ async def test_dead_endpoint_does_not_slow_another_subscription(start_worker, cl
         async def ok(request):
             return web.Response(status=204)
 
-        app = web.Application()
-        app.router.add_post("/", ok)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        runner, url = await serve("/", ok)
         suffix = "-dead" if with_dead_neighbour else "-alone"
-        healthy = make_sub(topic + suffix, f"http://127.0.0.1:{port}/", max_ack_pending=50)
+        healthy = make_sub(topic + suffix, url, max_ack_pending=50)
         subs = [healthy]
         if with_dead_neighbour:
             # A neighbour whose endpoint never answers and another whose port refuses connections.
