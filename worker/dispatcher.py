@@ -20,7 +20,7 @@ from worker import logs
 from worker.attempts import AttemptStore
 from worker.backoff import retry_delay
 from worker.deadletter import DeadLetterPublisher, dead_letter_properties
-from worker.delivery import Deliverer, Outcome, Result
+from worker.delivery import Deliverer, Outcome
 from worker.flow import AdaptiveLimit, Window
 from worker.messages import Envelope, build_request
 from worker.metrics import Metrics
@@ -219,6 +219,9 @@ class Dispatcher:
                 await self._give_up(message, env, sub, record.number - 1, record.last_status or "unknown")
                 return
             outcome = await self._attempt(sub, env, record.number)
+            if outcome is None:  # lease lost before sending: not an attempt; the next owner gets it
+                await self._stopping.wait()
+                return
             if outcome.acked:
                 await self._ack(message, env, sub)
                 self.stats.acked += 1
@@ -240,15 +243,15 @@ class Dispatcher:
             finally:
                 self.m.held_for_retry.dec()
 
-    async def _attempt(self, sub: Subscription, env: Envelope, attempt: int) -> Outcome:
+    async def _attempt(self, sub: Subscription, env: Envelope, attempt: int) -> Outcome | None:
+        """One request, or None when the lease was lost while waiting for an endpoint slot."""
         request = build_request(sub, env, attempt)
         if request.omitted_attributes:
             self.m.attributes_omitted.inc(request.omitted_attributes)
         await self.endpoint_limit.acquire()
         if not self.may_deliver():  # checked again right before the request: Redis may have been slow
             self.endpoint_limit.release(None)
-            await self._stopping.wait()
-            return Outcome(Result.CONNECTION_ERROR, detail="lease lost")
+            return None
         self.m.in_flight.inc()
         outcome: Outcome | None = None
         try:

@@ -1,0 +1,67 @@
+"""Fencing inside the dispatcher: a lease lost just before a request means no request, no settle."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as aioredis
+
+from tests.conftest import Endpoint, eventually, make_sub
+from worker.attempts import AttemptStore, Pipeliner
+from worker.deadletter import DeadLetterPublisher
+from worker.delivery import Deliverer, make_session
+from worker.dispatcher import Dispatcher
+from worker.messages import Envelope
+from worker.metrics import Metrics
+
+
+class OneMessage:
+    """An in-memory consumer holding one message (the logic under test is the dispatcher's)."""
+
+    def __init__(self) -> None:
+        self.given = False
+        self.acked: list[object] = []
+        self.closed = False
+
+    async def receive(self) -> object:
+        if self.given:
+            await asyncio.Event().wait()
+        self.given = True
+        return "message"
+
+    async def acknowledge(self, message: object) -> None:
+        self.acked.append(message)
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def test_lease_lost_before_the_request_sends_and_settles_nothing(redis_url, endpoint: Endpoint, topic):
+    # The last allowed attempt: on the old code a "lease lost" counted as a failed attempt and the
+    # message was dropped (or dead-lettered) without ever being sent.
+    sub = make_sub(topic, endpoint.url, max_deliver=1)
+    checks = iter([True])  # the lease holds for the first check, then is gone
+
+    def may_deliver() -> bool:
+        return next(checks, False)
+
+    client = aioredis.Redis.from_url(redis_url)
+    pipeliner = Pipeliner(client)
+    session = make_session(allow_private=True)
+    consumer = OneMessage()
+    dispatcher = Dispatcher(sub, consumer, lambda m: Envelope("1:2:-1:-1", b"x", topic, 0),
+                            Deliverer(session, allow_private=True), AttemptStore(pipeliner, 3600),
+                            DeadLetterPublisher(None), Metrics(), may_deliver)  # type: ignore[arg-type]
+    try:
+        dispatcher.start()
+        await eventually(lambda: consumer.given and dispatcher.unsettled >= 1, what="message taken")
+        await asyncio.sleep(0.3)  # time for a (wrong) request or settle to happen
+        await dispatcher.stop(grace=1)
+        assert endpoint.requests == []
+        assert consumer.acked == []  # left to the broker for the next owner
+        assert (dispatcher.stats.dropped, dispatcher.stats.dead_lettered, dispatcher.stats.retried) == (0, 0, 0)
+        assert consumer.closed
+    finally:
+        await pipeliner.close()
+        await client.aclose()
+        await session.close()
