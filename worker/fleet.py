@@ -35,6 +35,7 @@ redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 return redis.call('ZRANGE', KEYS[1], 0, -1)
 """
+STATUS_EVERY = 5.0  # seconds between status refreshes for `subs list`
 _RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
@@ -101,6 +102,8 @@ class Fleet:
         self.members: list[str] = []
         self.subscriptions: dict[str, Subscription] = dict(self.static)
         self._registry_version = -1
+        self._status_held: frozenset[str] = frozenset()
+        self._status_at = 0.0
         self._assignment: dict[str, str] = {}
         self._assignment_basis: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
         self._wake = asyncio.Event()
@@ -228,8 +231,13 @@ class Fleet:
             await self._lost(key)
 
     async def _publish_status(self) -> None:
-        if not self.leases:
+        """Status for `subs list`: on ownership changes, else every STATUS_EVERY seconds (not every
+        heartbeat: two commands per owned subscription per beat add up with thousands)."""
+        held = frozenset(self.leases)
+        now = time.monotonic()
+        if not held or (held == self._status_held and now - self._status_at < STATUS_EVERY):
             return
+        self._status_held, self._status_at = held, now
         pipe = self.client.pipeline(transaction=False)
         for key in self.leases:
             dispatcher = self.worker.dispatchers.get(key)
@@ -241,7 +249,7 @@ class Fleet:
             else:
                 fields.update(state="starting")
             pipe.hset(status_key(key), mapping=fields)  # type: ignore[arg-type]
-            pipe.pexpire(status_key(key), self.ttl_ms * 3)
+            pipe.pexpire(status_key(key), max(self.ttl_ms * 3, int(STATUS_EVERY * 3000)))
         await pipe.execute()
 
     async def leave(self) -> None:
