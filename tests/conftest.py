@@ -21,7 +21,8 @@ import redis
 from aiohttp import web
 
 from worker import embedded
-from worker.config import DestinationSettings, HttpSettings, PulsarSettings, RedisSettings, Settings
+from worker.config import HttpSettings, PulsarSettings, RedisSettings, Settings
+from worker.destinations import DestinationPolicy
 from worker.service import Worker
 from worker.subscriptions import RetryPolicy, Subscription
 
@@ -199,7 +200,7 @@ def make_sub(topic: str, url: str, **overrides: Any) -> Subscription:
 def make_settings(broker_url: str, redis_url: str, subs: tuple[Subscription, ...], **kw: Any) -> Settings:
     values: dict[str, Any] = {
         "pulsar": PulsarSettings(service_url=broker_url), "redis": RedisSettings(url=redis_url),
-        "http": HttpSettings(port=0), "destinations": DestinationSettings(allow_private=True),
+        "http": HttpSettings(port=0), "destinations": DestinationPolicy(allow_private=True),
         "subscriptions": subs, "shutdown_grace_seconds": 5.0,
     }
     values.update(kw)

@@ -10,7 +10,8 @@ from tests.conftest import Endpoint, eventually, make_sub
 from worker.attempts import AttemptStore, Pipeliner
 from worker.deadletter import DeadLetterPublisher
 from worker.delivery import Deliverer, make_session
-from worker.dispatcher import Dispatcher
+from worker.destinations import DestinationPolicy
+from worker.dispatcher import DeliveryContext, Dispatcher
 from worker.messages import Envelope
 from worker.metrics import Metrics
 
@@ -47,11 +48,11 @@ async def test_lease_lost_before_the_request_sends_and_settles_nothing(redis_url
 
     client = aioredis.Redis.from_url(redis_url)
     pipeliner = Pipeliner(client)
-    session = make_session(allow_private=True)
+    session = make_session(DestinationPolicy(allow_private=True))
     consumer = OneMessage()
-    dispatcher = Dispatcher(sub, consumer, lambda m: Envelope("1:2:-1:-1", b"x", topic, 0),
-                            Deliverer(session, allow_private=True), AttemptStore(pipeliner, 3600),
-                            DeadLetterPublisher(None), Metrics(), may_deliver)  # type: ignore[arg-type]
+    ctx = DeliveryContext(Deliverer(session, DestinationPolicy(allow_private=True)), AttemptStore(pipeliner, 3600),
+                          DeadLetterPublisher(None), Metrics())  # type: ignore[arg-type]
+    dispatcher = Dispatcher(sub, consumer, lambda m: Envelope("1:2:-1:-1", b"x", topic, 0), ctx, may_deliver)
     try:
         dispatcher.start()
         await eventually(lambda: consumer.given and dispatcher.unsettled >= 1, what="message taken")

@@ -13,7 +13,7 @@ import yaml
 from aiohttp import web
 
 from tests.conftest import Client, Endpoint, eventually, make_sub
-from worker.config import DestinationSettings
+from worker.destinations import DestinationPolicy
 from worker.subscriptions import RetryPolicy
 
 
@@ -150,7 +150,7 @@ async def test_connect_time_check_refuses_private_addresses(start_worker, endpoi
     """A name that resolves to loopback is refused when connecting, not only when loaded."""
     port = endpoint.url.split(":")[2].split("/")[0]
     sub = make_sub(topic, f"http://localhost:{port}/push", max_deliver=2)
-    w = await start_worker(sub, destinations=DestinationSettings(allow_private=False))
+    w = await start_worker(sub, destinations=DestinationPolicy(allow_private=False))
     client.publish(topic, [b"x"])
     await eventually(lambda: w.dispatchers[sub.key].stats.dropped == 1, what="refused then dropped")
     assert endpoint.requests == []

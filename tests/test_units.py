@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import ipaddress
 import random
 
 import pytest
 
 from worker.backoff import retry_delay
 from worker.delivery import is_ack_status, parse_retry_after
-from worker.destinations import refusal
+from worker.destinations import DestinationPolicy
 from worker.dispatcher import lane_of
 from worker.messages import Envelope, build_request, format_message_id, header_safe, rfc3339
 from worker.subscriptions import RetryPolicy, Subscription
@@ -72,7 +73,15 @@ def test_backoff_grows_within_bounds_and_honours_retry_after_up_to_max():
     ("::ffff:127.0.0.1", False, True), ("127.0.0.1", True, False), ("10.1.2.3", True, False),
     ("169.254.169.254", True, True), ("0.0.0.0", True, True), ("224.0.0.1", True, True)])
 def test_address_policy(address, allow_private, refused):
-    assert (refusal(address, allow_private) is not None) is refused
+    assert (DestinationPolicy(allow_private).refusal(address) is not None) is refused
+
+
+def test_allow_cidrs_open_only_their_networks_and_never_metadata():
+    policy = DestinationPolicy(allow_cidrs=(ipaddress.ip_network("10.20.0.0/16"), ipaddress.ip_network("fd00::/8"),
+                                            ipaddress.ip_network("169.254.0.0/16")))
+    assert policy.refusal("10.20.3.4") is None and policy.refusal("fd00::5") is None
+    assert "private" in (policy.refusal("10.21.0.1") or "") and "private" in (policy.refusal("127.0.0.1") or "")
+    assert "metadata" in (policy.refusal("169.254.169.254") or "")
 
 
 def test_lanes_per_type():

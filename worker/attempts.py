@@ -1,8 +1,10 @@
-"""Delivery attempts counted in Redis, so numbering survives crashes and ownership changes.
+"""Delivery attempts counted in Redis, so numbering survives crashes and ownership changes, and each
+message's attempt history (`push-worker show`), kept for a bounded time.
 
 The happy path costs two commands per message (one script call before the first attempt, one
-DEL after the ack). Calls made in the same moment by many deliveries share one pipelined round
-trip: a flusher sends whatever has queued up while the previous round trip was in flight.
+after it that records the outcome and forgets the counter). Calls made in the same moment by many
+deliveries share one pipelined round trip: a flusher sends whatever has queued up while the
+previous round trip was in flight.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
@@ -24,6 +27,17 @@ local n = redis.call('HINCRBY', KEYS[1], 'n', 1)
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 return {n, redis.call('HGET', KEYS[1], 'last') or ''}
 """
+
+# Append history entries (capped, with a TTL); then forget the counter (settled) or remember how the
+# attempt ended (for a dead-letter published after a crash).
+_RECORD = """
+for i = 5, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
+redis.call('LTRIM', KEYS[2], -tonumber(ARGV[4]), -1)
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+if ARGV[1] == '1' then redis.call('DEL', KEYS[1]) else redis.call('HSET', KEYS[1], 'last', ARGV[2]) end
+return 1
+"""
+HISTORY_CAP = 100  # entries kept per message (the newest)
 
 Queued = tuple[Callable[[Any], None], "asyncio.Future[Any]"]
 
@@ -84,9 +98,11 @@ class Pipeliner:
 class AttemptStore:
     """Attempt counters per (subscription, message). Retries Redis until it answers."""
 
-    def __init__(self, pipeliner: Pipeliner, ttl_seconds: int, on_error: Callable[[], None] | None = None):
+    def __init__(self, pipeliner: Pipeliner, ttl_seconds: int, on_error: Callable[[], None] | None = None,
+                 history_ttl_seconds: int = 3 * 24 * 3600):
         self.pipeliner = pipeliner
         self.ttl_seconds = ttl_seconds
+        self.history_ttl_seconds = history_ttl_seconds
         self._on_error = on_error or (lambda: None)
 
     async def _call(self, add: Callable[[Any], None]) -> Any:
@@ -114,12 +130,16 @@ class AttemptStore:
         n, last = await self._call(lambda p: p.eval(_BEGIN, 1, key, self.ttl_seconds))
         return AttemptRecord(int(n), last.decode() if isinstance(last, bytes) else str(last))
 
-    async def record_failure(self, subscription_key: str, message_id: str, last_status: str) -> None:
-        """Remember how the attempt ended, for a dead-letter published after a crash."""
-        key = keys.message_key(subscription_key, message_id)
-        await self._call(lambda p: p.hset(key, "last", last_status))
+    async def record(self, subscription_key: str, message_id: str, entries: list[dict[str, Any]],
+                     settled: bool, last_status: str = "") -> None:
+        """Append `entries` to the message's history; then forget its counter when `settled`, else
+        remember `last_status`. One round trip."""
+        keys_ = (keys.message_key(subscription_key, message_id), keys.history_key(subscription_key, message_id))
+        args = ["1" if settled else "0", last_status, self.history_ttl_seconds, HISTORY_CAP,
+                *(orjson.dumps(e) for e in entries)]
+        await self._call(lambda p: p.eval(_RECORD, 2, *keys_, *args))
 
-    async def clear(self, subscription_key: str, message_id: str) -> None:
-        """Forget a settled message."""
-        key = keys.message_key(subscription_key, message_id)
-        await self._call(lambda p: p.delete(key))
+    async def history(self, subscription_key: str, message_id: str) -> list[dict[str, Any]]:
+        """The message's recorded history, oldest first."""
+        raw = await self._call(lambda p: p.lrange(keys.history_key(subscription_key, message_id), 0, -1))
+        return [orjson.loads(entry) for entry in raw]

@@ -34,10 +34,10 @@ _KEEP_UNTIL_EXIT: list[object] = []
 
 
 async def _serve(config_path: str) -> int:
-    from worker.service import Worker, check_destinations
+    from worker.service import Worker, preflight
 
     settings = load_settings(config_path)
-    check_destinations(settings)
+    preflight(settings)
     logs.configure(settings.log_format, settings.log_level)
     worker = Worker(settings)
     _KEEP_UNTIL_EXIT.append(worker)
@@ -55,10 +55,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from worker.service import check_destinations
+    from worker.service import preflight
 
     settings = load_settings(args.config)
-    check_destinations(settings)
+    preflight(settings)
     print(f"ok: {len(settings.subscriptions)} push subscription(s)")
     return 0
 

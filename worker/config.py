@@ -13,6 +13,7 @@ Environment variables (they win over the file, so secrets need not live in it):
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from worker.destinations import DEFAULT_MAX_REQUEST_BYTES, DestinationPolicy
 from worker.errors import ConfigError
 from worker.subscriptions import NAME_PATTERN, NAME_RULE, FieldReader, Subscription, is_push, parse_subscription
 
@@ -45,6 +47,7 @@ class RedisSettings:
 
     url: str | None = field(default=None, repr=False)
     attempts_ttl_seconds: int = 7 * 24 * 3600
+    history_ttl_seconds: int = 3 * 24 * 3600  # how long `push-worker show` can see a message's attempts
 
 
 @dataclass(frozen=True)
@@ -53,13 +56,6 @@ class HttpSettings:
 
     host: str = "127.0.0.1"
     port: int = 9464
-
-
-@dataclass(frozen=True)
-class DestinationSettings:
-    """Which push destinations are allowed."""
-
-    allow_private: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,7 +75,7 @@ class Settings:
     redis: RedisSettings = field(default_factory=RedisSettings)
     state_dir: Path = Path(".push-worker")
     http: HttpSettings = field(default_factory=HttpSettings)
-    destinations: DestinationSettings = field(default_factory=DestinationSettings)
+    destinations: DestinationPolicy = field(default_factory=DestinationPolicy)
     subscriptions: tuple[Subscription, ...] = ()
     fleet: FleetSettings = field(default_factory=FleetSettings)
     shutdown_grace_seconds: float = 30.0
@@ -94,6 +90,29 @@ def _url(r: FieldReader, name: str, schemes: tuple[str, ...]) -> str | None:
     if urlsplit(value).scheme not in schemes:
         raise r.fail(name, f"must be a URL with scheme {' or '.join(schemes)}")
     return value
+
+
+def _destinations(d: FieldReader) -> DestinationPolicy:
+    d.reject_unknown({"allow_private", "allow_cidrs", "max_request_bytes"})
+    allow_private = d.data.get("allow_private", False)
+    if not isinstance(allow_private, bool):
+        raise d.fail("allow_private", "must be true or false")
+    cidrs = d.data.get("allow_cidrs") or []
+    if not isinstance(cidrs, list):
+        raise d.fail("allow_cidrs", "must be a list of CIDRs like 10.20.0.0/16")
+    networks = []
+    for i, cidr in enumerate(cidrs):
+        try:
+            networks.append(ipaddress.ip_network(cidr, strict=True) if isinstance(cidr, str) else None)
+        except ValueError:
+            networks.append(None)
+        if networks[-1] is None:
+            raise d.fail(f"allow_cidrs[{i}]", f"must be a network in CIDR form like 10.20.0.0/16 (got {cidr!r})")
+    return DestinationPolicy(
+        allow_private=allow_private,
+        allow_cidrs=tuple(n for n in networks if n is not None),
+        max_request_bytes=d.integer("max_request_bytes", DEFAULT_MAX_REQUEST_BYTES, 1024, 256 * 1024 * 1024),
+    )
 
 
 def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
@@ -120,10 +139,11 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
     )
 
     rd = r.sub("redis")
-    rd.reject_unknown({"url", "attempts_ttl_seconds"})
+    rd.reject_unknown({"url", "attempts_ttl_seconds", "history_ttl_seconds"})
     redis_url = env.get("PUSH_WORKER_REDIS_URL") or _url(rd, "url", ("redis", "rediss", "unix"))
     redis = RedisSettings(url=redis_url,
-                          attempts_ttl_seconds=rd.integer("attempts_ttl_seconds", 7 * 24 * 3600, 60, 10**8))
+                          attempts_ttl_seconds=rd.integer("attempts_ttl_seconds", 7 * 24 * 3600, 60, 10**8),
+                          history_ttl_seconds=rd.integer("history_ttl_seconds", 3 * 24 * 3600, 60, 10**8))
 
     h = r.sub("http")
     h.reject_unknown({"host", "port"})
@@ -135,11 +155,7 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
             raise ConfigError("environment", "PUSH_WORKER_HTTP_PORT", "must be an integer") from None
     http = HttpSettings(host=h.text("host", "127.0.0.1"), port=port)
 
-    d = r.sub("destinations")
-    d.reject_unknown({"allow_private"})
-    allow_private = d.data.get("allow_private", False)
-    if not isinstance(allow_private, bool):
-        raise d.fail("allow_private", "must be true or false")
+    destinations = _destinations(r.sub("destinations"))
 
     f = r.sub("fleet")
     f.reject_unknown({"name", "lease_seconds", "heartbeat_seconds"})
@@ -174,7 +190,7 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
         redis=redis,
         state_dir=Path(env.get("PUSH_WORKER_STATE_DIR") or r.text("state_dir", ".push-worker")),
         http=http,
-        destinations=DestinationSettings(allow_private=allow_private),
+        destinations=destinations,
         subscriptions=tuple(subs),
         fleet=fleet,
         shutdown_grace_seconds=r.number("shutdown_grace_seconds", 30.0, 0.0, 3600.0),

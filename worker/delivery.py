@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from worker.destinations import GuardedResolver, check_host
+from worker.destinations import DestinationPolicy, GuardedResolver, check_host
 from worker.errors import DestinationRefused
 from worker.messages import PushRequest
 
@@ -25,6 +25,8 @@ class Result(enum.StrEnum):
     NACK = "nack"
     TIMEOUT = "timeout"
     CONNECTION_ERROR = "connection_error"
+    TOO_LARGE = "payload_too_large"  # never sent: retrying cannot help, so it is dead-lettered at once
+    NOT_SENT = "not_sent"  # never sent for a reason an operator can fix (a signing secret is missing)
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,13 @@ class Outcome:
         return self.result is Result.ACK
 
     @property
+    def permanent(self) -> bool:
+        """A failure no retry can fix."""
+        return self.result is Result.TOO_LARGE
+
+    @property
     def last_status(self) -> str:
-        """HTTP status, `timeout` or `connection_error`."""
+        """HTTP status, or the result's name (`timeout`, `connection_error`, `payload_too_large`, ...)."""
         return str(self.status) if self.status is not None else self.result.value
 
     @property
@@ -101,10 +108,10 @@ class _InterimAwareResponse(aiohttp.ClientResponse):
             del protocol.read  # back to the class's method; the connection is closed on _Processing
 
 
-def make_session(allow_private: bool, limit: int = 0) -> aiohttp.ClientSession:
+def make_session(policy: DestinationPolicy, limit: int = 0) -> aiohttp.ClientSession:
     """The shared HTTP client: guarded DNS, TLS verification on, no cookies kept between endpoints."""
     connector = aiohttp.TCPConnector(
-        resolver=GuardedResolver(allow_private), limit=limit, ttl_dns_cache=30, ssl=True
+        resolver=GuardedResolver(policy), limit=limit, ttl_dns_cache=30, ssl=True
     )
     return aiohttp.ClientSession(
         connector=connector, cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False,
@@ -116,9 +123,9 @@ def make_session(allow_private: bool, limit: int = 0) -> aiohttp.ClientSession:
 class Deliverer:
     """Sends push requests over one shared session and classifies what comes back."""
 
-    def __init__(self, session: aiohttp.ClientSession, allow_private: bool) -> None:
+    def __init__(self, session: aiohttp.ClientSession, policy: DestinationPolicy) -> None:
         self.session = session
-        self.allow_private = allow_private
+        self.policy = policy
         self._checked_hosts: dict[str, str | None] = {}
 
     def _literal_refusal(self, url: str) -> str | None:
@@ -126,7 +133,7 @@ class Deliverer:
         host = urlsplit(url).hostname or ""
         if host not in self._checked_hosts:
             try:
-                check_host(host, self.allow_private, resolve=False)
+                check_host(host, self.policy, resolve=False)
                 self._checked_hosts[host] = None
             except DestinationRefused as e:
                 self._checked_hosts[host] = str(e)
@@ -135,6 +142,9 @@ class Deliverer:
     async def attempt(self, url: str, request: PushRequest, deadline: float) -> Outcome:
         """POST once; the whole exchange (connect, send, status, capped body) is bounded by `deadline` s."""
         started = time.monotonic()
+        if len(request.body) > self.policy.max_request_bytes:
+            return Outcome(Result.TOO_LARGE, detail=f"request body of {len(request.body)} bytes is over "
+                           f"destinations.max_request_bytes ({self.policy.max_request_bytes})")
         refused = self._literal_refusal(url)
         if refused:
             return Outcome(Result.CONNECTION_ERROR, detail=refused)

@@ -18,7 +18,8 @@ import pulsar
 from aiohttp import web
 
 from worker import logs
-from worker.config import DestinationSettings, HttpSettings, Settings
+from worker.config import HttpSettings, Settings
+from worker.destinations import DestinationPolicy
 from worker.service import Worker
 from worker.subscriptions import RetryPolicy, Subscription
 
@@ -70,7 +71,7 @@ async def run_demo(messages: int = 300) -> int:
         max_deliver=4, max_ack_pending=100, retry=RetryPolicy(0.2, 2.0), dead_letter_topic=DLQ,
     )
     settings = Settings(state_dir=state_dir, http=HttpSettings(port=0),
-                        destinations=DestinationSettings(allow_private=True), subscriptions=(sub,),
+                        destinations=DestinationPolicy(allow_private=True), subscriptions=(sub,),
                         shutdown_grace_seconds=5)
     started = time.monotonic()
     print(f"push-worker demo: embedded broker + Redis under {state_dir}, endpoint on port {port}")

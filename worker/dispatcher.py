@@ -11,19 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from worker import logs
 from worker.attempts import AttemptStore
 from worker.backoff import retry_delay
 from worker.deadletter import DeadLetterPublisher, dead_letter_properties
-from worker.delivery import Deliverer, Outcome
+from worker.delivery import Deliverer, Outcome, Result
 from worker.flow import AdaptiveLimit, Window
-from worker.messages import Envelope, build_request
+from worker.messages import Envelope, PushRequest, build_request
 from worker.metrics import Metrics
+from worker.signing import SecretStore, SecretUnavailable, auth_headers
 from worker.subscriptions import Subscription
 
 _SINGLE_LANE = "\x00total-order"
@@ -58,6 +60,32 @@ def lane_of(sub: Subscription, env: Envelope) -> str | None:
     return None
 
 
+@dataclass
+class DeliveryContext:
+    """What every dispatcher of one worker shares."""
+
+    deliverer: Deliverer
+    attempts: AttemptStore
+    dead_letters: DeadLetterPublisher
+    metrics: Metrics
+    secrets: SecretStore = field(default_factory=SecretStore)
+    worker_id: str = ""
+
+
+def history_entry(attempt: int, outcome: Outcome, worker_id: str) -> dict[str, Any]:
+    """One line of `push-worker show`: when, which attempt, how it ended, how long it took, who sent it."""
+    entry: dict[str, Any] = {"at_ms": int(time.time() * 1000), "attempt": attempt, "result": outcome.result.value,
+                             "status": outcome.last_status, "latency_ms": round(outcome.latency * 1000, 1),
+                             "worker": worker_id}
+    if outcome.detail:
+        entry["detail"] = outcome.detail
+    return entry
+
+
+def event_entry(event: str, worker_id: str, **fields: Any) -> dict[str, Any]:
+    return {"at_ms": int(time.time() * 1000), "event": event, "worker": worker_id, **fields}
+
+
 class Dispatcher:
     """Delivers one subscription's messages. `start()`, then `stop()`; `update()` applies live edits."""
 
@@ -66,23 +94,21 @@ class Dispatcher:
         sub: Subscription,
         consumer: ConsumerLike,
         to_envelope: Callable[[Any], Envelope],
-        deliverer: Deliverer,
-        attempts: AttemptStore,
-        dead_letters: DeadLetterPublisher,
-        metrics: Metrics,
+        ctx: DeliveryContext,
         may_deliver: Callable[[], bool] | None = None,
     ) -> None:
         self.sub = sub
+        self.ctx = ctx
         self.may_deliver = may_deliver or (lambda: True)
         self._failures_in_row = 0
         self._last_failure = ""
         self.consumer = consumer
         self.to_envelope = to_envelope
-        self.deliverer = deliverer
-        self.attempts = attempts
-        self.dead_letters = dead_letters
-        self.metrics = metrics
-        self.m = metrics.for_subscription(sub.tenant, sub.name)
+        self.deliverer = ctx.deliverer
+        self.attempts = ctx.attempts
+        self.dead_letters = ctx.dead_letters
+        self.metrics = ctx.metrics
+        self.m = ctx.metrics.for_subscription(sub.tenant, sub.name)
         self.stats = Stats()
         self.window = Window(sub.max_ack_pending)
         self.endpoint_limit = AdaptiveLimit(sub.max_ack_pending)
@@ -216,14 +242,15 @@ class Dispatcher:
             record = await self.attempts.begin(sub.key, env.message_id)
             if record.number > sub.max_deliver:
                 # Exhausted in an earlier life (crash before the dead-letter was confirmed): no new request.
-                await self._give_up(message, env, sub, record.number - 1, record.last_status or "unknown")
+                await self._give_up(message, env, sub, record.number - 1, record.last_status or "unknown", [])
                 return
             outcome = await self._attempt(sub, env, record.number)
             if outcome is None:  # lease lost before sending: not an attempt; the next owner gets it
                 await self._stopping.wait()
                 return
+            entry = history_entry(record.number, outcome, self.ctx.worker_id)
             if outcome.acked:
-                await self._ack(message, env, sub)
+                await self._ack(message, env, sub, [entry])
                 self.stats.acked += 1
                 self.m.acked.inc()
                 self.log.debug("delivered", message_id=env.message_id, attempt=record.number,
@@ -231,10 +258,10 @@ class Dispatcher:
                 return
             self.log.info("delivery failed", message_id=env.message_id, attempt=record.number,
                           status=outcome.last_status, detail=outcome.detail, latency=round(outcome.latency, 4))
-            if record.number >= sub.max_deliver:
-                await self._give_up(message, env, sub, record.number, outcome.last_status)
+            if record.number >= sub.max_deliver or outcome.permanent:
+                await self._give_up(message, env, sub, record.number, outcome.last_status, [entry])
                 return
-            await self.attempts.record_failure(sub.key, env.message_id, outcome.last_status)
+            await self.attempts.record(sub.key, env.message_id, [entry], settled=False, last_status=outcome.last_status)
             self.stats.retried += 1
             self.m.retries.inc()
             self.m.held_for_retry.inc()
@@ -255,7 +282,7 @@ class Dispatcher:
         self.m.in_flight.inc()
         outcome: Outcome | None = None
         try:
-            outcome = await self.deliverer.attempt(sub.url, request, float(sub.ack_deadline_seconds))
+            outcome = await self._send(sub, env, request)
         finally:
             self.m.in_flight.dec()
             self.endpoint_limit.release(outcome)
@@ -269,17 +296,30 @@ class Dispatcher:
         self.m.delivery_seconds.observe(outcome.latency)
         return outcome
 
-    async def _ack(self, message: Any, env: Envelope, sub: Subscription) -> None:
+    async def _send(self, sub: Subscription, env: Envelope, request: PushRequest) -> Outcome:
+        try:  # signed at send time, so webhook-timestamp is the moment of this attempt
+            extra = auth_headers(self.ctx.secrets, sub.signing_secrets, sub.bearer_token, env.message_id, request.body)
+        except SecretUnavailable as e:
+            return Outcome(Result.NOT_SENT, detail=str(e))
+        if extra:
+            request = PushRequest({**request.headers, **extra}, request.body, request.omitted_attributes)
+        return await self.deliverer.attempt(sub.url, request, float(sub.ack_deadline_seconds))
+
+    async def _ack(self, message: Any, env: Envelope, sub: Subscription, history: list[dict[str, Any]]) -> None:
+        """Ack to the broker, then record the history and forget the counter."""
         try:
             await self.consumer.acknowledge(message)
         except Exception as e:
             # The broker will redeliver; the counter stays so the numbering continues.
             self.m.broker_errors.labels("ack").inc()
             self.log.warning("ack failed", message_id=env.message_id, error=type(e).__name__)
+            await self.attempts.record(sub.key, env.message_id, history, settled=False,
+                                       last_status=history[-1].get("status", "") if history else "")
             return
-        await self.attempts.clear(sub.key, env.message_id)
+        await self.attempts.record(sub.key, env.message_id, history, settled=True)
 
-    async def _give_up(self, message: Any, env: Envelope, sub: Subscription, attempts: int, last_status: str) -> None:
+    async def _give_up(self, message: Any, env: Envelope, sub: Subscription, attempts: int, last_status: str,
+                       history: list[dict[str, Any]]) -> None:
         log = self.log.bind(message_id=env.message_id, attempts=attempts, last_status=last_status)
         if sub.dead_letter_topic:
             props = dead_letter_properties(env, sub.topic, sub.name, attempts, last_status)
@@ -287,11 +327,13 @@ class Dispatcher:
             self.stats.dead_lettered += 1
             self.m.dead_lettered.inc()
             log.warning("dead-lettered", dead_letter_topic=sub.dead_letter_topic)
+            history = [*history, event_entry("dead-lettered", self.ctx.worker_id, topic=sub.dead_letter_topic)]
         else:
             self.stats.dropped += 1
             self.m.dropped.inc()
             log.warning("dropped after last attempt")
-        await self._ack(message, env, sub)
+            history = [*history, event_entry("dropped", self.ctx.worker_id)]
+        await self._ack(message, env, sub, history)
 
     async def _pause(self, seconds: float) -> None:
         """Sleep, but wake at once when the dispatcher stops."""

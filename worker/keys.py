@@ -14,3 +14,8 @@ def tag(subscription_key: str) -> str:
 def message_key(subscription_key: str, message_id: str) -> str:
     """Attempt record of one message in one subscription: hash {n: attempts, last: last status}."""
     return f"{PREFIX}:{tag(subscription_key)}:m:{message_id}"
+
+
+def history_key(subscription_key: str, message_id: str) -> str:
+    """Attempt history of one message in one subscription: a capped list of JSON entries."""
+    return f"{PREFIX}:{tag(subscription_key)}:h:{message_id}"

@@ -24,23 +24,38 @@ from worker.config import Settings
 from worker.deadletter import DeadLetterPublisher
 from worker.delivery import Deliverer, make_session
 from worker.destinations import check_host
-from worker.dispatcher import Dispatcher
+from worker.dispatcher import DeliveryContext, Dispatcher
 from worker.errors import ConfigError, DestinationRefused
 from worker.fleet import Fleet
 from worker.http_server import StatusServer
 from worker.metrics import Metrics
+from worker.signing import SecretRef, SecretStore, SecretUnavailable
 from worker.subscriptions import Subscription
 
 
-def check_destinations(settings: Settings) -> None:
-    """Refuse, at load, push URLs whose host is or resolves to a refused address."""
+def preflight(settings: Settings, secrets: SecretStore | None = None) -> None:
+    """Refuse, at load, push URLs whose host is or resolves to a refused address, and secrets that
+    cannot be read (a worker that cannot sign would fail every attempt)."""
     from urllib.parse import urlsplit
 
+    secrets = secrets or SecretStore()
     for sub in settings.subscriptions:
+        where = f"subscription {sub.name!r}"
         try:
-            check_host(urlsplit(sub.url).hostname or "", settings.destinations.allow_private)
+            check_host(urlsplit(sub.url).hostname or "", settings.destinations)
         except DestinationRefused as e:
-            raise ConfigError(f"subscription {sub.name!r}", "deliver.push.url", str(e)) from None
+            raise ConfigError(where, "deliver.push.url", str(e)) from None
+        for i, ref in enumerate(sub.signing_secrets):
+            _check_secret(secrets, ref, where, f"deliver.push.signing_secrets[{i}]")
+        if sub.bearer_token is not None:
+            _check_secret(secrets, sub.bearer_token, where, "deliver.push.bearer_token")
+
+
+def _check_secret(secrets: SecretStore, ref: SecretRef, where: str, field: str) -> None:
+    try:
+        secrets.read(ref)
+    except SecretUnavailable as e:
+        raise ConfigError(where, field, str(e)) from None
 
 
 class Worker:
@@ -50,6 +65,7 @@ class Worker:
         self.settings = settings
         self.worker_id = worker_id or os.environ.get("PUSH_WORKER_ID") or f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = Metrics()
+        self.secrets = SecretStore()
         self.log = logs.get(worker=self.worker_id)
         self.dispatchers: dict[str, Dispatcher] = {}
         self._starting: dict[str, asyncio.Task[None]] = {}
@@ -98,11 +114,14 @@ class Worker:
                                              health_check_interval=15)
         self.pipeliner = Pipeliner(self.redis, on_round_trip=self.metrics.round_trip)
         self.attempts = AttemptStore(self.pipeliner, s.redis.attempts_ttl_seconds,
-                                     on_error=self.metrics.redis_errors.inc)
+                                     on_error=self.metrics.redis_errors.inc,
+                                     history_ttl_seconds=s.redis.history_ttl_seconds)
         self.pulsar = pulsar_adapter.make_client(s.pulsar, self.pulsar_url)
-        self.session = make_session(s.destinations.allow_private)
-        self.deliverer = Deliverer(self.session, s.destinations.allow_private)
+        self.session = make_session(s.destinations)
+        self.deliverer = Deliverer(self.session, s.destinations)
         self.dead_letters = DeadLetterPublisher(self.pulsar)
+        self.delivery = DeliveryContext(self.deliverer, self.attempts, self.dead_letters, self.metrics, self.secrets,
+                                        self.worker_id)
         self.backlog = BacklogReader(self.session, s.pulsar.admin_url, metrics_url)
         self.status = StatusServer(s.http.host, s.http.port, self.metrics, self.readiness)
         await self.status.start()
@@ -138,8 +157,7 @@ class Worker:
                 self.log.warning("subscribe failed; retrying", subscription=sub.key, error=str(e), in_seconds=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
-        dispatcher = Dispatcher(sub, consumer, pulsar_adapter.to_envelope, self.deliverer, self.attempts,
-                                self.dead_letters, self.metrics, may_deliver)
+        dispatcher = Dispatcher(sub, consumer, pulsar_adapter.to_envelope, self.delivery, may_deliver)
         self.dispatchers[sub.key] = dispatcher
         dispatcher.start()
 

@@ -12,10 +12,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from worker.errors import ConfigError
+from worker.signing import SecretRef
 
 NAME_RULE = "lowercase letters, digits and dashes; starts with a letter, does not end with a dash; 63 max"
 NAME_PATTERN = re.compile(r"^[a-z]([a-z0-9-]{0,61}[a-z0-9])?$")
 # persistent://<tenant>/<namespace>/<topic>; the platform puts every project in tenant p-<short>, ns main.
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _TOPIC_RE = re.compile(r"^(persistent|non-persistent)://([A-Za-z0-9_.=-]+)/([A-Za-z0-9_.=-]+)/([A-Za-z0-9_.=-]+)$")
 
 TYPES = ("shared", "key-shared", "exclusive", "failover")
@@ -47,6 +49,8 @@ class Subscription:
     start_from: str = "all"
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     dead_letter_topic: str | None = None
+    signing_secrets: tuple[SecretRef, ...] = ()  # one, or two during a rotation
+    bearer_token: SecretRef | None = None
 
     @property
     def tenant(self) -> str:
@@ -144,6 +148,33 @@ def _check_url(r: FieldReader, value: str) -> str:
     return value
 
 
+def _secret_ref(r: FieldReader, name: str, value: Any) -> SecretRef:
+    if not isinstance(value, dict):
+        raise r.fail(name, "must say where the secret lives, {env: VARIABLE} or {file: /path} "
+                           "(secrets never go in the config itself)")
+    ref = FieldReader(r.where, value, f"{r.prefix}{name}.")
+    ref.reject_unknown({"env", "file"})
+    if ref.has("env") == ref.has("file"):
+        raise r.fail(name, "must have exactly one of env or file")
+    if ref.has("env"):
+        env = ref.text("env")
+        if not _ENV_NAME_RE.match(env):
+            raise ref.fail("env", "must be an environment variable name (letters, digits, underscore)")
+        return SecretRef(env=env)
+    return SecretRef(file=ref.text("file"))
+
+
+def _auth(push: FieldReader) -> tuple[tuple[SecretRef, ...], SecretRef | None]:
+    secrets = push.data.get("signing_secrets")
+    refs: tuple[SecretRef, ...] = ()
+    if secrets is not None:
+        if not isinstance(secrets, list) or not 1 <= len(secrets) <= 2:
+            raise push.fail("signing_secrets", "must be a list of one secret, or two during a rotation")
+        refs = tuple(_secret_ref(push, f"signing_secrets[{i}]", v) for i, v in enumerate(secrets))
+    bearer = push.data.get("bearer_token")
+    return refs, (None if bearer is None else _secret_ref(push, "bearer_token", bearer))
+
+
 def is_push(data: Any) -> bool:
     """True unless the definition says `deliver.mode: pull` (pull is not this fleet's job)."""
     if not isinstance(data, dict):
@@ -172,9 +203,10 @@ def parse_subscription(data: Any, where: str = "") -> Subscription:
     if deliver.choice("mode", MODES, "pull") != "push":
         raise deliver.fail("mode", "must be push for this fleet (pull subscriptions are ignored)")
     push = deliver.sub("push")
-    push.reject_unknown({"url", "content"})
+    push.reject_unknown({"url", "content", "signing_secrets", "bearer_token"})
     url = _check_url(push, push.text("url"))
     content = push.choice("content", CONTENT_MODES, "wrapped")
+    signing_secrets, bearer_token = _auth(push)
 
     retry = r.sub("retry")
     retry.reject_unknown({"min_backoff_seconds", "max_backoff_seconds"})
@@ -211,4 +243,6 @@ def parse_subscription(data: Any, where: str = "") -> Subscription:
         start_from=r.choice("start_from", START_FROM, "all"),
         retry=RetryPolicy(lo, hi),
         dead_letter_topic=dead_letter_topic,
+        signing_secrets=signing_secrets,
+        bearer_token=bearer_token,
     )

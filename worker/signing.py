@@ -1,0 +1,123 @@
+"""Endpoint authentication: Standard Webhooks signatures and bearer tokens, from secrets that live in
+files or environment variables (never in the config or the registry, which only name them).
+
+Signature (https://www.standardwebhooks.com): `webhook-signature: v1,<base64 HMAC-SHA256 of
+"<webhook-id>.<webhook-timestamp>.<body>">`. During a rotation a subscription has two secrets and
+every request carries both signatures, space-separated; an endpoint accepts a request when any one
+matches a secret it knows. A secret written `whsec_<base64>` is used as its decoded bytes (the
+Standard Webhooks form); any other secret is used as its UTF-8 bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import os
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+FILE_RECHECK_SECONDS = 10.0  # a rotated secret file (Kubernetes Secret volume) is picked up this soon
+
+
+class SecretUnavailable(Exception):
+    """A secret a subscription names cannot be read now (its variable unset, its file missing)."""
+
+
+@dataclass(frozen=True)
+class SecretRef:
+    """Where a secret lives: exactly one of an environment variable or a file."""
+
+    env: str | None = None
+    file: str | None = None
+
+    def describe(self) -> str:
+        return f"env {self.env}" if self.env else f"file {self.file}"
+
+
+class SecretStore:
+    """Reads secrets, caching file contents briefly so a rotated file is picked up without a restart."""
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        self.environ = os.environ if environ is None else environ
+        self._files: dict[str, tuple[float, bytes]] = {}
+
+    def read(self, ref: SecretRef) -> bytes:
+        if ref.env is not None:
+            value = self.environ.get(ref.env)
+            if not value:
+                raise SecretUnavailable(f"environment variable {ref.env} is not set")
+            return value.strip().encode()
+        assert ref.file is not None
+        cached = self._files.get(ref.file)
+        if cached is not None and time.monotonic() - cached[0] < FILE_RECHECK_SECONDS:
+            return cached[1]
+        try:
+            content = Path(ref.file).read_bytes().strip()
+        except OSError as e:
+            raise SecretUnavailable(f"secret file {ref.file} cannot be read ({e.strerror})") from None
+        if not content:
+            raise SecretUnavailable(f"secret file {ref.file} is empty")
+        self._files[ref.file] = (time.monotonic(), content)
+        return content
+
+
+def signing_key(secret: bytes) -> bytes:
+    """The HMAC key of a secret: `whsec_<base64>` decoded, anything else as is."""
+    if secret.startswith(b"whsec_"):
+        try:
+            return base64.b64decode(secret[6:], validate=True)
+        except binascii.Error:
+            raise SecretUnavailable("a whsec_ secret is not valid base64") from None
+    return secret
+
+
+def signature(key: bytes, webhook_id: str, timestamp: int, body: bytes) -> str:
+    """`v1,<base64 HMAC-SHA256>` over `id.timestamp.body`."""
+    mac = hmac.new(key, f"{webhook_id}.{timestamp}.".encode() + body, hashlib.sha256).digest()
+    return "v1," + base64.b64encode(mac).decode("ascii")
+
+
+def webhook_headers(secrets: list[bytes], webhook_id: str, body: bytes, timestamp: int | None = None) -> dict[str, str]:
+    """The three Standard Webhooks headers, signed with every secret given (two during a rotation)."""
+    ts = int(time.time()) if timestamp is None else timestamp
+    return {
+        "webhook-id": webhook_id,
+        "webhook-timestamp": str(ts),
+        "webhook-signature": " ".join(signature(signing_key(s), webhook_id, ts, body) for s in secrets),
+    }
+
+
+def verify(secret: bytes, headers: Mapping[str, str], body: bytes, tolerance: int = 300,
+           now: float | None = None) -> bool:
+    """What an endpoint does (the README shows the same steps): recompute, compare in constant time,
+    and refuse timestamps more than `tolerance` seconds away (replays)."""
+    try:
+        webhook_id = headers["webhook-id"]
+        ts = int(headers["webhook-timestamp"])
+        offered = headers["webhook-signature"].split()
+    except (KeyError, ValueError):
+        return False
+    if abs((time.time() if now is None else now) - ts) > tolerance:
+        return False
+    expected = signature(signing_key(secret), webhook_id, ts, body)
+    return any(hmac.compare_digest(expected, candidate) for candidate in offered)
+
+
+def auth_headers(store: SecretStore, signing_secrets: tuple[SecretRef, ...], bearer_token: SecretRef | None,
+                 webhook_id: str, body: bytes) -> dict[str, str]:
+    """Headers a subscription's authentication adds to one request (empty when it has none).
+    Raises `SecretUnavailable` rather than send a request unsigned."""
+    headers: dict[str, str] = {}
+    if signing_secrets:
+        headers.update(webhook_headers([store.read(ref) for ref in signing_secrets], webhook_id, body))
+    if bearer_token is not None:
+        token = store.read(bearer_token)
+        if not re.fullmatch(rb"[\x21-\x7e]+", token):
+            raise SecretUnavailable(f"bearer token ({bearer_token.describe()}) has characters a header cannot carry")
+        headers["Authorization"] = "Bearer " + token.decode("ascii")
+    return headers
