@@ -1,23 +1,29 @@
-"""Operator commands against a fleet's Redis: `push-worker subs apply|delete|list|get`.
+"""Operator commands against a fleet's Redis: `push-worker subs apply|delete|list|get|pause|resume`
+and `push-worker show`.
 
-Human-friendly tables by default, `--json` for scripts. Where to connect: `--redis-url`, else
-$PUSH_WORKER_REDIS_URL, else the config's `redis.url`, else the URLs a worker on the embedded
-default recorded in its `state_dir`.
+Human-friendly tables by default, `--json` for scripts. Where to connect: `--redis-url` (or
+`--service-url` for the broker), else $PUSH_WORKER_REDIS_URL / $PUSH_WORKER_PULSAR_URL, else the
+config's `redis.url` / `pulsar.service_url`, else the URLs a worker on the embedded default recorded
+in its `state_dir`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-import os
 import sys
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
 import yaml
 
-from worker.config import Settings, load_settings
-from worker.errors import ConfigError
+from worker import keys
+from worker.config import Settings, load_settings, parse_settings
+from worker.errors import ConfigError, NotFound
 from worker.fleet import lease_key, status_key
 from worker.registry import Registry, text_of
 
@@ -30,18 +36,42 @@ def write_endpoints(state_dir: Path, pulsar_url: str, redis_url: str) -> None:
     (state_dir / ENDPOINTS_FILE).write_text(json.dumps({"pulsar_url": pulsar_url, "redis_url": redis_url}))
 
 
-def connection(redis_url: str | None, config: str | None) -> tuple[str, str]:
-    """(redis URL, fleet name) for an operator command."""
-    settings = load_settings(config) if config else Settings()
-    url = redis_url or os.environ.get("PUSH_WORKER_REDIS_URL") or settings.redis.url
-    if not url:
-        recorded = Path(settings.state_dir) / ENDPOINTS_FILE
-        if recorded.exists():
-            url = json.loads(recorded.read_text())["redis_url"]
-    if not url:
-        raise ConfigError("subs", "--redis-url", "is required (or --config with redis.url, or a running "
-                          "embedded worker's state_dir)")
-    return url, os.environ.get("PUSH_WORKER_FLEET") or settings.fleet.name
+@dataclass(frozen=True)
+class Target:
+    """Where an operator command connects, and the config it was given (for static subscriptions)."""
+
+    settings: Settings
+    redis_url: str | None = field(default=None, repr=False)
+    pulsar_url: str | None = None
+
+    @property
+    def fleet(self) -> str:
+        return self.settings.fleet.name
+
+    def redis(self, command: str) -> str:
+        if not self.redis_url:
+            raise ConfigError(command, "--redis-url", "is required (or --config with redis.url, "
+                              "$PUSH_WORKER_REDIS_URL, or a running embedded worker's state_dir)")
+        return self.redis_url
+
+    def pulsar(self, command: str) -> str:
+        if not self.pulsar_url:
+            raise ConfigError(command, "--service-url", "is required (or --config with pulsar.service_url, "
+                              "$PUSH_WORKER_PULSAR_URL, or a running embedded worker's state_dir)")
+        return self.pulsar_url
+
+
+def locate(config: str | None, redis_url: str | None = None, pulsar_url: str | None = None) -> Target:
+    """Connection URLs for an operator command (the config already applies the environment)."""
+    settings = load_settings(config) if config else parse_settings({})
+    redis_url = redis_url or settings.redis.url
+    pulsar_url = pulsar_url or settings.pulsar.service_url
+    recorded = Path(settings.state_dir) / ENDPOINTS_FILE
+    if (not redis_url or not pulsar_url) and recorded.exists():
+        endpoints = json.loads(recorded.read_text())
+        redis_url = redis_url or endpoints.get("redis_url")
+        pulsar_url = pulsar_url or endpoints.get("pulsar_url")
+    return Target(settings, redis_url, pulsar_url)
 
 
 def _load_definitions(path: str) -> list[Any]:
@@ -58,20 +88,77 @@ def _load_definitions(path: str) -> list[Any]:
     return data if isinstance(data, list) else [data]
 
 
-def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     widths = {c: max([len(c)] + [len(str(r.get(c, ""))) for r in rows]) for c in columns}
     lines = ["  ".join(c.upper().ljust(widths[c]) for c in columns)]
     lines += ["  ".join(str(r.get(c, "")).ljust(widths[c]) for c in columns) for r in rows]
     return "\n".join(line.rstrip() for line in lines)
 
 
-class Admin:
-    """The `subs` commands; each returns the text to print."""
+def when(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, tz=UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
-    def __init__(self, redis_url: str, fleet: str, as_json: bool = False) -> None:
-        self.client = aioredis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_timeout=10)
-        self.registry = Registry(self.client, fleet)
+
+class Admin:
+    """The `subs` and `show` commands; each returns the text to print."""
+
+    def __init__(self, target: Target, as_json: bool = False) -> None:
+        self.client = aioredis.Redis.from_url(target.redis("subs"), socket_connect_timeout=5, socket_timeout=10)
+        self.registry = Registry(self.client, target.fleet)
+        self.static = {s.key: s for s in target.settings.subscriptions}
         self.as_json = as_json
+
+    async def existing(self, name: str) -> str:
+        """The key of a subscription in the registry, the given config, or served by a worker (a
+        subscription from a worker's own config file); or a clear error."""
+        served: set[str] = set()
+        if "/" not in name:  # a bare name may be a config subscription a worker serves: find its key
+            async for lease in self.client.scan_iter(match=lease_key("*"), count=1000):
+                served.add(text_of(lease).split("{", 1)[1].rsplit("}", 1)[0])
+        key = await self.registry.resolve(name, also=set(self.static) | served | await self.registry.paused())
+        if key in self.static or await self.client.hexists(self.registry.hash, key):
+            return key
+        if await self.client.exists(lease_key(key), status_key(key)) or key in await self.registry.paused():
+            return key
+        raise ConfigError("registry", name, "no such subscription (not in the registry, the given config, "
+                          "or served by a worker)")
+
+    async def pause(self, name: str, paused: bool, wait: float) -> str:
+        """Pause or resume; a pause returns once no worker delivers for it any more (up to `wait` s)."""
+        key = await self.existing(name)
+        changed = await self.registry.set_paused(key, paused)
+        what = ("paused" if paused else "resumed") if changed else ("already paused" if paused else "not paused")
+        owner = None
+        if paused:
+            deadline = time.monotonic() + wait
+            while (owner := await self.client.get(lease_key(key))) and time.monotonic() < deadline:  # noqa: ASYNC110
+                await asyncio.sleep(0.2)  # the owner drains in-flight requests, then releases its lease
+        result = {"subscription": key, "result": what, "still_draining": text_of(owner) if owner else None}
+        if self.as_json:
+            return json.dumps(result)
+        tail = f" (worker {result['still_draining']} is still draining)" if owner else ""
+        return f"{key}: {what}{tail}"
+
+    async def show(self, message_id: str, name: str) -> str:
+        """A message's delivery attempts in one subscription, oldest first."""
+        key = await self.existing(name)
+        raw = await self.client.lrange(keys.history_key(key, message_id), 0, -1)
+        pending = await self.client.hget(keys.message_key(key, message_id), "n")
+        entries = [json.loads(e) for e in raw]
+        if not entries and pending is None:
+            raise NotFound(f"no attempt history for message {message_id} in {key} (kept for "
+                           "redis.history_ttl_seconds; ids look like ledger:entry:partition:batch)")
+        if self.as_json:
+            return json.dumps({"subscription": key, "message_id": message_id, "history": entries,
+                               "attempts_in_progress": int(pending) if pending is not None else None})
+        rows = [{"time": when(e["at_ms"]), "attempt": e.get("attempt", ""),
+                 "result": e.get("result") or e.get("event", ""), "status": e.get("status", e.get("topic", "")),
+                 "latency_ms": e.get("latency_ms", ""), "worker": e.get("worker", ""), "detail": e.get("detail", "")}
+                for e in entries]
+        out = f"message {message_id} in {key}\n" + table(rows, list(rows[0]) if rows else ["time"])
+        if pending is not None:
+            out += f"\nnot settled yet: {int(pending)} attempt(s) counted so far"
+        return out
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -97,26 +184,28 @@ class Admin:
             raise ConfigError("registry", name, "no such subscription")
         return json.dumps({"subscription": key, "result": "deleted"}) if self.as_json else f"{key}: deleted"
 
-    async def _row(self, key: str, definition: dict[str, Any]) -> dict[str, Any]:
+    async def _row(self, key: str, definition: dict[str, Any], paused: set[str]) -> dict[str, Any]:
         owner = await self.client.get(lease_key(key))
         status = {text_of(k): text_of(v) for k, v in (await self.client.hgetall(status_key(key))).items()}
         project, name = key.split("/", 1)
+        state = "paused" if key in paused else status.get("state", "unowned" if not owner else "starting")
         return {
             "project": project, "name": name, "type": definition.get("type", "shared"),
             "owner": text_of(owner) if owner else "-",
-            "state": status.get("state", "unowned" if not owner else "starting"),
+            "state": state,
             "acked": int(status.get("acked", 0)), "retried": int(status.get("retried", 0)),
             "dead_lettered": int(status.get("dead_lettered", 0)), "unsettled": int(status.get("unsettled", 0)),
         }
 
     async def list(self) -> str:
         definitions = await self.registry.definitions()
-        rows = [await self._row(k, d) for k, d in sorted(definitions.items())]
+        paused = await self.registry.paused()
+        rows = [await self._row(k, d, paused) for k, d in sorted(definitions.items())]
         if self.as_json:
             return json.dumps(rows)
         if not rows:
             return "no subscriptions in the registry"
-        return _table(rows, ["project", "name", "type", "owner", "state", "acked", "retried", "dead_lettered",
+        return table(rows, ["project", "name", "type", "owner", "state", "acked", "retried", "dead_lettered",
                              "unsettled"])
 
     async def get(self, name: str) -> str:
@@ -124,5 +213,6 @@ class Admin:
         definitions = await self.registry.definitions()
         if key not in definitions:
             raise ConfigError("registry", name, "no such subscription")
-        out = {"definition": definitions[key], "status": await self._row(key, definitions[key])}
+        out = {"definition": definitions[key], "status": await self._row(key, definitions[key],
+                                                                         await self.registry.paused())}
         return json.dumps(out) if self.as_json else yaml.safe_dump(out, sort_keys=False).rstrip()

@@ -1,6 +1,7 @@
 """`push-worker` command line: run a worker, the demo, the benchmark, and small operator helpers.
 
-Exit codes: 0 ok, 1 runtime failure, 2 bad configuration or usage (with a one-line reason, no traceback).
+Exit codes: 0 ok, 1 runtime failure, 2 bad configuration or usage, 3 not found (each with a one-line
+reason, no traceback).
 """
 
 from __future__ import annotations
@@ -12,14 +13,14 @@ import os
 import signal
 import sys
 from collections.abc import Coroutine, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from worker import logs
 from worker.config import load_settings
-from worker.errors import ConfigError, PushWorkerError
+from worker.errors import ConfigError, NotFound, PushWorkerError
 
 
-def _run_loop(main: Coroutine[Any, Any, int]) -> int:
+def _run_loop(main: Coroutine[Any, Any, T]) -> T:
     try:
         import uvloop
 
@@ -27,6 +28,8 @@ def _run_loop(main: Coroutine[Any, Any, int]) -> int:
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         return asyncio.run(main)
 
+
+T = TypeVar("T")
 
 # Objects holding Pulsar clients stay referenced until the process exits through os._exit: their
 # C++ destructors can block at interpreter teardown.
@@ -70,6 +73,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_publish(args: argparse.Namespace) -> int:
+    from worker.admin import locate
     from worker.tools import publish
 
     attrs = {}
@@ -78,7 +82,8 @@ def _cmd_publish(args: argparse.Namespace) -> int:
         if not sep or not name:
             raise ConfigError("publish", "--attr", f"must be NAME=VALUE (got {item!r})")
         attrs[name] = value
-    message_id = publish(args.service_url, args.topic, args.data.encode(), attrs, args.key)
+    target = locate(args.config, pulsar_url=args.service_url)
+    message_id = publish(target.pulsar("publish"), args.topic, args.data.encode(), attrs, args.key)
     print(message_id)
     return 0
 
@@ -90,12 +95,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_subs(args: argparse.Namespace) -> int:
-    from worker.admin import Admin, connection
+    from worker.admin import Admin, locate
 
-    url, fleet = connection(args.redis_url, args.config)
+    target = locate(args.config, redis_url=args.redis_url)
 
     async def go() -> int:
-        admin = Admin(url, fleet, as_json=args.json)
+        admin = Admin(target, as_json=args.json)
         try:
             if args.action == "apply":
                 print(await admin.apply(args.file))
@@ -103,6 +108,8 @@ def _cmd_subs(args: argparse.Namespace) -> int:
                 print(await admin.delete(args.name))
             elif args.action == "list":
                 print(await admin.list())
+            elif args.action in ("pause", "resume"):
+                print(await admin.pause(args.name, args.action == "pause", args.wait))
             else:
                 print(await admin.get(args.name))
         finally:
@@ -110,6 +117,45 @@ def _cmd_subs(args: argparse.Namespace) -> int:
         return 0
 
     return asyncio.run(go())
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from worker.admin import Admin, locate
+
+    target = locate(args.config, redis_url=args.redis_url)
+
+    async def go() -> int:
+        admin = Admin(target, as_json=args.json)
+        try:
+            print(await admin.show(args.message_id, args.subscription))
+        finally:
+            await admin.close()
+        return 0
+
+    return asyncio.run(go())
+
+
+def _cmd_dlq(args: argparse.Namespace) -> int:
+    from worker import dlq
+    from worker.admin import locate
+
+    if args.action == "redrive" and not (args.rate > 0):
+        raise ConfigError("dlq redrive", "--rate", "must be > 0 messages a second")
+    target = locate(args.config, redis_url=args.redis_url, pulsar_url=args.service_url)
+    options = {"limit": getattr(args, "limit", 1000), "message_id": getattr(args, "message_id", None),
+               "rate": getattr(args, "rate", 10.0), "max_messages": getattr(args, "max_messages", None),
+               "concurrency": getattr(args, "concurrency", 8)}
+    print(_run_loop(dlq.run(target, args.action, args.subscription, args.json, **options)))
+    return 0
+
+
+def _connection_args(p: argparse.ArgumentParser, broker: bool = False) -> None:
+    p.add_argument("--config", "-c", help="worker.yaml (for redis.url, pulsar.service_url, fleet.name, "
+                   "and the subscriptions it defines)")
+    p.add_argument("--redis-url", help="default: $PUSH_WORKER_REDIS_URL, the config, or a local embedded worker")
+    if broker:
+        p.add_argument("--service-url", help="default: $PUSH_WORKER_PULSAR_URL, the config, or a local embedded worker")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
 def _cmd_bench_fleet(args: argparse.Namespace) -> int:
@@ -143,17 +189,48 @@ def build_parser() -> argparse.ArgumentParser:
     for action, help_text in (("apply", "create or edit subscriptions from a YAML file"),
                               ("delete", "delete a subscription"),
                               ("list", "subscriptions with owner, state, counters"),
-                              ("get", "one subscription's definition and status")):
+                              ("get", "one subscription's definition and status"),
+                              ("pause", "stop delivery for one subscription; its backlog waits in the broker"),
+                              ("resume", "restart delivery of a paused subscription")):
         p = subs.add_parser(action, help=help_text)
         if action == "apply":
             p.add_argument("-f", "--file", required=True,
                            help="YAML: one subscription, a list, or {subscriptions: [...]}; - for stdin")
-        elif action in ("delete", "get"):
+        elif action != "list":
             p.add_argument("name", help="NAME or PROJECT/NAME")
-        p.add_argument("--config", "-c", help="worker.yaml (for redis.url and fleet.name)")
-        p.add_argument("--redis-url", help="default: $PUSH_WORKER_REDIS_URL, the config, or a local embedded worker")
-        p.add_argument("--json", action="store_true", help="machine-readable output")
+        if action == "pause":
+            p.add_argument("--wait", type=float, default=60.0,
+                           help="seconds to wait for the owner to finish requests under way (default 60)")
+        else:
+            p.set_defaults(wait=0.0)
+        _connection_args(p)
         p.set_defaults(func=_cmd_subs)
+
+    p = cmds.add_parser("show", help="a message's delivery attempts in one subscription")
+    p.add_argument("message_id", help="as in Pubsub-Message-Id: ledger:entry:partition:batch")
+    p.add_argument("--subscription", "-s", required=True, help="NAME or PROJECT/NAME")
+    _connection_args(p)
+    p.set_defaults(func=_cmd_show)
+
+    dlq = cmds.add_parser("dlq", help="dead letters of one subscription").add_subparsers(dest="action", required=True)
+    p = dlq.add_parser("list", help="dead letters waiting (nothing is moved)")
+    p.add_argument("subscription", help="NAME or PROJECT/NAME")
+    p.add_argument("--limit", type=int, default=100)
+    _connection_args(p, broker=True)
+    p.set_defaults(func=_cmd_dlq)
+    p = dlq.add_parser("show", help="one dead letter: payload, attributes, attempt history")
+    p.add_argument("subscription", help="NAME or PROJECT/NAME")
+    p.add_argument("message_id", help="the dead letter's id or the original message id")
+    p.add_argument("--limit", type=int, default=10000, help="how many dead letters to look through")
+    _connection_args(p, broker=True)
+    p.set_defaults(func=_cmd_dlq)
+    p = dlq.add_parser("redrive", help="deliver dead letters to this subscription's endpoint again (resumable)")
+    p.add_argument("subscription", help="NAME or PROJECT/NAME")
+    p.add_argument("--rate", type=float, default=10.0, help="messages a second (default 10)")
+    p.add_argument("--concurrency", type=int, default=8, help="requests at once (default 8)")
+    p.add_argument("--max-messages", type=int, default=None, help="stop after this many")
+    _connection_args(p, broker=True)
+    p.set_defaults(func=_cmd_dlq)
 
     p = cmds.add_parser("bench-fleet", help="ownership convergence after a kill, movement on a join")
     p.add_argument("--subscriptions", type=int, default=60)
@@ -166,7 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("data")
     p.add_argument("--attr", action="append", metavar="K=V")
     p.add_argument("--key")
-    p.add_argument("--service-url", default=None, help="default: $PUSH_WORKER_PULSAR_URL")
+    p.add_argument("--service-url", default=None,
+                   help="default: $PUSH_WORKER_PULSAR_URL, the config, or a local embedded worker")
+    p.add_argument("--config", "-c", help="worker.yaml (for pulsar.service_url)")
     p.set_defaults(func=_cmd_publish)
     return parser
 
@@ -194,6 +273,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"push-worker: invalid configuration: {e}", file=sys.stderr)
         return 2
+    except NotFound as e:
+        print(f"push-worker: {e}", file=sys.stderr)
+        return 3
     except PushWorkerError as e:
         print(f"push-worker: {e}", file=sys.stderr)
         return 1

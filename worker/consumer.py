@@ -48,15 +48,27 @@ def message_id_of(msg: pulsar.Message) -> str:
 
 
 def to_envelope(msg: pulsar.Message) -> Envelope:
-    """The contract's view of a Pulsar message. Undecodable keys or attributes never raise here."""
-    key = msg.ordering_key() or msg.partition_key() or None
+    """The contract's view of a Pulsar message. A key or attributes that are not UTF-8 never raise
+    here: the message comes out with a `defect` (and is dead-lettered with that reason, unsent)."""
+    defects = []
+    key: str | None = None
+    attributes: dict[str, str] = {}
+    try:
+        key = msg.ordering_key() or msg.partition_key() or None
+    except UnicodeDecodeError:
+        defects.append("ordering key is not UTF-8")
+    try:
+        attributes = dict(msg.properties())
+    except UnicodeDecodeError:
+        defects.append("attributes are not UTF-8")
     return Envelope(
         message_id=message_id_of(msg),
         data=msg.data() or b"",
         topic=msg.topic_name(),
         publish_time_ms=msg.publish_timestamp(),
-        attributes=dict(msg.properties()),
+        attributes=attributes,
         ordering_key=key,
+        defect="; ".join(defects) or None,
     )
 
 

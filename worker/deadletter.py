@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import asyncio
 
+import pulsar
 import pulsar.asyncio as pulsar_async
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
 
 from worker.messages import Envelope
 
 BrokerError = (pulsar_async.PulsarException, OSError, asyncio.TimeoutError)
+# A durable subscription the fleet keeps on every dead-letter topic: it retains dead letters even when
+# nothing else subscribes (a topic without subscriptions keeps no backlog), and it is the cursor
+# `push-worker dlq list|show|redrive` works on.
+DLQ_CURSOR = "push-worker-dlq"
 
 
 def dead_letter_properties(
@@ -21,11 +26,19 @@ def dead_letter_properties(
     props.update({
         "pubsub.original_message_id": env.message_id,
         "pubsub.original_topic": topic,
+        "pubsub.original_publish_time": str(env.publish_time_ms),
         "pubsub.subscription": subscription,
         "pubsub.delivery_attempts": str(attempts),
         "pubsub.last_status": last_status,
     })
     return props
+
+
+async def ensure_cursor(client: pulsar_async.Client, topic: str) -> None:
+    """Create the fleet's cursor on a dead-letter topic (a no-op when it exists)."""
+    consumer = await client.subscribe(topic, DLQ_CURSOR, consumer_type=pulsar.ConsumerType.Shared,
+                                      initial_position=pulsar.InitialPosition.Earliest, receiver_queue_size=1)
+    await asyncio.wait_for(consumer.close(), timeout=5.0)
 
 
 class DeadLetterPublisher:
@@ -40,6 +53,7 @@ class DeadLetterPublisher:
         async with self._lock:
             producer = self._producers.get(topic)
             if producer is None:
+                await ensure_cursor(self.client, topic)
                 producer = await self.client.create_producer(topic, batching_enabled=False)
                 self._producers[topic] = producer
             return producer

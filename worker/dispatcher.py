@@ -23,7 +23,7 @@ from worker.backoff import retry_delay
 from worker.deadletter import DeadLetterPublisher, dead_letter_properties
 from worker.delivery import Deliverer, Outcome, Result
 from worker.flow import AdaptiveLimit, Window
-from worker.messages import Envelope, PushRequest, build_request
+from worker.messages import Envelope, PushRequest, build_request, format_message_id
 from worker.metrics import Metrics
 from worker.signing import SecretStore, SecretUnavailable, auth_headers
 from worker.subscriptions import Subscription
@@ -84,6 +84,21 @@ def history_entry(attempt: int, outcome: Outcome, worker_id: str) -> dict[str, A
 
 def event_entry(event: str, worker_id: str, **fields: Any) -> dict[str, Any]:
     return {"at_ms": int(time.time() * 1000), "event": event, "worker": worker_id, **fields}
+
+
+def _raw_id(message: Any) -> str:
+    try:
+        mid = message.message_id()
+        return format_message_id(mid.ledger_id(), mid.entry_id(), mid.partition(), mid.batch_index())
+    except Exception:
+        return f"unreadable-{id(message)}"
+
+
+def _raw_data(message: Any) -> bytes:
+    try:
+        return bytes(message.data() or b"")
+    except Exception:
+        return b""
 
 
 class Dispatcher:
@@ -185,10 +200,9 @@ class Dispatcher:
             self.m.unsettled.set(self.window.used)
             try:
                 env = self.to_envelope(message)
-            except Exception as e:  # a message we cannot even read is logged and parked, never a crash
-                self.log.error("unreadable message", error=repr(e))
-                env = Envelope(message_id=f"unreadable-{id(message)}", data=b"", topic=self.sub.topic,
-                               publish_time_ms=0)
+            except Exception as e:  # a message we cannot even read is dead-lettered with the reason, never a crash
+                env = Envelope(message_id=_raw_id(message), data=_raw_data(message), topic=self.sub.topic,
+                               publish_time_ms=0, defect=f"unreadable message ({type(e).__name__})")
             self._admit(message, env)
 
     def _admit(self, message: Any, env: Envelope) -> None:
@@ -235,6 +249,12 @@ class Dispatcher:
             self.m.unsettled.set(self.window.used)
 
     async def _deliver_until_settled(self, message: Any, env: Envelope) -> None:
+        if env.defect is not None:  # no request could carry it faithfully: dead-letter it with the reason
+            if await self._fenced():
+                self.log.error("undeliverable message", message_id=env.message_id, defect=env.defect)
+                await self._give_up(message, env, self.sub, 0, "unreadable",
+                                    [event_entry("unreadable", self.ctx.worker_id, detail=env.defect)])
+            return
         while not self._stopping.is_set():
             sub = self.sub  # an edit applies from the next attempt on
             if not await self._fenced():

@@ -26,3 +26,7 @@ class InfrastructureError(PushWorkerError):
     """Redis or the broker failed; the operation may succeed when tried again."""
 
     retriable = True
+
+
+class NotFound(PushWorkerError):
+    """What an operator command asked about does not exist (or is no longer kept)."""

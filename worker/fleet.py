@@ -101,6 +101,7 @@ class Fleet:
         self.leases: dict[str, Lease] = {}
         self.members: list[str] = []
         self.subscriptions: dict[str, Subscription] = dict(self.static)
+        self.paused: set[str] = set()
         self._registry_version = -1
         self._status_held: frozenset[str] = frozenset()
         self._status_at = 0.0
@@ -168,6 +169,7 @@ class Fleet:
                 await self._lost(key)
         if version != self._registry_version:
             live = await self.registry.snapshot()
+            self.paused = await self.registry.paused()
             self.subscriptions = {**self.static, **live}
             self._registry_version = version
         await self._reconcile()
@@ -181,7 +183,9 @@ class Fleet:
 
     async def _reconcile(self) -> None:
         owners = self._owners()
-        wanted = {k for k in self.subscriptions if owners.get(k) == self.me}
+        # A paused subscription keeps its owner in the assignment (resuming moves nothing else);
+        # the owner just does not serve it, so its backlog waits in the broker.
+        wanted = {k for k in self.subscriptions if owners.get(k) == self.me and k not in self.paused}
         for key in [k for k in self.leases if k not in wanted]:
             await self._hand_over(key)
         for key in sorted(wanted - set(self.leases)):
@@ -209,16 +213,16 @@ class Fleet:
         self.log.info("subscription acquired", subscription=key)
 
     async def _hand_over(self, key: str) -> None:
-        """Deleted, or now someone else's: drain, then release at once so the next owner starts."""
+        """Deleted, paused, or now someone else's: drain, then release at once so the next owner starts."""
         await self.worker.remove(key)
         lease = self.leases.pop(key, None)
         if lease is not None:
             with contextlib.suppress(RedisError, OSError):
                 await self.client.eval(_RELEASE, 1, lease_key(key), self.me)
-        if key not in self.subscriptions:
+        if key not in self.subscriptions or key in self.paused:
             with contextlib.suppress(RedisError, OSError):
                 await self.client.delete(status_key(key))
-        self.log.info("subscription released", subscription=key)
+        self.log.info("subscription paused" if key in self.paused else "subscription released", subscription=key)
 
     async def _lost(self, key: str) -> None:
         """The lease is gone (expired while we were paused or cut off): stop at once."""

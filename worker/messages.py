@@ -29,6 +29,7 @@ class Envelope:
     publish_time_ms: int
     attributes: dict[str, str] = field(default_factory=dict)
     ordering_key: str | None = None
+    defect: str | None = None  # why the message cannot be delivered as it is (it is dead-lettered unsent)
 
 
 @dataclass(frozen=True)

@@ -2,12 +2,14 @@
 
 Layout (all under the fleet's hash tag): `pw:{fleet/<name>}:registry` hash of subscription key
 (`tenant/name`) -> JSON definition; `...:version` counter bumped on every change; changes are also
-announced on the channel `...:events`. Edits follow the platform's PATCH rules: topic, type and
-start_from are immutable.
+announced on the channel `...:events`. `...:paused` is the set of paused subscription keys (config
+or registry ones): no worker serves them, and their backlog waits in the broker. Edits follow the
+platform's PATCH rules: topic, type and start_from are immutable.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import orjson
@@ -41,6 +43,7 @@ class Registry:
         self.hash = fleet_key(fleet, "registry")
         self.version_key = fleet_key(fleet, "version")
         self.channel = fleet_key(fleet, "events")
+        self.paused_key = fleet_key(fleet, "paused")
 
     async def version(self) -> int:
         return int(await self.client.get(self.version_key) or 0)
@@ -90,19 +93,35 @@ class Registry:
                 except WatchError:
                     continue
 
+    async def paused(self) -> set[str]:
+        return {text_of(k) for k in await self.client.smembers(self.paused_key)}
+
+    async def set_paused(self, key: str, paused: bool) -> bool:
+        """Pause or resume one subscription; False when it already was in that state."""
+        async with self.client.pipeline(transaction=True) as pipe:
+            if paused:
+                pipe.sadd(self.paused_key, key)
+            else:
+                pipe.srem(self.paused_key, key)
+            pipe.incr(self.version_key)
+            pipe.publish(self.channel, b"paused")
+            changed, _, _ = await pipe.execute()
+        return bool(changed)
+
     async def delete(self, key: str) -> bool:
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.hdel(self.hash, key)
+            pipe.srem(self.paused_key, key)
             pipe.incr(self.version_key)
             pipe.publish(self.channel, b"registry")
-            removed, _, _ = await pipe.execute()
+            removed, _, _, _ = await pipe.execute()
         return bool(removed)
 
-    async def resolve(self, name: str) -> str:
-        """`tenant/name` as given, or the one key whose name is `name`."""
+    async def resolve(self, name: str, also: Iterable[str] = ()) -> str:
+        """`tenant/name` as given, or the one key whose name is `name` (in the registry or `also`)."""
         if "/" in name:
             return name
-        keys = [text_of(k) for k in await self.client.hkeys(self.hash)]
+        keys = {text_of(k) for k in await self.client.hkeys(self.hash)} | set(also)
         matches = [k for k in keys if k.split("/", 1)[1] == name]
         if not matches:
             raise ConfigError("registry", name, "no such subscription")

@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
 import pulsar
 
-from worker.errors import ConfigError
 from worker.messages import format_message_id
 
 
-def publish(service_url: str | None, topic: str, data: bytes, attributes: dict[str, str],
-            key: str | None = None) -> str:
+def publish(url: str, topic: str, data: bytes, attributes: dict[str, str], key: str | None = None) -> str:
     """Publish one message and return its id in the contract's format."""
-    url = service_url or os.environ.get("PUSH_WORKER_PULSAR_URL")
-    if not url:
-        raise ConfigError("publish", "--service-url", "is required (or set PUSH_WORKER_PULSAR_URL)")
     client = pulsar.Client(url, operation_timeout_seconds=10, logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Warn))
     try:
         producer = client.create_producer(topic, batching_enabled=False)

@@ -1,0 +1,175 @@
+"""Operator commands, run as a user runs them (`push-worker ...` processes) against a real broker,
+Redis and workers: pause/resume, attempt history, dead-letter list/show/redrive."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from aiohttp import web
+
+from tests.conftest import Client, Endpoint, eventually, make_sub
+from worker.config import Settings, load_settings
+from worker.subscriptions import RetryPolicy
+
+
+async def cli(*args: str) -> tuple[int, str, str]:
+    """`push-worker ARGS` as a separate process; (exit code, stdout, stderr)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "worker.cli", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={k: v for k, v in os.environ.items() if not k.startswith("PUSH_WORKER_")})
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
+    except TimeoutError:
+        proc.kill()
+        out, err = await proc.communicate()
+        raise AssertionError(f"push-worker {' '.join(args)} did not end:\n{err.decode()[-3000:]}") from None
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_pause_stops_delivery_keeps_the_backlog_and_resume_delivers_it(
+        start_worker, endpoint: Endpoint, client: Client, topic, redis_url):
+    sub = make_sub(topic, endpoint.url)
+    control = make_sub(topic + "-control", endpoint.url)
+    w = await start_worker(sub, control)
+    client.publish(topic, [b"before"])
+    await eventually(lambda: len(endpoint.requests) == 1, what="first delivery")
+
+    code, out, err = await cli("subs", "pause", sub.name, "--redis-url", redis_url)
+    assert code == 0, err
+    assert out.strip() == f"{sub.key}: paused"
+    assert sub.key not in w.dispatchers  # the command returned once the owner had stopped
+
+    paused_ids = set(client.publish(topic, [b"while-paused-%d" % i for i in range(5)]))
+    client.publish(topic + "-control", [b"control"])
+    await eventually(lambda: any(r.body_payload == b"control" for r in endpoint.requests), what="control delivered")
+    assert not paused_ids & set(endpoint.by_id())  # the worker is alive and delivering, but not this one
+
+    code, out, _ = await cli("subs", "pause", sub.name, "--redis-url", redis_url, "--json")
+    assert code == 0 and json.loads(out)["result"] == "already paused"
+    code, out, err = await cli("subs", "resume", sub.key, "--redis-url", redis_url)
+    assert code == 0 and out.strip() == f"{sub.key}: resumed", err
+    await eventually(lambda: paused_ids <= set(endpoint.by_id()), what="backlog delivered after resume")
+    assert all(len(endpoint.by_id()[m]) == 1 for m in paused_ids)
+
+    code, _, err = await cli("subs", "pause", "no-such-sub", "--redis-url", redis_url)
+    assert code == 2 and "no-such-sub" in err and "no such subscription" in err
+
+
+async def test_show_lists_each_attempt_with_status_latency_and_worker(
+        start_worker, endpoint: Endpoint, client: Client, topic, redis_url):
+    answers = iter([500, 204])
+    endpoint.behaviour = lambda rec: web.Response(status=next(answers))
+    sub = make_sub(topic, endpoint.url, retry=RetryPolicy(0.05, 0.05))
+    w = await start_worker(sub)
+    [message_id] = client.publish(topic, [b"x"])
+    await eventually(lambda: w.dispatchers[sub.key].stats.acked == 1, what="delivered on the second attempt")
+
+    code, out, err = await cli("show", message_id, "--subscription", sub.name, "--redis-url", redis_url, "--json")
+    assert code == 0, err
+    history = json.loads(out)["history"]
+    assert [(h["attempt"], h["result"], h["status"], h["worker"]) for h in history] == [
+        (1, "nack", "500", "w0"), (2, "ack", "204", "w0")]
+    assert all(h["latency_ms"] >= 0 and h["at_ms"] > 0 for h in history)
+
+    code, out, _ = await cli("show", message_id, "-s", sub.key, "--redis-url", redis_url)
+    assert code == 0 and "ATTEMPT" in out.splitlines()[1] and "nack" in out and "204" in out
+
+    code, _, err = await cli("show", "9:9:-1:-1", "-s", sub.name, "--redis-url", redis_url)
+    assert code == 3 and "no attempt history" in err
+
+
+def worker_yaml(tmp_path: Path, broker_url: str, redis_url: str, *subs: dict[str, Any]) -> tuple[str, Settings]:
+    """A worker.yaml an operator would pass with --config, and the settings a worker loads from it."""
+    doc = {"pulsar": {"service_url": broker_url}, "redis": {"url": redis_url},
+           "destinations": {"allow_private": True}, "subscriptions": list(subs)}
+    path = tmp_path / "worker.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return str(path), load_settings(path)
+
+
+def push_sub(name: str, topic: str, url: str, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "topic": topic, "max_deliver": 2, "ack_deadline_seconds": 5,
+            "retry": {"min_backoff_seconds": 0.05, "max_backoff_seconds": 0.05},
+            "deliver": {"mode": "push", "push": {"url": url}}, **extra}
+
+
+async def test_dead_letters_are_listed_shown_and_redriven_to_their_subscription_only(
+        broker, start_worker, endpoint: Endpoint, client: Client, topic, redis_url, tmp_path):
+    healthy = False
+    endpoint.behaviour = lambda rec: web.Response(status=204 if healthy else 503)
+    other = Endpoint()
+
+    async def other_handler(request: web.Request) -> web.Response:
+        other.requests.append(request.headers.get("Pubsub-Message-Id"))  # type: ignore[arg-type]
+        return web.Response(status=204)
+
+    from tests.conftest import serve
+
+    runner, other.url = await serve("/push", other_handler)
+    config, settings = worker_yaml(tmp_path, broker.url, redis_url,
+                                   push_sub("orders-push", topic, endpoint.url, dead_letter={"topic": topic + "-dlq"}),
+                                   push_sub("bystander", topic, other.url))  # healthy: must never see a redrive
+    sub, bystander = settings.subscriptions
+    try:
+        w = await start_worker(sub, bystander)
+        ids = client.publish(topic, [b"m%d" % i for i in range(6)], properties={"origin": "test"})
+        await eventually(lambda: w.dispatchers[sub.key].stats.dead_lettered == 6 and len(other.requests) == 6,
+                         what="all dead-lettered; bystander delivered")
+        args = ("--config", config)
+
+        for _ in range(2):  # listing moves nothing
+            code, out, err = await cli("dlq", "list", sub.name, *args, "--json")
+            assert code == 0, err
+            listed = json.loads(out)["messages"]
+            assert sorted(m["message_id"] for m in listed) == sorted(ids)
+            assert {(m["attempts"], m["last_status"]) for m in listed} == {("2", "503")}
+
+        code, out, err = await cli("dlq", "show", sub.name, ids[3], *args, "--json")
+        assert code == 0, err
+        shown = json.loads(out)
+        assert shown["data"] == "m3" and shown["attributes"]["origin"] == "test"
+        assert [h.get("event") or h["result"] for h in shown["history"]] == ["nack", "nack", "dead-lettered"]
+
+        healthy = True
+        before = len(endpoint.requests)
+        code, out, err = await cli("dlq", "redrive", sub.name, *args, "--rate", "50", "--max-messages", "2")
+        assert code == 0, err
+        assert "2 delivered" in out and "redriven" in err  # progress goes to stderr
+        code, out, err = await cli("dlq", "redrive", sub.name, *args, "--rate", "50", "--json")  # resumes
+        assert code == 0, err
+        assert json.loads(out)["redriven"] == 4
+
+        redriven = endpoint.requests[before:]
+        assert sorted(r.headers["Pubsub-Message-Id"] for r in redriven) == sorted(ids)  # each once, original id
+        assert {r.headers["Pubsub-Delivery-Attempt"] for r in redriven} == {"1"}  # fresh counts
+        assert {r.body_payload for r in redriven} == {b"m%d" % i for i in range(6)}
+        assert len(other.requests) == 6  # the bystander got nothing more
+        code, out, _ = await cli("dlq", "list", sub.name, *args, "--json")
+        assert json.loads(out)["messages"] == []
+    finally:
+        await runner.cleanup()
+
+
+async def test_redrive_that_fails_again_puts_the_message_back_and_ends(
+        broker, start_worker, endpoint: Endpoint, client: Client, topic, redis_url, tmp_path):
+    endpoint.behaviour = lambda rec: web.Response(status=500)
+    config, settings = worker_yaml(tmp_path, broker.url, redis_url,
+                                   push_sub("doomed-push", topic, endpoint.url, dead_letter={"topic": topic + "-dlq"}))
+    [sub] = settings.subscriptions
+    w = await start_worker(sub)
+    [message_id] = client.publish(topic, [b"doomed"])
+    await eventually(lambda: w.dispatchers[sub.key].stats.dead_lettered == 1, what="dead-lettered")
+    args = ("--config", config, "--json")
+    code, out, err = await cli("dlq", "redrive", sub.name, *args, "--rate", "50")
+    assert code == 0, err
+    assert json.loads(out)["dead_lettered_again"] == 1  # and the command ended: no loop over its own output
+    code, out, _ = await cli("dlq", "list", sub.name, *args)
+    [back] = json.loads(out)["messages"]
+    assert back["message_id"] == message_id and back["last_status"] == "500"

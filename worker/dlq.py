@@ -1,0 +1,296 @@
+"""`push-worker dlq list|show|redrive SUBSCRIPTION`: dead letters of one subscription.
+
+All three work on the fleet's cursor on the dead-letter topic (`push-worker-dlq`, see deadletter.py);
+only messages whose `pubsub.subscription` and `pubsub.original_topic` name this subscription are
+touched, so a dead-letter topic shared by several subscriptions is safe.
+
+`list` and `show` take messages from the cursor and release them unacked: they look, nothing moves.
+
+`redrive` runs the regular dispatcher over the cursor: each dead letter goes to this subscription's
+endpoint only (the original topic is not republished, so no other subscription sees it again), with
+a fresh attempt count, signed like any delivery, at `--rate` messages a second. Delivered: the dead
+letter is acked. Exhausted again: it is republished to the dead-letter topic (confirmed) and then
+acked. So a redrive that is interrupted resumes where it stopped, and loses nothing. Dead letters
+that arrive after the redrive started are left for the next one (it always ends).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pulsar
+import pulsar.asyncio as pulsar_async
+
+from worker import consumer as pulsar_adapter
+from worker import logs
+from worker.admin import Admin, Target, table, when
+from worker.attempts import AttemptStore, Pipeliner
+from worker.config import PulsarSettings
+from worker.deadletter import DLQ_CURSOR, DeadLetterPublisher
+from worker.delivery import Deliverer, make_session
+from worker.dispatcher import DeliveryContext, Dispatcher
+from worker.errors import ConfigError, NotFound
+from worker.messages import Envelope
+from worker.metrics import Metrics
+from worker.registry import Registry
+from worker.subscriptions import Subscription, is_push, parse_subscription
+
+QUIET_SECONDS = 2.0  # no message for this long: the cursor holds nothing more for us
+
+
+def is_for(sub: Subscription, message: pulsar.Message) -> bool:
+    props: dict[str, str] = message.properties()
+    return props.get("pubsub.subscription") == sub.name and props.get("pubsub.original_topic") == sub.topic
+
+
+def original_envelope(sub: Subscription, message: pulsar.Message) -> Envelope:
+    """The message as it was first delivered: original id (endpoints dedupe on it), time and attributes."""
+    props = dict(message.properties())
+    try:
+        published = int(props.get("pubsub.original_publish_time", ""))
+    except ValueError:
+        published = message.publish_timestamp()
+    return Envelope(
+        message_id=props.get("pubsub.original_message_id") or pulsar_adapter.message_id_of(message),
+        data=message.data() or b"",
+        topic=sub.topic,
+        publish_time_ms=published,
+        attributes={k: v for k, v in props.items() if not k.startswith("pubsub.")},
+        ordering_key=message.partition_key() or None,
+    )
+
+
+class RateLimit:
+    """At most `rate` releases a second, evenly spaced."""
+
+    def __init__(self, rate: float) -> None:
+        self.interval = 1.0 / rate
+        self.next_at = 0.0
+
+    async def wait(self) -> None:
+        now = time.monotonic()
+        self.next_at = max(self.next_at, now)
+        delay, self.next_at = self.next_at - now, self.next_at + self.interval
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+class DeadLetterSource:
+    """The cursor, seen by a dispatcher: only this subscription's dead letters from before `started_ms`,
+    rate-limited; once the cursor runs dry it sets `exhausted` and hands out nothing more."""
+
+    def __init__(self, consumer: pulsar_async.Consumer, sub: Subscription, rate: float, limit: int | None) -> None:
+        self.consumer, self.sub = consumer, sub
+        self.rate = RateLimit(rate)
+        self.limit = limit
+        self.started_ms = int(time.time() * 1000)
+        self.taken = 0
+        self.exhausted = asyncio.Event()
+
+    async def receive(self) -> pulsar.Message:
+        while not self.exhausted.is_set():
+            if self.limit is not None and self.taken >= self.limit:
+                break
+            try:
+                message = await asyncio.wait_for(self.consumer.receive(), QUIET_SECONDS)
+            except TimeoutError:
+                break
+            if is_for(self.sub, message) and message.publish_timestamp() <= self.started_ms:
+                await self.rate.wait()
+                self.taken += 1
+                return message
+            # someone else's, or newer than this redrive: left unacked, back to the cursor on close
+        self.exhausted.set()
+        await asyncio.Event().wait()  # nothing more; the redrive stops the dispatcher
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def acknowledge(self, message: Any) -> None:
+        await self.consumer.acknowledge(message)
+
+    async def close(self) -> None:
+        await self.consumer.close()
+
+
+class DeadLetters:
+    """The `dlq` commands for one fleet; each returns the text to print."""
+
+    def __init__(self, target: Target, as_json: bool = False) -> None:
+        self.target = target
+        self.as_json = as_json
+        self.pulsar_settings = PulsarSettings(service_url=target.pulsar("dlq"),
+                                              auth_token=target.settings.pulsar.auth_token,
+                                              tls_trust_certs_file=target.settings.pulsar.tls_trust_certs_file,
+                                              operation_timeout_seconds=15)
+
+    async def subscription(self, admin: Admin, name: str) -> Subscription:
+        key = await admin.existing(name)
+        sub = admin.static.get(key)
+        if sub is None:
+            definitions = await Registry(admin.client, self.target.fleet).definitions()
+            if key not in definitions:
+                raise ConfigError("dlq", name, "is not in the registry: pass --config with the worker.yaml "
+                                  "that defines it")
+            data = definitions[key]
+            if not is_push(data):
+                raise ConfigError("registry", name, "is not a push subscription")
+            sub = parse_subscription(data)
+        if not sub.dead_letter_topic:
+            raise ConfigError(f"subscription {sub.name!r}", "dead_letter.topic", "is not set: it has no dead letters")
+        return sub
+
+    @asynccontextmanager
+    async def _cursor(self, sub: Subscription, queue: int = 1000) -> AsyncIterator[pulsar_async.Consumer]:
+        client = pulsar_adapter.make_client(self.pulsar_settings, self.pulsar_settings.service_url or "")
+        try:
+            assert sub.dead_letter_topic is not None
+            consumer = await client.subscribe(sub.dead_letter_topic, DLQ_CURSOR,
+                                              consumer_type=pulsar.ConsumerType.Shared,
+                                              initial_position=pulsar.InitialPosition.Earliest,
+                                              receiver_queue_size=queue, consumer_name="push-worker-dlq-cli")
+            try:
+                yield consumer
+            finally:
+                await asyncio.wait_for(consumer.close(), timeout=5.0)
+        finally:
+            await asyncio.wait_for(client.close(), timeout=5.0)
+
+    async def _peek(self, sub: Subscription, limit: int) -> list[pulsar.Message]:
+        """Up to `limit` of this subscription's dead letters, oldest first; all released on return."""
+        found: list[pulsar.Message] = []
+        async with self._cursor(sub) as consumer:
+            while len(found) < limit:
+                try:
+                    message = await asyncio.wait_for(consumer.receive(), QUIET_SECONDS)
+                except TimeoutError:
+                    break
+                if is_for(sub, message):
+                    found.append(message)
+        return found
+
+    @staticmethod
+    def _summary(message: pulsar.Message) -> dict[str, Any]:
+        props = message.properties()
+        return {"dead_letter_id": pulsar_adapter.message_id_of(message),
+                "message_id": props.get("pubsub.original_message_id", ""),
+                "dead_lettered_at": when(message.publish_timestamp()),
+                "attempts": props.get("pubsub.delivery_attempts", ""),
+                "last_status": props.get("pubsub.last_status", ""), "bytes": len(message.data() or b"")}
+
+    async def list(self, admin: Admin, name: str, limit: int) -> str:
+        sub = await self.subscription(admin, name)
+        rows = [self._summary(m) for m in await self._peek(sub, limit)]
+        if self.as_json:
+            return json.dumps({"subscription": sub.key, "dead_letter_topic": sub.dead_letter_topic, "messages": rows})
+        if not rows:
+            return f"{sub.key}: no dead letters in {sub.dead_letter_topic}"
+        more = f"\n(first {limit} shown; --limit for more)" if len(rows) >= limit else ""
+        return f"{sub.key}: {len(rows)} dead letter(s) in {sub.dead_letter_topic}\n" + table(rows, list(rows[0])) + more
+
+    async def show(self, admin: Admin, name: str, message_id: str, limit: int) -> str:
+        """One dead letter (by its own id or its original id), with payload and attempt history."""
+        sub = await self.subscription(admin, name)
+        for message in await self._peek(sub, limit):
+            summary = self._summary(message)
+            if message_id in (summary["dead_letter_id"], summary["message_id"]):
+                data = message.data() or b""
+                try:
+                    text, encoding = data.decode("utf-8"), "utf-8"
+                except UnicodeDecodeError:
+                    text, encoding = base64.b64encode(data).decode("ascii"), "base64"
+                out = {**summary, "attributes": dict(message.properties()), "data": text, "data_encoding": encoding,
+                       "ordering_key": message.partition_key() or None}
+                try:
+                    history = await admin.show(summary["message_id"], sub.key)
+                except NotFound:
+                    history = ""
+                if self.as_json:
+                    return json.dumps({**out, "history": json.loads(history)["history"] if history else []})
+                lines = [f"{k}: {v}" for k, v in out.items()]
+                return "\n".join(lines) + ("\n\nattempts:\n" + history if history else "")
+        raise NotFound(f"no dead letter {message_id} for {sub.key} among the first {limit} (--limit to look further)")
+
+    async def redrive(self, admin: Admin, name: str, rate: float, limit: int | None, concurrency: int,
+                      progress: Callable[[str], None]) -> str:
+        sub = await self.subscription(admin, name)
+        # Redelivery ignores the original ordering (the messages failed out of order already).
+        sub = dataclasses.replace(sub, type="shared", max_ack_pending=concurrency)
+        settings = self.target.settings
+        pipeliner = Pipeliner(admin.client)
+        session = make_session(settings.destinations)
+        metrics = Metrics()
+        client = pulsar_adapter.make_client(self.pulsar_settings, self.pulsar_settings.service_url or "")
+        ctx = DeliveryContext(Deliverer(session, settings.destinations),
+                              AttemptStore(pipeliner, settings.redis.attempts_ttl_seconds,
+                                           history_ttl_seconds=settings.redis.history_ttl_seconds),
+                              DeadLetterPublisher(client), metrics, worker_id="dlq-redrive")
+        dispatcher: Dispatcher | None = None
+        started = time.monotonic()
+        try:
+            assert sub.dead_letter_topic is not None
+            consumer = await client.subscribe(sub.dead_letter_topic, DLQ_CURSOR,
+                                              consumer_type=pulsar.ConsumerType.Shared,
+                                              initial_position=pulsar.InitialPosition.Earliest,
+                                              receiver_queue_size=max(concurrency, 10),
+                                              consumer_name="push-worker-dlq-redrive")
+            source = DeadLetterSource(consumer, sub, rate, limit)
+            dispatcher = Dispatcher(sub, source, lambda m: original_envelope(sub, m), ctx)
+            dispatcher.start()
+            report = 0.0
+            while not (source.exhausted.is_set() and _settled(dispatcher) == source.taken):
+                await asyncio.sleep(0.1)
+                if time.monotonic() - report >= 1.0:
+                    report = time.monotonic()
+                    progress(_progress(sub, dispatcher, source, time.monotonic() - started))
+            result = {"subscription": sub.key, "redriven": dispatcher.stats.acked,
+                      "dead_lettered_again": dispatcher.stats.dead_lettered, "taken": source.taken,
+                      "seconds": round(time.monotonic() - started, 1)}
+        finally:
+            if dispatcher is not None:
+                await dispatcher.stop(grace=settings.shutdown_grace_seconds)
+            await ctx.dead_letters.close()
+            await asyncio.wait_for(client.close(), timeout=5.0)
+            await pipeliner.close()
+            await session.close()
+        if self.as_json:
+            return json.dumps(result)
+        return (f"{sub.key}: redrive done: {result['redriven']} delivered, {result['dead_lettered_again']} "
+                f"dead-lettered again, in {result['seconds']}s")
+
+
+def _settled(d: Dispatcher) -> int:
+    return d.stats.acked + d.stats.dead_lettered + d.stats.dropped
+
+
+def _progress(sub: Subscription, d: Dispatcher, source: DeadLetterSource, seconds: float) -> str:
+    done = _settled(d)
+    return (f"{sub.key}: {done} redriven ({d.stats.acked} delivered, {d.stats.dead_lettered} dead-lettered again), "
+            f"{source.taken - done} in progress, {done / max(seconds, 1e-9):.1f}/s")
+
+
+def stderr_progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+async def run(target: Target, action: str, name: str, as_json: bool, **options: Any) -> str:
+    logs.configure("auto", "warning")  # stdout carries the result (JSON with --json); logs go to stderr
+    admin = Admin(target, as_json=as_json)
+    dlq = DeadLetters(target, as_json=as_json)
+    try:
+        if action == "list":
+            return await dlq.list(admin, name, options["limit"])
+        if action == "show":
+            return await dlq.show(admin, name, options["message_id"], options["limit"])
+        return await dlq.redrive(admin, name, options["rate"], options.get("max_messages"),
+                                 options["concurrency"], stderr_progress)
+    finally:
+        await admin.close()
+
+
