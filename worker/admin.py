@@ -164,16 +164,9 @@ class Admin:
         await self.client.aclose()
 
     async def apply(self, path: str) -> str:
-        definitions = _load_definitions(path)
-        # Validate everything before writing anything: a bad file changes nothing.
-        from worker.subscriptions import parse_subscription
-
-        for i, d in enumerate(definitions):
-            parse_subscription(d, where=f"{path}[{i}]")
-        results = []
-        for d in definitions:
-            sub, what = await self.registry.apply(d)
-            results.append({"subscription": sub.key, "result": what})
+        """Validate everything before writing anything, and write atomically: a bad file changes nothing."""
+        results = [{"subscription": sub.key, "result": what}
+                   for sub, what in await self.registry.apply_all(_load_definitions(path))]
         if self.as_json:
             return json.dumps(results)
         return "\n".join(f"{r['subscription']}: {r['result']}" for r in results)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import io
 import time
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
@@ -15,6 +16,7 @@ from worker.destinations import DestinationPolicy, GuardedResolver, check_host
 from worker.errors import DestinationRefused
 from worker.messages import PushRequest
 
+STREAM_ABOVE = 256 * 1024  # request bodies larger than this are streamed
 RESPONSE_BODY_CAP = 64 * 1024  # read at most this much of an endpoint's answer, then drop the connection
 
 
@@ -120,6 +122,24 @@ def make_session(policy: DestinationPolicy, limit: int = 0) -> aiohttp.ClientSes
     )
 
 
+async def _read_capped(response: aiohttp.ClientResponse) -> None:
+    """Read the answer's body to its end or to the cap, whichever comes first, then stop (leaving the
+    connection to be dropped): an answer counts once it is complete within the deadline, and a huge
+    or endless body costs at most the cap. The body itself is not used."""
+    remaining = RESPONSE_BODY_CAP
+    while remaining > 0:
+        chunk = await response.content.read(remaining)
+        if not chunk:
+            return
+        remaining -= len(chunk)
+
+
+def _payload(body: bytes) -> bytes | io.BytesIO:
+    # aiohttp writes a large bytes body in one go (and warns that this can stall the loop); a file
+    # object is streamed in chunks, with the same Content-Length.
+    return io.BytesIO(body) if len(body) > STREAM_ABOVE else body
+
+
 class Deliverer:
     """Sends push requests over one shared session and classifies what comes back."""
 
@@ -151,13 +171,12 @@ class Deliverer:
         try:
             async with asyncio.timeout(deadline):
                 async with self.session.post(
-                    url, data=request.body, headers=request.headers, allow_redirects=False,
+                    url, data=_payload(request.body), headers=request.headers, allow_redirects=False,
                     timeout=aiohttp.ClientTimeout(total=None),
                 ) as response:
                     status = response.status
                     retry_after = parse_retry_after(response.headers.get("Retry-After"))
-                    # Read a bounded amount so a huge body cannot exhaust memory; it is not used.
-                    await response.content.read(RESPONSE_BODY_CAP)
+                    await _read_capped(response)
         except _Processing:
             return Outcome(Result.ACK, status=102, latency=time.monotonic() - started)
         except TimeoutError:
@@ -167,6 +186,9 @@ class Deliverer:
             return Outcome(Result.CONNECTION_ERROR, latency=time.monotonic() - started, detail=detail)
         except (aiohttp.ClientError, OSError, ValueError) as e:
             return Outcome(Result.CONNECTION_ERROR, latency=time.monotonic() - started, detail=type(e).__name__)
+        except Exception as e:  # an outcome, never an exception: one odd endpoint must not wedge a message
+            return Outcome(Result.CONNECTION_ERROR, latency=time.monotonic() - started,
+                           detail=f"unexpected {type(e).__name__}")
         latency = time.monotonic() - started
         if is_ack_status(status):
             return Outcome(Result.ACK, status=status, latency=latency)

@@ -17,8 +17,9 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.deliveries = Counter("pushworker_deliveries", "Delivery attempts by result "
-                                  "(ack, 1xx/3xx/4xx/5xx, timeout, connection_error)", (*SUB, "result"), registry=r)
+        self.deliveries = Counter("pushworker_deliveries", "Delivery attempts by result (ack, 1xx/3xx/4xx/5xx, "
+                                  "timeout, connection_error, payload_too_large, not_sent)", (*SUB, "result"),
+                                  registry=r)
         self.delivery_seconds = Histogram(
             "pushworker_delivery_duration_seconds", "Duration of one delivery attempt", SUB, registry=r,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))

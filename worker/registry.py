@@ -34,6 +34,21 @@ def _defaults(data: dict[str, Any]) -> dict[str, Any]:
     return {"type": data.get("type", "shared"), "start_from": data.get("start_from", "all"), "topic": data.get("topic")}
 
 
+def _change(sub: Subscription, current: bytes | str | None, data: dict[str, Any]) -> str:
+    """What writing `data` over `current` would be: created, updated or unchanged; refuses
+    changes to immutable fields."""
+    if current is None:
+        return "created"
+    old = orjson.loads(current)
+    if old == data:
+        return "unchanged"
+    for field in IMMUTABLE:
+        if _defaults(old)[field] != _defaults(data)[field]:
+            raise ConfigError(f"subscription {sub.name!r}", field,
+                              "is immutable after creation (delete and recreate to change it)")
+    return "updated"
+
+
 class Registry:
     """Read and write subscription definitions of one fleet."""
 
@@ -67,29 +82,38 @@ class Registry:
         return {text_of(k): orjson.loads(v) for k, v in raw.items()}
 
     async def apply(self, data: Any) -> tuple[Subscription, str]:
-        """Create or edit one subscription; returns it and `created`, `updated` or `unchanged`.
-        Validates fully first, refuses immutable changes, and writes atomically."""
-        sub = parse_subscription(data)
-        where = f"subscription {sub.name!r}"
+        """Create or edit one subscription; returns it and `created`, `updated` or `unchanged`."""
+        [result] = await self.apply_all([data])
+        return result
+
+    async def apply_all(self, definitions: list[Any]) -> list[tuple[Subscription, str]]:
+        """Create or edit subscriptions, all or nothing: every definition is validated, and checked
+        against what is stored (immutable fields), before one atomic write of all of them."""
+        subs = [parse_subscription(d, where=f"definition {i}") for i, d in enumerate(definitions)]
+        seen: set[str] = set()
+        for sub in subs:
+            if sub.key in seen:
+                raise ConfigError(f"subscription {sub.name!r}", "name", "is defined twice in this batch")
+            seen.add(sub.key)
         async with self.client.pipeline(transaction=True) as pipe:
             while True:
                 try:
                     await pipe.watch(self.hash)
-                    current = await pipe.hget(self.hash, sub.key)
-                    if current is not None:
-                        old = orjson.loads(current)
-                        if old == data:
-                            return sub, "unchanged"
-                        for field in IMMUTABLE:
-                            if _defaults(old)[field] != _defaults(data)[field]:
-                                raise ConfigError(where, field,
-                                                  "is immutable after creation (delete and recreate to change it)")
+                    results = []
+                    for sub, data in zip(subs, definitions, strict=True):
+                        current = await pipe.hget(self.hash, sub.key)
+                        results.append((sub, _change(sub, current, data)))
+                    changed = [(sub, data) for (sub, what), data in zip(results, definitions, strict=True)
+                               if what != "unchanged"]
+                    if not changed:
+                        return results
                     pipe.multi()  # type: ignore[no-untyped-call]
-                    pipe.hset(self.hash, sub.key, orjson.dumps(data))
+                    for sub, data in changed:
+                        pipe.hset(self.hash, sub.key, orjson.dumps(data))
                     pipe.incr(self.version_key)
                     pipe.publish(self.channel, b"registry")
                     await pipe.execute()
-                    return sub, "updated" if current is not None else "created"
+                    return results
                 except WatchError:
                     continue
 

@@ -125,7 +125,9 @@ class FieldReader:
         return float(value)
 
     def reject_unknown(self, allowed: set[str]) -> None:
-        unknown = sorted(str(k) for k in self.data if k not in allowed)
+        # repr() for keys that would not read clearly in a message (empty, spaces, not a string)
+        unknown = sorted(k if isinstance(k, str) and re.fullmatch(r"[\w.-]+", k) else repr(k)
+                         for k in self.data if k not in allowed)
         if unknown:
             raise self.fail(unknown[0], f"is not a known field (known: {', '.join(sorted(allowed))})")
 
@@ -195,6 +197,9 @@ def parse_subscription(data: Any, where: str = "") -> Subscription:
     name = r.text("name")
     if not NAME_PATTERN.match(name):
         raise r.fail("name", NAME_RULE)
+    display_name = data.get("display_name")
+    if display_name is not None and (not isinstance(display_name, str) or len(display_name) > 256):
+        raise r.fail("display_name", "must be a string of at most 256 characters")
     topic = r.text("topic")
     _, tenant, _, _ = _check_topic(r, "topic", topic)
 

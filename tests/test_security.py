@@ -1,0 +1,116 @@
+"""Endpoint security end to end: signed requests, bearer tokens, secrets that go missing, request
+size limits. Real broker, Redis, worker and endpoints."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import time
+
+from tests.conftest import Client, Endpoint, eventually, make_sub
+from worker.destinations import DestinationPolicy
+from worker.signing import SecretRef, verify
+
+NEW_SECRET = "whsec_" + base64.b64encode(b"new-secret-32-bytes-long-enough!").decode()
+OLD_SECRET = "old plain secret"
+
+
+def spec_signature(secret_key: bytes, headers: dict[str, str], body: bytes) -> str:
+    """The Standard Webhooks recipe, written out independently of worker.signing."""
+    signed = f"{headers['webhook-id']}.{headers['webhook-timestamp']}.".encode() + body
+    return "v1," + base64.b64encode(hmac.new(secret_key, signed, hashlib.sha256).digest()).decode()
+
+
+async def test_requests_are_signed_with_both_rotation_secrets_and_carry_the_bearer_token(
+        start_worker, endpoint: Endpoint, client: Client, topic, tmp_path, monkeypatch):
+    old_file = tmp_path / "old-secret"
+    old_file.write_text(OLD_SECRET + "\n")  # secret files usually end in a newline
+    monkeypatch.setenv("TEST_SIGNING_SECRET", NEW_SECRET)
+    monkeypatch.setenv("TEST_BEARER", "tok-123")
+    sub = make_sub(topic, endpoint.url, signing_secrets=(SecretRef(env="TEST_SIGNING_SECRET"),
+                                                         SecretRef(file=str(old_file))),
+                   bearer_token=SecretRef(env="TEST_BEARER"))
+    await start_worker(sub)
+    client.publish(topic, [b"hello"])
+    await eventually(lambda: len(endpoint.requests) == 1, what="delivery")
+    rec = endpoint.requests[0]
+    headers = {k.lower(): v for k, v in rec.headers.items()}
+
+    assert headers["authorization"] == "Bearer tok-123"
+    assert headers["webhook-id"] == rec.headers["Pubsub-Message-Id"]
+    assert abs(int(headers["webhook-timestamp"]) - time.time()) < 30
+    offered = headers["webhook-signature"].split(" ")
+    assert offered == [spec_signature(base64.b64decode(NEW_SECRET[6:]), headers, rec.body),
+                       spec_signature(OLD_SECRET.encode(), headers, rec.body)]
+    # An endpoint that knows only one of the two secrets accepts the request either way...
+    assert verify(NEW_SECRET.encode(), headers, rec.body) and verify(OLD_SECRET.encode(), headers, rec.body)
+    # ...and nothing else passes: another secret, a changed body, a replayed old timestamp.
+    assert not verify(b"someone else", headers, rec.body)
+    assert not verify(OLD_SECRET.encode(), headers, rec.body + b" ")
+    assert not verify(OLD_SECRET.encode(), headers, rec.body, now=time.time() + 3600)
+
+
+async def test_a_missing_secret_never_sends_unsigned_and_delivery_resumes_once_it_is_there(
+        start_worker, endpoint: Endpoint, client: Client, topic, monkeypatch):
+    monkeypatch.delenv("TEST_LATE_SECRET", raising=False)
+    sub = make_sub(topic, endpoint.url, max_deliver=1000, signing_secrets=(SecretRef(env="TEST_LATE_SECRET"),))
+    w = await start_worker(sub)
+    client.publish(topic, [b"x"])
+    await eventually(lambda: (w.metrics.registry.get_sample_value(
+        "pushworker_deliveries_total", {"project": sub.tenant, "subscription": sub.name, "result": "not_sent"})
+        or 0) >= 2, what="attempts that were not sent")
+    assert endpoint.requests == []
+    monkeypatch.setenv("TEST_LATE_SECRET", "now-here")
+    await eventually(lambda: w.dispatchers[sub.key].stats.acked == 1, what="delivered once the secret exists")
+    assert [verify(b"now-here", {k.lower(): v for k, v in r.headers.items()}, r.body) for r in endpoint.requests] \
+        == [True]
+
+
+async def test_a_request_over_the_size_limit_is_dead_lettered_at_once_and_others_flow(
+        start_worker, endpoint: Endpoint, client: Client, topic):
+    dlq = topic + "-dlq"
+    watcher = client.watch(dlq)
+    sub = make_sub(topic, endpoint.url, max_deliver=5, dead_letter_topic=dlq, content="raw")
+    w = await start_worker(sub, destinations=DestinationPolicy(allow_private=True, max_request_bytes=4096))
+    [big] = client.publish(topic, [b"B" * 5000])
+    small = client.publish(topic, [b"s%d" % i for i in range(5)])
+    stats = w.dispatchers[sub.key].stats
+    await eventually(lambda: stats.acked == 5 and stats.dead_lettered == 1, what="small delivered, big dead-lettered")
+    assert set(endpoint.by_id()) == set(small)  # the big one was never sent
+    [dead] = client.drain(watcher, 1)
+    props = dead.properties()
+    assert props["pubsub.original_message_id"] == big
+    assert (props["pubsub.last_status"], props["pubsub.delivery_attempts"]) == ("payload_too_large", "1")
+    assert dead.data() == b"B" * 5000
+
+
+async def test_hostile_messages_are_each_delivered_and_never_block_the_subscription(
+        start_worker, endpoint: Endpoint, client: Client, topic):
+    sub = make_sub(topic, endpoint.url, content="raw")
+    wrapped = make_sub(topic, endpoint.url, content="wrapped")
+    w = await start_worker(sub, wrapped)
+    producer = client.client.create_producer(topic, batching_enabled=False, chunking_enabled=False)
+    garbage = bytes(range(256)) * 64
+    cases = {
+        "empty": (b"", {}),
+        "garbage": (garbage, {"content-type": "text/plain\r\nX-Injected: 1"}),
+        "huge": (b"H" * (3 * 1024 * 1024), {}),
+        "many-attributes": (b"m", {f"a{i}": "v" * 20 for i in range(3000)}),
+        "hostile-attributes": (b"h", {"bad name": "x", "X-Evil\r\nInjected": "1", "ok": "line\r\nbreak",
+                                      "unicode-ä": "ü", "good": "fine"}),
+    }
+    ids = {}
+    for name, (data, props) in cases.items():
+        ids[name] = str(producer.send(data, properties=props, partition_key="ключ-\u0000-key"))
+    producer.close()
+    await eventually(lambda: all(d.stats.acked == len(cases) for d in w.dispatchers.values()), timeout=60,
+                     what="every hostile message delivered in both modes")
+    raw = [r for r in endpoint.requests if r.headers.get("Content-Type") != "application/json"]
+    assert sorted(len(r.body) for r in raw) == sorted(len(d) for d, _ in cases.values())
+    for r in endpoint.requests:
+        assert "X-Injected" not in r.headers and "Injected" not in " ".join(r.headers)
+    hostile = next(r for r in raw if r.body == b"h")
+    assert hostile.headers["Pubsub-Attr-good"] == "fine" and "Pubsub-Attr-ok" not in hostile.headers
+    many = next(r for r in raw if r.body == b"m")
+    assert sum(1 for h in many.headers if h.startswith("Pubsub-Attr-")) == 64  # capped, the rest counted
