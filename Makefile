@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench soak clean
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/push-worker bench
+
+soak: $(STAMP)
+	$(BIN)/push-worker soak --seconds $(or $(SOAK_SECONDS),60)
 
 clean:
 	rm -rf $(VENV) .push-worker .pytest_cache

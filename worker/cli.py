@@ -158,6 +158,12 @@ def _connection_args(p: argparse.ArgumentParser, broker: bool = False) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
+def _cmd_soak(args: argparse.Namespace) -> int:
+    from worker.soak import run_soak
+
+    return _run_loop(run_soak(args.seconds, args.workers, args.rate, args.hard_kills))
+
+
 def _cmd_bench_fleet(args: argparse.Namespace) -> int:
     from worker.fleet_bench import run
 
@@ -237,6 +243,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=3)
     p.add_argument("--lease-seconds", type=float, default=5.0)
     p.set_defaults(func=_cmd_bench_fleet)
+
+    p = cmds.add_parser("soak", help="a bounded run under mixed failures; reports delivered, duplicated, "
+                        "dead-lettered and lost (exit 1 if any was lost)")
+    p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--rate", type=float, default=40.0, help="messages a second")
+    p.add_argument("--hard-kills", action="store_true", help="restart workers with SIGKILL instead of SIGTERM")
+    p.set_defaults(func=_cmd_soak)
 
     p = cmds.add_parser("publish", help="publish one message (for trying things out)")
     p.add_argument("topic")
