@@ -118,6 +118,15 @@ BAD = [
     (dict(dead_letter__topic="persistent://p-other/main/dlq"), "dead_letter.topic", "tenant"),
     (dict(dead_letter__after_attempts=0), "dead_letter.after_attempts", "1..1000"),
     (dict(colour="red"), "colour", "not a known field"),
+    (dict(display_name=7), "display_name", "string"),
+    (dict(deliver__push__signing_secrets="plain"), "deliver.push.signing_secrets", "one secret, or two"),
+    (dict(deliver__push__signing_secrets=[{"env": "A"}] * 3), "deliver.push.signing_secrets", "two during a rotation"),
+    (dict(deliver__push__signing_secrets=["s3cret"]), "deliver.push.signing_secrets[0]", "{env: VARIABLE}"),
+    (dict(deliver__push__signing_secrets=[{"env": "A", "file": "/x"}]), "deliver.push.signing_secrets[0]",
+     "exactly one of env or file"),
+    (dict(deliver__push__signing_secrets=[{"env": "A B"}]), "deliver.push.signing_secrets[0].env",
+     "environment variable name"),
+    (dict(deliver__push__bearer_token="tok"), "deliver.push.bearer_token", "never go in the config"),
 ]
 
 
@@ -136,6 +145,10 @@ def test_top_level_rules():
     for doc, field in [({"http": {"port": 70000}}, "http.port"), ({"pulsar": {"service_url": "http://x"}},
                        "pulsar.service_url"), ({"subscriptions": {"a": 1}}, "subscriptions"),
                        ({"destinations": {"allow_private": "yes"}}, "destinations.allow_private"),
+                       ({"destinations": {"allow_cidrs": "10.0.0.0/8"}}, "destinations.allow_cidrs"),
+                       ({"destinations": {"allow_cidrs": ["10.0.0.1/8"]}}, "destinations.allow_cidrs[0]"),
+                       ({"destinations": {"max_request_bytes": 10}}, "destinations.max_request_bytes"),
+                       ({"redis": {"history_ttl_seconds": 0}}, "redis.history_ttl_seconds"),
                        ({"bogus": 1}, "bogus")]:
         with pytest.raises(ConfigError) as err:
             parse_settings(doc, env={})
@@ -184,3 +197,26 @@ def test_cli_refuses_private_destination_unless_allowed(tmp_path: Path):
     path.write_text(yaml.safe_dump(doc))
     result = _cli("check", "--config", str(path), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
+
+
+def test_allow_cidrs_opens_a_private_network_for_check(tmp_path: Path):
+    path = tmp_path / "worker.yaml"
+    doc = with_sub(deliver__push__url="http://127.0.0.1:9/hook")
+    doc["destinations"]["allow_cidrs"] = ["127.0.0.0/8"]
+    path.write_text(yaml.safe_dump(doc))
+    result = _cli("check", "--config", str(path), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+
+
+def test_check_refuses_a_secret_that_cannot_be_read(tmp_path: Path):
+    path = tmp_path / "worker.yaml"
+    path.write_text(yaml.safe_dump(with_sub(deliver__push__signing_secrets=[{"file": str(tmp_path / "nope")}],
+                                            deliver__push__bearer_token={"env": "PW_TEST_UNSET_TOKEN"})))
+    result = _cli("check", "--config", str(path), cwd=tmp_path)
+    assert result.returncode == 2
+    assert "deliver.push.signing_secrets[0]" in result.stderr and "cannot be read" in result.stderr
+    (tmp_path / "nope").write_text("s3cret\n")
+    result = _cli("check", "--config", str(path), cwd=tmp_path)
+    assert result.returncode == 2
+    assert "deliver.push.bearer_token" in result.stderr and "PW_TEST_UNSET_TOKEN" in result.stderr
+    assert "s3cret" not in result.stderr + result.stdout

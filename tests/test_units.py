@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import ipaddress
 import random
+from typing import Any
 
 import pytest
 
 from worker.backoff import retry_delay
+from worker.consumer import to_envelope
 from worker.delivery import is_ack_status, parse_retry_after
 from worker.destinations import DestinationPolicy
 from worker.dispatcher import lane_of
@@ -91,3 +93,31 @@ def test_lanes_per_type():
     assert lane_of(sub(type="key-shared"), keyed) == "k"
     assert lane_of(sub(type="key-shared"), plain) is None
     assert lane_of(sub(type="exclusive"), plain) == lane_of(sub(type="failover"), keyed) is not None
+
+
+class _UndecodableMessage:
+    """Stands in for a pulsar.Message whose key and properties are not UTF-8 (the Python client raises
+    UnicodeDecodeError on reading them); a pure unit test of to_envelope's handling."""
+
+    def message_id(self) -> Any:
+        class Mid:
+            def ledger_id(self) -> int: return 5
+            def entry_id(self) -> int: return 6
+            def partition(self) -> int: return -1
+            def batch_index(self) -> int: return -1
+        return Mid()
+
+    def _bad(self) -> Any:
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+    ordering_key = partition_key = properties = _bad
+
+    def data(self) -> bytes: return b"\xff\xfe"
+    def topic_name(self) -> str: return "persistent://p-a/main/t"
+    def publish_timestamp(self) -> int: return 1
+
+
+def test_an_undecodable_key_or_attributes_become_a_defect_not_an_exception():
+    env = to_envelope(_UndecodableMessage())  # type: ignore[arg-type]
+    assert env.message_id == "5:6:-1:-1" and env.data == b"\xff\xfe"
+    assert env.defect == "ordering key is not UTF-8; attributes are not UTF-8"
