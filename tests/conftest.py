@@ -74,6 +74,14 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[embedded.Servic
     service.stop()
 
 
+@pytest.fixture(scope="session")
+def partitioned_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[embedded.Service]:
+    """A broker whose topics have 3 partitions (created on first use)."""
+    service = embedded.start_pulsar(tmp_path_factory.mktemp("pulsar-partitioned"), default_partitions=3)
+    yield service
+    service.stop()
+
+
 @pytest.fixture
 def own_broker(tmp_path: Path) -> Iterator[embedded.Service]:
     """A broker of this test's own, for tests that restart it."""

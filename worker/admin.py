@@ -25,7 +25,7 @@ from worker import keys
 from worker.config import Settings, load_settings, parse_settings
 from worker.errors import ConfigError, NotFound
 from worker.fleet import lease_key, status_key
-from worker.registry import Registry, text_of
+from worker.registry import Registry, clear_state, text_of
 
 ENDPOINTS_FILE = "endpoints.json"
 
@@ -171,11 +171,22 @@ class Admin:
             return json.dumps(results)
         return "\n".join(f"{r['subscription']}: {r['result']}" for r in results)
 
-    async def delete(self, name: str) -> str:
-        key = await self.registry.resolve(name)
-        if not await self.registry.delete(key):
-            raise ConfigError("registry", name, "no such subscription")
-        return json.dumps({"subscription": key, "result": "deleted"}) if self.as_json else f"{key}: deleted"
+    async def delete(self, name: str | None, topic: str | None = None) -> str:
+        """Delete one subscription, or (`topic`) every subscription of a deleted topic; their owners
+        stop within a second or two and their Redis state is cleared."""
+        if topic is not None:
+            deleted = await self.registry.delete_topic(topic)
+        else:
+            assert name is not None
+            key = await self.registry.resolve(name)
+            if not await self.registry.delete(key):
+                raise ConfigError("registry", name, "no such subscription")
+            deleted = [key]
+        for key in deleted:  # the owner clears it too; this covers subscriptions no worker held
+            await clear_state(self.client, key)
+        if self.as_json:
+            return json.dumps([{"subscription": k, "result": "deleted"} for k in deleted])
+        return "\n".join(f"{k}: deleted" for k in deleted) or f"no subscriptions of {topic}"
 
     async def _row(self, key: str, definition: dict[str, Any], paused: set[str]) -> dict[str, Any]:
         owner = await self.client.get(lease_key(key))

@@ -105,7 +105,9 @@ def _cmd_subs(args: argparse.Namespace) -> int:
             if args.action == "apply":
                 print(await admin.apply(args.file))
             elif args.action == "delete":
-                print(await admin.delete(args.name))
+                if (args.name is None) == (args.topic is None):
+                    raise ConfigError("subs delete", "NAME", "give a subscription NAME or --topic TOPIC (not both)")
+                print(await admin.delete(args.name, args.topic))
             elif args.action == "list":
                 print(await admin.list())
             elif args.action in ("pause", "resume"):
@@ -193,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     subs = cmds.add_parser("subs", help="the live subscription registry").add_subparsers(dest="action", required=True)
     for action, help_text in (("apply", "create or edit subscriptions from a YAML file"),
-                              ("delete", "delete a subscription"),
+                              ("delete", "delete a subscription, or --topic T: every subscription of a deleted topic"),
                               ("list", "subscriptions with owner, state, counters"),
                               ("get", "one subscription's definition and status"),
                               ("pause", "stop delivery for one subscription; its backlog waits in the broker"),
@@ -202,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
         if action == "apply":
             p.add_argument("-f", "--file", required=True,
                            help="YAML: one subscription, a list, or {subscriptions: [...]}; - for stdin")
+        elif action == "delete":
+            p.add_argument("name", nargs="?", help="NAME or PROJECT/NAME")
+            p.add_argument("--topic", help="delete every subscription of this topic (the topic was deleted)")
         elif action != "list":
             p.add_argument("name", help="NAME or PROJECT/NAME")
         if action == "pause":

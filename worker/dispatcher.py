@@ -126,7 +126,7 @@ class Dispatcher:
         self.m = ctx.metrics.for_subscription(sub.tenant, sub.name)
         self.stats = Stats()
         self.window = Window(sub.max_ack_pending)
-        self.endpoint_limit = AdaptiveLimit(sub.max_ack_pending)
+        self.endpoint_limit = AdaptiveLimit(sub.concurrency)
         self._lanes: dict[str, deque[tuple[Any, Envelope]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._active: set[str] = set()  # message ids taken and not yet settled
@@ -144,7 +144,7 @@ class Dispatcher:
         """Apply an edit of mutable fields; a request under way keeps the values it started with."""
         self.sub = sub
         self.window.resize(sub.max_ack_pending)
-        self.endpoint_limit.set_ceiling(sub.max_ack_pending)
+        self.endpoint_limit.set_ceiling(sub.concurrency)
 
     async def stop(self, grace: float) -> None:
         """Stop intake; let requests under way finish within `grace`; release the rest to the broker."""
@@ -260,7 +260,8 @@ class Dispatcher:
             if not await self._fenced():
                 return
             record = await self.attempts.begin(sub.key, env.message_id)
-            if record.number > sub.max_deliver:
+            limit = sub.attempt_limit
+            if limit is not None and record.number > limit:
                 # Exhausted in an earlier life (crash before the dead-letter was confirmed): no new request.
                 await self._give_up(message, env, sub, record.number - 1, record.last_status or "unknown", [])
                 return
@@ -278,7 +279,7 @@ class Dispatcher:
                 return
             self.log.info("delivery failed", message_id=env.message_id, attempt=record.number,
                           status=outcome.last_status, detail=outcome.detail, latency=round(outcome.latency, 4))
-            if record.number >= sub.max_deliver or outcome.permanent:
+            if (limit is not None and record.number >= limit) or outcome.permanent:
                 await self._give_up(message, env, sub, record.number, outcome.last_status, [entry])
                 return
             await self.attempts.record(sub.key, env.message_id, [entry], settled=False, last_status=outcome.last_status)

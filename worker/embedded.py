@@ -113,12 +113,14 @@ def _spawn(argv: list[str], cwd: Path | None, log_path: Path | None) -> subproce
             log.close()
 
 
-def start_pulsar(state_dir: Path, port: int | None = None) -> Service:
-    """pulsar-lite; its metrics listener on a free loopback port (its default is 0.0.0.0:8080)."""
+def start_pulsar(state_dir: Path, port: int | None = None, default_partitions: int = 0) -> Service:
+    """pulsar-lite; its metrics listener on a free loopback port (its default is 0.0.0.0:8080).
+    `default_partitions` > 0 makes topics it creates on first use partitioned (for tests)."""
     state_dir.mkdir(parents=True, exist_ok=True)
     conf = state_dir / "pulsar-lite.toml"
     metrics_port = free_port()
-    conf.write_text(f'[metrics]\nenabled = true\naddr = "127.0.0.1:{metrics_port}"\n')
+    conf.write_text(f'default_partitions = {default_partitions}\n'
+                    f'[metrics]\nenabled = true\naddr = "127.0.0.1:{metrics_port}"\n')
     port = port or free_port()
     argv = [pulsar_lite_binary(), "--config", str(conf), "--addr", f"127.0.0.1:{port}",
             "--db-path", str((state_dir / "pulsar-data").absolute()),

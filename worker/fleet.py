@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 
 from worker import keys, logs
 from worker.config import FleetSettings
-from worker.registry import Registry, fleet_key
+from worker.registry import Registry, clear_state, fleet_key
 from worker.subscriptions import Subscription
 
 if TYPE_CHECKING:
@@ -35,6 +35,7 @@ redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 return redis.call('ZRANGE', KEYS[1], 0, -1)
 """
+DELETE_GRACE = 1.0  # seconds requests under way get when their subscription is deleted
 STATUS_EVERY = 5.0  # seconds between status refreshes for `subs list`
 _RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
@@ -213,13 +214,19 @@ class Fleet:
         self.log.info("subscription acquired", subscription=key)
 
     async def _hand_over(self, key: str) -> None:
-        """Deleted, paused, or now someone else's: drain, then release at once so the next owner starts."""
-        await self.worker.remove(key)
+        """Deleted, paused, or now someone else's: drain, then release at once so the next owner starts.
+        A deleted subscription (or one whose topic was deleted) stops within DELETE_GRACE and its Redis
+        state is cleared."""
+        deleted = key not in self.subscriptions
+        await self.worker.remove(key, grace=DELETE_GRACE if deleted else None)
         lease = self.leases.pop(key, None)
         if lease is not None:
             with contextlib.suppress(RedisError, OSError):
                 await self.client.eval(_RELEASE, 1, lease_key(key), self.me)
-        if key not in self.subscriptions or key in self.paused:
+        if deleted:
+            with contextlib.suppress(RedisError, OSError):
+                await clear_state(self.client, key)
+        elif key in self.paused:
             with contextlib.suppress(RedisError, OSError):
                 await self.client.delete(status_key(key))
         self.log.info("subscription paused" if key in self.paused else "subscription released", subscription=key)

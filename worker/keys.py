@@ -19,3 +19,8 @@ def message_key(subscription_key: str, message_id: str) -> str:
 def history_key(subscription_key: str, message_id: str) -> str:
     """Attempt history of one message in one subscription: a capped list of JSON entries."""
     return f"{PREFIX}:{tag(subscription_key)}:h:{message_id}"
+
+
+def pattern(subscription_key: str) -> str:
+    """A SCAN pattern for every key of one subscription (all in one cluster slot)."""
+    return f"{PREFIX}:{tag(subscription_key)}:*"

@@ -16,6 +16,7 @@ import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
+from worker import keys
 from worker.errors import ConfigError
 from worker.subscriptions import Subscription, is_push, parse_subscription
 
@@ -47,6 +48,28 @@ def _change(sub: Subscription, current: bytes | str | None, data: dict[str, Any]
             raise ConfigError(f"subscription {sub.name!r}", field,
                               "is immutable after creation (delete and recreate to change it)")
     return "updated"
+
+
+def _topic_of(value: bytes | str) -> Any:
+    try:
+        data = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return None
+    return data.get("topic") if isinstance(data, dict) else None
+
+
+async def clear_state(client: aioredis.Redis, key: str) -> int:
+    """Delete every Redis key of one subscription (attempt counters, histories, status, lease)."""
+    removed = 0
+    batch: list[bytes] = []
+    async for name in client.scan_iter(match=keys.pattern(key), count=1000):
+        batch.append(name)
+        if len(batch) >= 500:
+            removed += await client.delete(*batch)
+            batch = []
+    if batch:
+        removed += await client.delete(*batch)
+    return removed
 
 
 class Registry:
@@ -131,6 +154,26 @@ class Registry:
             pipe.publish(self.channel, b"paused")
             changed, _, _ = await pipe.execute()
         return bool(changed)
+
+    async def delete_topic(self, topic: str) -> list[str]:
+        """What the control plane does when a topic is deleted: delete every subscription of it, at once."""
+        async with self.client.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(self.hash)
+                    raw = await pipe.hgetall(self.hash)
+                    doomed = sorted(text_of(k) for k, v in raw.items() if _topic_of(v) == topic)
+                    if not doomed:
+                        return []
+                    pipe.multi()  # type: ignore[no-untyped-call]
+                    pipe.hdel(self.hash, *doomed)
+                    pipe.srem(self.paused_key, *doomed)
+                    pipe.incr(self.version_key)
+                    pipe.publish(self.channel, b"registry")
+                    await pipe.execute()
+                    return doomed
+                except WatchError:
+                    continue
 
     async def delete(self, key: str) -> bool:
         async with self.client.pipeline(transaction=True) as pipe:

@@ -199,6 +199,9 @@ class Worker:
         dispatcher = self.dispatchers.pop(key, None)
         if dispatcher is not None:
             await dispatcher.stop(self.settings.shutdown_grace_seconds if grace is None else grace)
+            topic = dispatcher.sub.dead_letter_topic
+            if topic and all(d.sub.dead_letter_topic != topic for d in self.dispatchers.values()):
+                await self.dead_letters.forget(topic)  # its producer is no longer needed here
 
     # -- run / stop ------------------------------------------------------------------------
 

@@ -44,13 +44,24 @@ class Subscription:
     type: str = "shared"
     content: str = "wrapped"
     ack_deadline_seconds: int = 30
-    max_deliver: int = 5
+    max_deliver: int = 5  # -1: retry forever; 0: dead-letter on the first failure, no retry
     max_ack_pending: int = 1000
+    max_concurrency: int | None = None  # cap on requests in flight, below max_ack_pending
     start_from: str = "all"
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     dead_letter_topic: str | None = None
     signing_secrets: tuple[SecretRef, ...] = ()  # one, or two during a rotation
     bearer_token: SecretRef | None = None
+
+    @property
+    def attempt_limit(self) -> int | None:
+        """Attempts before giving up; None: never give up (`max_deliver: -1`)."""
+        return None if self.max_deliver < 0 else max(1, self.max_deliver)
+
+    @property
+    def concurrency(self) -> int:
+        """The most requests in flight at once."""
+        return min(self.max_ack_pending, self.max_concurrency or self.max_ack_pending)
 
     @property
     def tenant(self) -> str:
@@ -193,7 +204,7 @@ def parse_subscription(data: Any, where: str = "") -> Subscription:
     where = f"subscription {name_value!r}" if isinstance(name_value, str) else (where or "subscription")
     r = FieldReader(where, data)
     r.reject_unknown({"name", "topic", "type", "ack_deadline_seconds", "max_deliver", "max_ack_pending",
-                      "start_from", "retry", "deliver", "dead_letter", "display_name"})
+                      "max_concurrency", "start_from", "retry", "deliver", "dead_letter", "display_name"})
     name = r.text("name")
     if not NAME_PATTERN.match(name):
         raise r.fail("name", NAME_RULE)
@@ -220,7 +231,7 @@ def parse_subscription(data: Any, where: str = "") -> Subscription:
     if hi < lo:
         raise retry.fail("max_backoff_seconds", f"must be >= min_backoff_seconds ({lo:g})")
 
-    max_deliver = r.integer("max_deliver", 5, 1, 1000)
+    max_deliver = r.integer("max_deliver", 5, -1, 1000)
     dead_letter_topic = None
     if r.has("dead_letter"):
         dl = r.sub("dead_letter")
@@ -234,7 +245,7 @@ def parse_subscription(data: Any, where: str = "") -> Subscription:
             if dl_tenant != tenant:
                 raise dl.fail("topic", f"must be in the subscription's project tenant {tenant!r}")
         if dl.has("after_attempts"):
-            max_deliver = dl.integer("after_attempts", max_deliver, 1, 1000)
+            max_deliver = dl.integer("after_attempts", max_deliver, -1, 1000)
 
     return Subscription(
         name=name,
@@ -245,6 +256,7 @@ def parse_subscription(data: Any, where: str = "") -> Subscription:
         ack_deadline_seconds=r.integer("ack_deadline_seconds", 30, 1, 600),
         max_deliver=max_deliver,
         max_ack_pending=r.integer("max_ack_pending", 1000, 1, 100_000),
+        max_concurrency=r.integer("max_concurrency", 0, 1, 10_000) if r.has("max_concurrency") else None,
         start_from=r.choice("start_from", START_FROM, "all"),
         retry=RetryPolicy(lo, hi),
         dead_letter_topic=dead_letter_topic,
