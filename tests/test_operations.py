@@ -18,13 +18,13 @@ from worker.config import Settings, load_settings
 from worker.subscriptions import RetryPolicy
 
 
-async def cli(*args: str) -> tuple[int, str, str]:
+async def cli(*args: str, stdin: str | None = None) -> tuple[int, str, str]:
     """`push-worker ARGS` as a separate process; (exit code, stdout, stderr)."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "worker.cli", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env={k: v for k, v in os.environ.items() if not k.startswith("PUSH_WORKER_")})
+        stdin=asyncio.subprocess.PIPE, env={k: v for k, v in os.environ.items() if not k.startswith("PUSH_WORKER_")})
     try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
+        out, err = await asyncio.wait_for(proc.communicate(stdin.encode() if stdin else b""), timeout=60)
     except TimeoutError:
         proc.kill()
         out, err = await proc.communicate()

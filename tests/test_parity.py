@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -12,7 +13,8 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from tests.conftest import Client, Endpoint, eventually, make_sub
-from tests.test_operations import cli
+from tests.test_operations import cli, push_sub, worker_yaml
+from worker.config import FleetSettings, PulsarSettings
 from worker.registry import Registry
 from worker.subscriptions import RetryPolicy
 
@@ -159,3 +161,100 @@ async def test_partitioned_topic_keeps_order_per_partition_and_dead_letters_with
     for partition in ("0", "1", "2"):
         entries = [int(m.split(":")[1]) for m in acked if m.split(":")[2] == partition]
         assert entries == sorted(entries) and entries, partition  # in order within each partition
+
+
+# -- lifecycle: seek, Error, Expired ---------------------------------------------------------------
+
+def state_of(w, sub_key: str) -> str | None:
+    project, name = sub_key.split("/", 1)
+    for metric in w.metrics.registry.collect():
+        if metric.name == "pushworker_subscription_state":
+            for sample in metric.samples:
+                if sample.labels["project"] == project and sample.labels["subscription"] == name and sample.value:
+                    return str(sample.labels["state"])
+    return None
+
+
+async def test_seek_redelivers_from_the_chosen_time_with_fresh_attempt_counts(
+        start_worker, endpoint: Endpoint, client: Client, topic, redis_url, broker, tmp_path):
+    stuck = True
+    endpoint.behaviour = lambda rec: web.Response(status=500 if stuck and rec.body_payload == b"stuck" else 204)
+    config, settings = worker_yaml(tmp_path, broker.url, redis_url, push_sub(
+        "rewind-me", topic, endpoint.url, max_deliver=-1, retry={"min_backoff_seconds": 0.2,
+                                                                 "max_backoff_seconds": 0.2}))
+    [sub] = settings.subscriptions
+    w = await start_worker(sub)
+    early = client.publish(topic, [b"early-%d" % i for i in range(3)])
+    await eventually(lambda: set(early) <= set(endpoint.by_id()), what="early batch delivered")
+    mark_ms = int(time.time() * 1000) + 50
+    await eventually(lambda: time.time() * 1000 > mark_ms + 50, what="clock past the mark")
+    late = client.publish(topic, [b"late-%d" % i for i in range(3)] + [b"stuck"])
+    await eventually(lambda: len(endpoint.by_id().get(late[-1], [])) >= 3, what="stuck message retried")
+    assert state_of(w, sub.key) == "Active"
+
+    before = len(endpoint.requests)
+    code, out, err = await cli("subs", "seek", sub.name, "--to", str(mark_ms), "--config", config, "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["by"] == "w0" and result["attempt_counters_reset"] >= 1
+    stuck = False
+    await eventually(lambda: set(late) <= {r.headers["Pubsub-Message-Id"] for r in endpoint.requests[before:]
+                                           if r.acked}, what="the late batch delivered again")
+    again = endpoint.requests[before:]
+    assert not set(early) & {r.headers["Pubsub-Message-Id"] for r in again}  # only from the chosen time
+    for mid in late:  # counts start again: the stuck one was at 3 or more before the seek
+        assert "1" in [r.headers["Pubsub-Delivery-Attempt"] for r in again if r.headers["Pubsub-Message-Id"] == mid]
+
+    # Paused: nobody holds it, so the command moves the cursor itself; resume delivers from there.
+    assert (await cli("subs", "pause", sub.name, "--config", config))[0] == 0
+    before = len(endpoint.requests)
+    code, out, err = await cli("subs", "seek", sub.name, "--to-earliest", "--config", config)
+    assert code == 0 and "this command" in out, err
+    assert (await cli("subs", "resume", sub.name, "--config", config))[0] == 0
+    await eventually(lambda: set(early + late) <= {r.headers["Pubsub-Message-Id"] for r in endpoint.requests[before:]},
+                     what="everything again from the earliest")
+
+    code, _, err = await cli("subs", "seek", sub.name, "--to", "yesterday", "--config", config)
+    assert code == 2 and "--to" in err
+
+
+async def test_a_failing_endpoint_puts_the_subscription_in_error_and_recovery_clears_it(
+        start_worker, endpoint: Endpoint, client: Client, topic):
+    healthy = False
+    endpoint.behaviour = lambda rec: web.Response(status=204 if healthy else 502)
+    sub = make_sub(topic, endpoint.url, max_deliver=-1, retry=RetryPolicy(0.05, 0.1))
+    w = await start_worker(sub, fleet=FleetSettings(error_after_seconds=1.0))
+    client.publish(topic, [b"x"])
+    await eventually(lambda: state_of(w, sub.key) == "Error", what="Error after 1 s of failures")
+    assert "endpoint failing" in w.dispatchers[sub.key].state_reason and "502" in w.dispatchers[sub.key].state_reason
+    healthy = True
+    await eventually(lambda: state_of(w, sub.key) == "Active", what="Active again")
+
+
+async def test_a_backlog_over_the_threshold_for_long_enough_expires_the_subscription(
+        broker, start_worker, endpoint: Endpoint, client: Client, topic, redis_url):
+    endpoint.behaviour = lambda rec: web.Response(status=500)
+    definition = {"name": "expiring", "topic": topic, "max_deliver": -1, "max_ack_pending": 1,
+                  "retry": {"min_backoff_seconds": 1, "max_backoff_seconds": 1},
+                  "deliver": {"mode": "push", "push": {"url": endpoint.url}}}
+    redis = aioredis.Redis.from_url(redis_url)
+    await Registry(redis, "default").apply(definition)
+    w = await start_worker(pulsar=PulsarSettings(service_url=broker.url, metrics_url=broker.metrics_url,
+                                                 backlog_interval_seconds=0.5),
+                           fleet=FleetSettings(expire_backlog=5, expire_after_seconds=1.0))
+    key = "p-test/expiring"
+    client.publish(topic, [b"%d" % i for i in range(20)])
+    await eventually(lambda: state_of(w, key) == "Expired", timeout=45, what="Expired")
+    assert key not in w.dispatchers
+    code, out, _ = await cli("subs", "list", "--redis-url", redis_url, "--json")
+    assert [r["state"] for r in json.loads(out) if r["name"] == "expiring"] == ["Expired"]
+    for args in (("subs", "pause", "expiring"),
+                 ("subs", "seek", "expiring", "--to-latest", "--service-url", broker.url)):
+        code, _, err = await cli(*args, "--redis-url", redis_url)
+        assert code == 2 and "Expired: only deletion is allowed" in err, err
+    code, _, err = await cli("subs", "apply", "-f", "-", "--redis-url", redis_url, stdin=json.dumps(definition))
+    assert code == 2 and "Expired: only deletion is allowed" in err, err
+    code, out, err = await cli("subs", "delete", "expiring", "--redis-url", redis_url)
+    assert code == 0, err
+    await eventually(lambda: state_of(w, key) is None, what="state metric gone after deletion")
+    await redis.aclose()

@@ -13,6 +13,7 @@ import asyncio
 import json
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,11 +22,14 @@ from typing import Any
 import redis.asyncio as aioredis
 import yaml
 
-from worker import keys
-from worker.config import Settings, load_settings, parse_settings
-from worker.errors import ConfigError, NotFound
+from worker import keys, lifecycle
+from worker.config import PulsarSettings, Settings, load_settings, parse_settings
+from worker.dispatcher import State
+from worker.errors import ConfigError, NotFound, PushWorkerError
 from worker.fleet import lease_key, status_key
+from worker.lifecycle import SeekTarget
 from worker.registry import Registry, clear_state, text_of
+from worker.subscriptions import Subscription, is_push, parse_subscription
 
 ENDPOINTS_FILE = "endpoints.json"
 
@@ -123,9 +127,63 @@ class Admin:
         raise ConfigError("registry", name, "no such subscription (not in the registry, the given config, "
                           "or served by a worker)")
 
+    async def definition(self, name: str) -> Subscription:
+        """A subscription's definition, from the given config or the registry."""
+        key = await self.existing(name)
+        sub = self.static.get(key)
+        if sub is not None:
+            return sub
+        definitions = await self.registry.definitions()
+        if key not in definitions:
+            raise ConfigError("registry", name, "is not in the registry: pass --config with the worker.yaml "
+                              "that defines it")
+        if not is_push(definitions[key]):
+            raise ConfigError("registry", name, "is not a push subscription")
+        return parse_subscription(definitions[key])
+
+    async def seek(self, name: str, target: SeekTarget, pulsar: PulsarSettings, wait: float = 60.0) -> str:
+        """Move the subscription's cursor (through the worker serving it, or directly when none does)
+        and reset its attempt counts."""
+        key = await self.existing(name)
+        await self.registry.refuse_if_expired(key, "seek")
+        request_id = uuid.uuid4().hex
+        owner = await self.client.get(lease_key(key))
+        if owner:
+            await lifecycle.request_seek(self.client, self.registry.channel, key, target, request_id)
+            deadline = time.monotonic() + wait
+            while (result := await lifecycle.seek_result(self.client, key, request_id)) is None:
+                if time.monotonic() > deadline:
+                    raise PushWorkerError(f"{key}: worker {text_of(owner)} did not answer the seek within "
+                                          f"{wait:g}s (the request stays for {lifecycle.SEEK_TTL_SECONDS}s)")
+                await asyncio.sleep(0.2)
+        else:
+            sub = await self.definition(name)
+            await self._seek_directly(sub, target, pulsar)
+            result = {"status": "done", "worker": "this command (no worker serves it)",
+                      "forgotten_attempts": await lifecycle.forget_attempts(self.client, key)}
+        if result.get("status") != "done":
+            raise PushWorkerError(f"{key}: seek failed on {result.get('worker')}: {result.get('error')}")
+        out = {"subscription": key, "result": "sought", "to": target.describe(), "by": result["worker"],
+               "attempt_counters_reset": result.get("forgotten_attempts", 0)}
+        if self.as_json:
+            return json.dumps(out)
+        return (f"{key}: sought to {target.describe()} by {out['by']}; "
+                f"{out['attempt_counters_reset']} attempt counter(s) reset")
+
+    @staticmethod
+    async def _seek_directly(sub: Subscription, target: SeekTarget, settings: PulsarSettings) -> None:
+        from worker import consumer as pulsar_adapter
+
+        client = pulsar_adapter.make_client(settings, settings.service_url or "")
+        try:
+            await lifecycle.seek_with_own_consumer(client, sub, target)
+        finally:
+            await asyncio.wait_for(client.close(), timeout=5.0)
+
     async def pause(self, name: str, paused: bool, wait: float) -> str:
         """Pause or resume; a pause returns once no worker delivers for it any more (up to `wait` s)."""
         key = await self.existing(name)
+        await self.registry.refuse_if_expired(key, "pause" if paused else "resume")
         changed = await self.registry.set_paused(key, paused)
         what = ("paused" if paused else "resumed") if changed else ("already paused" if paused else "not paused")
         owner = None
@@ -188,28 +246,34 @@ class Admin:
             return json.dumps([{"subscription": k, "result": "deleted"} for k in deleted])
         return "\n".join(f"{k}: deleted" for k in deleted) or f"no subscriptions of {topic}"
 
-    async def _row(self, key: str, definition: dict[str, Any], paused: set[str]) -> dict[str, Any]:
+    async def _row(self, key: str, definition: dict[str, Any], held_back: dict[str, str]) -> dict[str, Any]:
         owner = await self.client.get(lease_key(key))
         status = {text_of(k): text_of(v) for k, v in (await self.client.hgetall(status_key(key))).items()}
         project, name = key.split("/", 1)
-        state = "paused" if key in paused else status.get("state", "unowned" if not owner else "starting")
+        state = held_back.get(key) or status.get("state") or ("Starting" if owner else "Unowned")
         return {
             "project": project, "name": name, "type": definition.get("type", "shared"),
             "owner": text_of(owner) if owner else "-",
-            "state": state,
+            "state": state, "reason": status.get("reason", "") if key not in held_back else "",
             "acked": int(status.get("acked", 0)), "retried": int(status.get("retried", 0)),
             "dead_lettered": int(status.get("dead_lettered", 0)), "unsettled": int(status.get("unsettled", 0)),
         }
 
+    async def _held_back(self) -> dict[str, str]:
+        """Keys no worker serves on purpose, with their state."""
+        out = dict.fromkeys(await self.registry.paused(), str(State.PAUSED))
+        out.update(dict.fromkeys(await self.registry.expired(), str(State.EXPIRED)))
+        return out
+
     async def list(self) -> str:
         definitions = await self.registry.definitions()
-        paused = await self.registry.paused()
-        rows = [await self._row(k, d, paused) for k, d in sorted(definitions.items())]
+        held_back = await self._held_back()
+        rows = [await self._row(k, d, held_back) for k, d in sorted(definitions.items())]
         if self.as_json:
             return json.dumps(rows)
         if not rows:
             return "no subscriptions in the registry"
-        return table(rows, ["project", "name", "type", "owner", "state", "acked", "retried", "dead_lettered",
+        return table(rows, ["project", "name", "type", "owner", "state", "reason", "acked", "retried", "dead_lettered",
                              "unsettled"])
 
     async def get(self, name: str) -> str:
@@ -218,5 +282,5 @@ class Admin:
         if key not in definitions:
             raise ConfigError("registry", name, "no such subscription")
         out = {"definition": definitions[key], "status": await self._row(key, definitions[key],
-                                                                         await self.registry.paused())}
+                                                                         await self._held_back())}
         return json.dumps(out) if self.as_json else yaml.safe_dump(out, sort_keys=False).rstrip()

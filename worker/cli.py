@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
 import sys
 from collections.abc import Coroutine, Sequence
+from datetime import datetime
 from typing import Any, TypeVar
 
 from worker import logs
@@ -97,7 +99,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_subs(args: argparse.Namespace) -> int:
     from worker.admin import Admin, locate
 
-    target = locate(args.config, redis_url=args.redis_url)
+    target = locate(args.config, redis_url=args.redis_url, pulsar_url=getattr(args, "service_url", None))
 
     async def go() -> int:
         admin = Admin(target, as_json=args.json)
@@ -112,6 +114,9 @@ def _cmd_subs(args: argparse.Namespace) -> int:
                 print(await admin.list())
             elif args.action in ("pause", "resume"):
                 print(await admin.pause(args.name, args.action == "pause", args.wait))
+            elif args.action == "seek":
+                pulsar = dataclasses.replace(target.settings.pulsar, service_url=target.pulsar("subs seek"))
+                print(await admin.seek(args.name, _seek_target(args), pulsar))
             else:
                 print(await admin.get(args.name))
         finally:
@@ -119,6 +124,26 @@ def _cmd_subs(args: argparse.Namespace) -> int:
         return 0
 
     return asyncio.run(go())
+
+
+def _seek_target(args: argparse.Namespace) -> Any:
+    from worker.lifecycle import SeekTarget
+
+    if args.to_earliest:
+        return SeekTarget("earliest")
+    if args.to_latest:
+        return SeekTarget("latest")
+    value = args.to
+    if value.isdigit():
+        return SeekTarget(int(value))
+    try:
+        when = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise ConfigError("subs seek", "--to", f"must be an RFC 3339 time or ms since the epoch (got {value!r})") \
+            from None
+    if when.tzinfo is None:
+        raise ConfigError("subs seek", "--to", "must carry a time zone, e.g. 2026-11-30T08:00:00Z")
+    return SeekTarget(int(when.timestamp() * 1000))
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
@@ -199,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
                               ("list", "subscriptions with owner, state, counters"),
                               ("get", "one subscription's definition and status"),
                               ("pause", "stop delivery for one subscription; its backlog waits in the broker"),
-                              ("resume", "restart delivery of a paused subscription")):
+                              ("resume", "restart delivery of a paused subscription"),
+                              ("seek", "rewind or fast-forward the subscription's cursor; attempt counts reset")):
         p = subs.add_parser(action, help=help_text)
         if action == "apply":
             p.add_argument("-f", "--file", required=True,
@@ -214,7 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
                            help="seconds to wait for the owner to finish requests under way (default 60)")
         else:
             p.set_defaults(wait=0.0)
-        _connection_args(p)
+        if action == "seek":
+            where = p.add_mutually_exclusive_group(required=True)
+            where.add_argument("--to", help="RFC 3339 time (2026-11-30T08:00:00Z) or ms since the epoch")
+            where.add_argument("--to-earliest", action="store_true", help="the oldest message kept")
+            where.add_argument("--to-latest", action="store_true", help="skip everything published so far")
+        _connection_args(p, broker=action == "seek")
         p.set_defaults(func=_cmd_subs)
 
     p = cmds.add_parser("show", help="a message's delivery attempts in one subscription")

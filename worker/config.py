@@ -65,6 +65,9 @@ class FleetSettings:
     name: str = "default"
     lease_seconds: float = 10.0
     heartbeat_seconds: float = 1.0
+    error_after_seconds: float = 300.0  # endpoint failing every attempt this long: state Error
+    expire_backlog: int = 10_000  # backlog at or above this...
+    expire_after_seconds: float = 3600.0  # ...for this long: state Expired (the platform docs' policy)
 
 
 @dataclass(frozen=True)
@@ -158,7 +161,8 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
     destinations = _destinations(r.sub("destinations"))
 
     f = r.sub("fleet")
-    f.reject_unknown({"name", "lease_seconds", "heartbeat_seconds"})
+    f.reject_unknown({"name", "lease_seconds", "heartbeat_seconds", "error_after_seconds", "expire_backlog",
+                      "expire_after_seconds"})
     fleet_name = env.get("PUSH_WORKER_FLEET") or f.text("name", "default")
     if not NAME_PATTERN.match(fleet_name):
         raise f.fail("name", NAME_RULE)
@@ -166,7 +170,10 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
     heartbeat = f.number("heartbeat_seconds", 1.0, 0.1, 60.0)
     if heartbeat * 2 > lease:
         raise f.fail("heartbeat_seconds", f"must be at most half of lease_seconds ({lease:g})")
-    fleet = FleetSettings(fleet_name, lease, heartbeat)
+    fleet = FleetSettings(fleet_name, lease, heartbeat,
+                          error_after_seconds=f.number("error_after_seconds", 300.0, 0.0, 86400.0),
+                          expire_backlog=f.integer("expire_backlog", 10_000, 1, 10**12),
+                          expire_after_seconds=f.number("expire_after_seconds", 3600.0, 1.0, 30 * 86400.0))
 
     log = r.sub("log")
     log.reject_unknown({"format", "level"})

@@ -72,7 +72,8 @@ def to_envelope(msg: pulsar.Message) -> Envelope:
     )
 
 
-async def subscribe(client: pulsar_async.Client, sub: Subscription, consumer_name: str) -> pulsar_async.Consumer:
+async def subscribe(client: pulsar_async.Client, sub: Subscription, consumer_name: str,
+                    receiver_queue_size: int | None = None) -> pulsar_async.Consumer:
     """The subscription's one consumer. The prefetch queue is bounded by `max_ack_pending`."""
     return await client.subscribe(
         sub.topic,
@@ -80,7 +81,7 @@ async def subscribe(client: pulsar_async.Client, sub: Subscription, consumer_nam
         consumer_type=CONSUMER_TYPES[sub.type],
         initial_position=(pulsar.InitialPosition.Earliest if sub.start_from == "all"
                           else pulsar.InitialPosition.Latest),
-        receiver_queue_size=max(1, min(sub.max_ack_pending, 1000)),
+        receiver_queue_size=receiver_queue_size or max(1, min(sub.max_ack_pending, 1000)),
         consumer_name=consumer_name,
         negative_ack_redelivery_delay_ms=1000,
     )

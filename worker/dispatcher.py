@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -30,7 +31,18 @@ from worker.subscriptions import Subscription
 
 _SINGLE_LANE = "\x00total-order"
 CLOSE_TIMEOUT = 5.0  # seconds a broker close may take before shutdown goes on without it
-FAILING_AFTER = 20  # failed attempts in a row before a subscription shows an error state
+ERROR_AFTER_SECONDS = 300.0  # an endpoint failing every attempt for this long puts the subscription in Error
+ERROR_MIN_FAILURES = 3
+
+
+class State(enum.StrEnum):
+    """Subscription states as the platform docs name them (Paused and Expired are the fleet's)."""
+
+    ACTIVE = "Active"
+    ERROR = "Error"
+    SEEKING = "Seeking"
+    PAUSED = "Paused"
+    EXPIRED = "Expired"
 
 
 class ConsumerLike(Protocol):
@@ -38,6 +50,7 @@ class ConsumerLike(Protocol):
 
     async def receive(self) -> Any: ...
     async def acknowledge(self, message: Any) -> None: ...
+    async def unsubscribe(self) -> None: ...
     async def close(self) -> None: ...
 
 
@@ -115,8 +128,11 @@ class Dispatcher:
         self.sub = sub
         self.ctx = ctx
         self.may_deliver = may_deliver or (lambda: True)
+        self.error_after = ERROR_AFTER_SECONDS
         self._failures_in_row = 0
+        self._failing_since = 0.0
         self._last_failure = ""
+        self._reported_state = State.ACTIVE
         self.consumer = consumer
         self.to_envelope = to_envelope
         self.deliverer = ctx.deliverer
@@ -138,6 +154,8 @@ class Dispatcher:
 
     def start(self) -> None:
         self.m.owned.set(1)
+        self._reported_state = self.state
+        self.metrics.set_state(self.sub.tenant, self.sub.name, self.state)
         self._receiver = asyncio.create_task(self._receive_loop(), name=f"receive {self.sub.key}")
 
     def update(self, sub: Subscription) -> None:
@@ -146,8 +164,9 @@ class Dispatcher:
         self.window.resize(sub.max_ack_pending)
         self.endpoint_limit.set_ceiling(sub.concurrency)
 
-    async def stop(self, grace: float) -> None:
-        """Stop intake; let requests under way finish within `grace`; release the rest to the broker."""
+    async def stop(self, grace: float, unsubscribe: bool = False) -> None:
+        """Stop intake; let requests under way finish within `grace`; release the rest to the broker
+        (or delete the broker subscription, with `unsubscribe`)."""
         self._stopping.set()
         if self._receiver is not None:
             self._receiver.cancel()
@@ -160,6 +179,8 @@ class Dispatcher:
         # Closing the consumer hands every unacked message back to the broker for redelivery.
         # Bounded: a close that the client never confirms must not hold up a shutdown.
         with contextlib.suppress(Exception):
+            if unsubscribe:
+                await asyncio.wait_for(self.consumer.unsubscribe(), timeout=CLOSE_TIMEOUT)
             await asyncio.wait_for(self.consumer.close(), timeout=CLOSE_TIMEOUT)
         self.metrics.forget(self.sub.tenant, self.sub.name)
 
@@ -168,11 +189,20 @@ class Dispatcher:
         return self.window.used
 
     @property
-    def state(self) -> str:
-        """`active`, or `error: <reason>` while the endpoint keeps failing (for `subs list`)."""
-        if self._failures_in_row >= FAILING_AFTER:
-            return f"error: endpoint failing ({self._last_failure}, {self._failures_in_row} attempts in a row)"
-        return "active"
+    def state(self) -> State:
+        if (self._failures_in_row >= ERROR_MIN_FAILURES
+                and time.monotonic() - self._failing_since >= self.error_after):
+            return State.ERROR
+        return State.ACTIVE
+
+    @property
+    def state_reason(self) -> str:
+        """Why the state is what it is (for `subs list`); empty when Active."""
+        if self.state is State.ERROR:
+            minutes = (time.monotonic() - self._failing_since) / 60
+            return (f"endpoint failing for {minutes:.0f} min ({self._failures_in_row} attempts in a row, "
+                    f"last: {self._last_failure})")
+        return ""
 
     async def _fenced(self) -> bool:
         """False once this worker may no longer deliver (lease lost): then wait to be stopped."""
@@ -311,8 +341,13 @@ class Dispatcher:
         if outcome.acked:
             self._failures_in_row = 0
         else:
+            if self._failures_in_row == 0:
+                self._failing_since = time.monotonic()
             self._failures_in_row += 1
             self._last_failure = outcome.last_status
+        if self.state is not self._reported_state:  # Error comes with time, so compare with what was reported
+            self._reported_state = self.state
+            self.metrics.set_state(sub.tenant, sub.name, self.state)
         self.m.delivery(outcome.label).inc()
         self.m.delivery_seconds.observe(outcome.latency)
         return outcome

@@ -40,8 +40,7 @@ from worker.dispatcher import DeliveryContext, Dispatcher
 from worker.errors import ConfigError, NotFound
 from worker.messages import Envelope
 from worker.metrics import Metrics
-from worker.registry import Registry
-from worker.subscriptions import Subscription, is_push, parse_subscription
+from worker.subscriptions import Subscription
 
 QUIET_SECONDS = 2.0  # no message for this long: the cursor holds nothing more for us
 
@@ -115,6 +114,9 @@ class DeadLetterSource:
     async def acknowledge(self, message: Any) -> None:
         await self.consumer.acknowledge(message)
 
+    async def unsubscribe(self) -> None:
+        raise NotImplementedError("a redrive never deletes the dead-letter cursor")
+
     async def close(self) -> None:
         await self.consumer.close()
 
@@ -131,17 +133,7 @@ class DeadLetters:
                                               operation_timeout_seconds=15)
 
     async def subscription(self, admin: Admin, name: str) -> Subscription:
-        key = await admin.existing(name)
-        sub = admin.static.get(key)
-        if sub is None:
-            definitions = await Registry(admin.client, self.target.fleet).definitions()
-            if key not in definitions:
-                raise ConfigError("dlq", name, "is not in the registry: pass --config with the worker.yaml "
-                                  "that defines it")
-            data = definitions[key]
-            if not is_push(data):
-                raise ConfigError("registry", name, "is not a push subscription")
-            sub = parse_subscription(data)
+        sub = await admin.definition(name)
         if not sub.dead_letter_topic:
             raise ConfigError(f"subscription {sub.name!r}", "dead_letter.topic", "is not set: it has no dead letters")
         return sub

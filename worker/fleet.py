@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from worker import keys, logs
+from worker import keys, lifecycle, logs
 from worker.config import FleetSettings
+from worker.dispatcher import State
 from worker.registry import Registry, clear_state, fleet_key
 from worker.subscriptions import Subscription
 
@@ -103,6 +104,9 @@ class Fleet:
         self.members: list[str] = []
         self.subscriptions: dict[str, Subscription] = dict(self.static)
         self.paused: set[str] = set()
+        self.expired: set[str] = set()
+        self._state_reported: set[str] = set()  # paused/expired keys assigned here, exported as a state metric
+        self._seeks: set[asyncio.Task[None]] = set()
         self._registry_version = -1
         self._status_held: frozenset[str] = frozenset()
         self._status_at = 0.0
@@ -142,7 +146,12 @@ class Fleet:
             try:
                 await pubsub.subscribe(self.registry.channel)
                 async for message in pubsub.listen():
-                    if message.get("type") == "message":
+                    if message.get("type") != "message":
+                        continue
+                    data = message.get("data") or b""
+                    if isinstance(data, bytes) and data.startswith(b"seek "):
+                        self._start_seek(data[5:].decode())
+                    else:
                         self._wake.set()
             except (RedisError, OSError):
                 await asyncio.sleep(1.0)  # the heartbeat resync covers the gap
@@ -171,6 +180,7 @@ class Fleet:
         if version != self._registry_version:
             live = await self.registry.snapshot()
             self.paused = await self.registry.paused()
+            self.expired = await self.registry.expired()
             self.subscriptions = {**self.static, **live}
             self._registry_version = version
         await self._reconcile()
@@ -186,7 +196,9 @@ class Fleet:
         owners = self._owners()
         # A paused subscription keeps its owner in the assignment (resuming moves nothing else);
         # the owner just does not serve it, so its backlog waits in the broker.
-        wanted = {k for k in self.subscriptions if owners.get(k) == self.me and k not in self.paused}
+        held_back = self.paused | self.expired
+        wanted = {k for k in self.subscriptions if owners.get(k) == self.me and k not in held_back}
+        self._report_held_back_states({k for k in held_back if owners.get(k) == self.me})
         for key in [k for k in self.leases if k not in wanted]:
             await self._hand_over(key)
         for key in sorted(wanted - set(self.leases)):
@@ -212,18 +224,21 @@ class Fleet:
         self.leases[key] = lease
         self.worker.add(self.subscriptions[key], may_deliver=lease.valid)
         self.log.info("subscription acquired", subscription=key)
+        self._start_seek(key)  # a seek asked for while nobody held it
 
     async def _hand_over(self, key: str) -> None:
         """Deleted, paused, or now someone else's: drain, then release at once so the next owner starts.
         A deleted subscription (or one whose topic was deleted) stops within DELETE_GRACE and its Redis
         state is cleared."""
         deleted = key not in self.subscriptions
-        await self.worker.remove(key, grace=DELETE_GRACE if deleted else None)
+        expired = key in self.expired
+        # Expired: "internal resources are deleted", so the broker subscription goes too.
+        await self.worker.remove(key, grace=DELETE_GRACE if deleted or expired else None, unsubscribe=expired)
         lease = self.leases.pop(key, None)
         if lease is not None:
             with contextlib.suppress(RedisError, OSError):
                 await self.client.eval(_RELEASE, 1, lease_key(key), self.me)
-        if deleted:
+        if deleted or expired:
             with contextlib.suppress(RedisError, OSError):
                 await clear_state(self.client, key)
         elif key in self.paused:
@@ -241,6 +256,43 @@ class Fleet:
         for key in [k for k, lease in self.leases.items() if not lease.valid()]:
             await self._lost(key)
 
+    def _report_held_back_states(self, keys: set[str]) -> None:
+        """Paused and Expired subscriptions have no dispatcher; the worker they are assigned to
+        exports their state, so every subscription has one."""
+        for key in self._state_reported - keys:
+            if key not in self.worker.dispatchers:
+                project, name = key.split("/", 1)
+                self.worker.metrics.set_state(project, name, None)
+        for key in keys:
+            project, name = key.split("/", 1)
+            self.worker.metrics.set_state(project, name, State.EXPIRED if key in self.expired else State.PAUSED)
+        self._state_reported = keys
+
+    def _start_seek(self, key: str) -> None:
+        if key not in self.leases:
+            return  # the holder of the lease does it (or the operator's command, when nobody holds it)
+        task = asyncio.create_task(self._seek(key), name=f"seek {key}")
+        self._seeks.add(task)
+        task.add_done_callback(self._seeks.discard)
+
+    async def _seek(self, key: str) -> None:
+        request = await lifecycle.take_seek_request(self.client, key)
+        if request is None:
+            return
+        request_id, target = request
+        self.log.info("seeking", subscription=key, to=target.describe())
+        try:
+            async with asyncio.timeout(60):
+                forgotten = await self.worker.seek(key, target)
+        except Exception as e:
+            self.log.warning("seek failed", subscription=key, error=str(e))
+            await lifecycle.write_seek_result(self.client, key, request_id, status="failed", worker=self.me,
+                                              error=str(e) or type(e).__name__)
+            return
+        await lifecycle.write_seek_result(self.client, key, request_id, status="done", worker=self.me,
+                                          forgotten_attempts=forgotten)
+        self.log.info("seek done", subscription=key, to=target.describe())
+
     async def _publish_status(self) -> None:
         """Status for `subs list`: on ownership changes, else every STATUS_EVERY seconds (not every
         heartbeat: two commands per owned subscription per beat add up with thousands)."""
@@ -255,8 +307,9 @@ class Fleet:
             fields: dict[str, str | int] = {"owner": self.me, "updated_ms": int(time.time() * 1000)}
             if dispatcher is not None:
                 s = dispatcher.stats
-                fields.update(state=dispatcher.state, acked=s.acked, retried=s.retried,
-                              dead_lettered=s.dead_lettered, dropped=s.dropped, unsettled=dispatcher.unsettled)
+                fields.update(state=str(dispatcher.state), reason=dispatcher.state_reason, acked=s.acked,
+                              retried=s.retried, dead_lettered=s.dead_lettered, dropped=s.dropped,
+                              unsettled=dispatcher.unsettled)
             else:
                 fields.update(state="starting")
             pipe.hset(status_key(key), mapping=fields)  # type: ignore[arg-type]
@@ -265,9 +318,9 @@ class Fleet:
 
     async def leave(self) -> None:
         """Clean scale-down: drain and release every lease, leave the member set, tell the others."""
-        for task in self._tasks:
+        for task in [*self._tasks, *self._seeks]:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._seeks, return_exceptions=True)
         await asyncio.gather(*(self._hand_over(k) for k in list(self.leases)), return_exceptions=True)
         with contextlib.suppress(RedisError, OSError):
             await self.client.zrem(self.members_key, self.me)

@@ -51,6 +51,10 @@ class Metrics:
         self.fleet_size = Gauge("pushworker_fleet_size", "Live workers this worker sees in its fleet", registry=r)
         self.owned = Gauge("pushworker_subscription_owned", "1 for each subscription this worker serves",
                            SUB, registry=r)
+        self.state = Gauge("pushworker_subscription_state", "1 for the subscription's state (Active, Error, "
+                           "Seeking; Paused and Expired from the worker it is assigned to)", (*SUB, "state"),
+                           registry=r)
+        self._states: dict[tuple[str, str], str] = {}
 
     def round_trip(self, commands: int) -> None:
         self.redis_round_trips.inc()
@@ -59,8 +63,19 @@ class Metrics:
     def for_subscription(self, project: str, subscription: str) -> SubscriptionMetrics:
         return SubscriptionMetrics(self, project, subscription)
 
+    def set_state(self, project: str, subscription: str, state: str | None) -> None:
+        """One series per subscription, labelled with its current state; None drops it."""
+        old = self._states.pop((project, subscription), None)
+        if old is not None and old != state:
+            with contextlib.suppress(KeyError):
+                self.state.remove(project, subscription, old)
+        if state is not None:
+            self._states[(project, subscription)] = str(state)
+            self.state.labels(project, subscription, str(state)).set(1)
+
     def forget(self, project: str, subscription: str) -> None:
         """Drop a subscription's series when this worker no longer serves it."""
+        self.set_state(project, subscription, None)
         for metric in (self.in_flight, self.held_for_retry, self.unsettled, self.owned, self.endpoint_window,
                        self.backlog):
             with contextlib.suppress(KeyError):

@@ -60,9 +60,14 @@ def _topic_of(value: bytes | str) -> Any:
 
 async def clear_state(client: aioredis.Redis, key: str) -> int:
     """Delete every Redis key of one subscription (attempt counters, histories, status, lease)."""
+    return await delete_matching(client, keys.pattern(key))
+
+
+async def delete_matching(client: aioredis.Redis, pattern: str) -> int:
+    """Delete the keys matching a SCAN pattern, in batches."""
     removed = 0
     batch: list[bytes] = []
-    async for name in client.scan_iter(match=keys.pattern(key), count=1000):
+    async for name in client.scan_iter(match=pattern, count=1000):
         batch.append(name)
         if len(batch) >= 500:
             removed += await client.delete(*batch)
@@ -82,6 +87,7 @@ class Registry:
         self.version_key = fleet_key(fleet, "version")
         self.channel = fleet_key(fleet, "events")
         self.paused_key = fleet_key(fleet, "paused")
+        self.expired_key = fleet_key(fleet, "expired")
 
     async def version(self) -> int:
         return int(await self.client.get(self.version_key) or 0)
@@ -123,7 +129,11 @@ class Registry:
                 try:
                     await pipe.watch(self.hash)
                     results = []
+                    expired = {text_of(k) for k in await pipe.smembers(self.expired_key)}
                     for sub, data in zip(subs, definitions, strict=True):
+                        if sub.key in expired:
+                            raise ConfigError(f"subscription {sub.name!r}", "state",
+                                              "is Expired: only deletion is allowed")
                         current = await pipe.hget(self.hash, sub.key)
                         results.append((sub, _change(sub, current, data)))
                     changed = [(sub, data) for (sub, what), data in zip(results, definitions, strict=True)
@@ -142,6 +152,21 @@ class Registry:
 
     async def paused(self) -> set[str]:
         return {text_of(k) for k in await self.client.smembers(self.paused_key)}
+
+    async def expired(self) -> set[str]:
+        return {text_of(k) for k in await self.client.smembers(self.expired_key)}
+
+    async def expire(self, key: str) -> None:
+        """Mark a subscription Expired: nobody serves it any more; only deletion is allowed."""
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.sadd(self.expired_key, key)
+            pipe.incr(self.version_key)
+            pipe.publish(self.channel, b"expired")
+            await pipe.execute()
+
+    async def refuse_if_expired(self, key: str, what: str) -> None:
+        if await self.client.sismember(self.expired_key, key):
+            raise ConfigError(f"subscription {key!r}", "state", f"is Expired: only deletion is allowed (not {what})")
 
     async def set_paused(self, key: str, paused: bool) -> bool:
         """Pause or resume one subscription; False when it already was in that state."""
@@ -168,6 +193,7 @@ class Registry:
                     pipe.multi()  # type: ignore[no-untyped-call]
                     pipe.hdel(self.hash, *doomed)
                     pipe.srem(self.paused_key, *doomed)
+                    pipe.srem(self.expired_key, *doomed)
                     pipe.incr(self.version_key)
                     pipe.publish(self.channel, b"registry")
                     await pipe.execute()
@@ -179,10 +205,11 @@ class Registry:
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.hdel(self.hash, key)
             pipe.srem(self.paused_key, key)
+            pipe.srem(self.expired_key, key)
             pipe.incr(self.version_key)
             pipe.publish(self.channel, b"registry")
-            removed, _, _, _ = await pipe.execute()
-        return bool(removed)
+            removed, _, was_expired, _, _ = await pipe.execute()
+        return bool(removed or was_expired)
 
     async def resolve(self, name: str, also: Iterable[str] = ()) -> str:
         """`tenant/name` as given, or the one key whose name is `name` (in the registry or `also`)."""

@@ -17,17 +17,18 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from worker import consumer as pulsar_adapter
-from worker import embedded, logs
+from worker import embedded, lifecycle, logs
 from worker.attempts import AttemptStore, Pipeliner
 from worker.backlog import BacklogReader
 from worker.config import Settings
 from worker.deadletter import DeadLetterPublisher
 from worker.delivery import Deliverer, make_session
 from worker.destinations import check_host
-from worker.dispatcher import DeliveryContext, Dispatcher
-from worker.errors import ConfigError, DestinationRefused
+from worker.dispatcher import DeliveryContext, Dispatcher, State
+from worker.errors import ConfigError, DestinationRefused, PushWorkerError
 from worker.fleet import Fleet
 from worker.http_server import StatusServer
+from worker.lifecycle import ExpiryWatch, SeekTarget
 from worker.metrics import Metrics
 from worker.signing import SecretRef, SecretStore, SecretUnavailable
 from worker.subscriptions import Subscription
@@ -122,6 +123,7 @@ class Worker:
         self.dead_letters = DeadLetterPublisher(self.pulsar)
         self.delivery = DeliveryContext(self.deliverer, self.attempts, self.dead_letters, self.metrics, self.secrets,
                                         self.worker_id)
+        self.expiry = ExpiryWatch(self.redis, s.fleet.expire_backlog, s.fleet.expire_after_seconds)
         self.backlog = BacklogReader(self.session, s.pulsar.admin_url, metrics_url)
         self.status = StatusServer(s.http.host, s.http.port, self.metrics, self.readiness)
         await self.status.start()
@@ -158,8 +160,33 @@ class Worker:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
         dispatcher = Dispatcher(sub, consumer, pulsar_adapter.to_envelope, self.delivery, may_deliver)
+        dispatcher.error_after = self.settings.fleet.error_after_seconds
         self.dispatchers[sub.key] = dispatcher
         dispatcher.start()
+
+    async def seek(self, key: str, target: SeekTarget) -> int:
+        """Rewind or fast-forward a served subscription: stop its dispatcher (what it held goes back to
+        the broker), move the cursor, forget the attempt counts, serve it again from the new position.
+        Returns how many attempt records were forgotten."""
+        dispatcher = await self.started(key)
+        if dispatcher is None:
+            raise PushWorkerError("the subscription is not being served here")
+        sub, may_deliver = dispatcher.sub, dispatcher.may_deliver
+        await self.remove(key, grace=0)
+        self.metrics.set_state(sub.tenant, sub.name, State.SEEKING)
+        try:
+            await lifecycle.seek_with_own_consumer(self.pulsar, sub, target)
+            assert self.redis is not None
+            return await lifecycle.forget_attempts(self.redis, key)
+        finally:
+            self.add(sub, may_deliver)
+
+    async def started(self, key: str) -> Dispatcher | None:
+        """The subscription's dispatcher, once a subscribe under way has ended (None if it failed)."""
+        starting = self._starting.get(key)
+        if starting is not None:
+            await asyncio.wait({starting})  # never raises, whatever became of the subscribe
+        return self.dispatchers.get(key)
 
     def _forget_start(self, key: str, task: asyncio.Task[None]) -> None:
         if self._starting.get(key) is task:  # a newer start of the same key is not ours to forget
@@ -185,20 +212,24 @@ class Worker:
                     dispatcher = self.dispatchers.get(key)
                     if dispatcher is not None:
                         self.metrics.backlog.labels(dispatcher.sub.tenant, dispatcher.sub.name).set(value)
+                        if await self.expiry.observe(key, value) and self.fleet is not None:
+                            self.log.warning("subscription expired", subscription=key, backlog=value)
+                            await self.fleet.registry.expire(key)
             except Exception as e:  # the backlog is a report: its failure never stops delivery
                 self.metrics.broker_errors.labels("backlog").inc()
                 self.log.warning("backlog read failed", error=type(e).__name__)
             await asyncio.sleep(self.settings.pulsar.backlog_interval_seconds)
 
-    async def remove(self, key: str, grace: float | None = None) -> None:
-        """Stop serving a subscription; its unsettled messages go back to the broker."""
+    async def remove(self, key: str, grace: float | None = None, unsubscribe: bool = False) -> None:
+        """Stop serving a subscription; its unsettled messages go back to the broker (or, with
+        `unsubscribe`, the broker subscription and its backlog are deleted)."""
         starting = self._starting.pop(key, None)
         if starting is not None:
             starting.cancel()
             await asyncio.gather(starting, return_exceptions=True)
         dispatcher = self.dispatchers.pop(key, None)
         if dispatcher is not None:
-            await dispatcher.stop(self.settings.shutdown_grace_seconds if grace is None else grace)
+            await dispatcher.stop(self.settings.shutdown_grace_seconds if grace is None else grace, unsubscribe)
             topic = dispatcher.sub.dead_letter_topic
             if topic and all(d.sub.dead_letter_topic != topic for d in self.dispatchers.values()):
                 await self.dead_letters.forget(topic)  # its producer is no longer needed here

@@ -1,0 +1,131 @@
+"""Subscription lifecycle beyond delivery: rewinding (Seeking) and expiry (Expired), as the platform
+docs describe them.
+
+Seek: an operator writes a request (`pw:{sub}:seek`) and announces it on the fleet channel; the
+worker holding the subscription's lease closes its consumer, moves the cursor, forgets the attempt
+counts (the messages come again as new), subscribes again and writes the result
+(`pw:{sub}:seek-result`). When no worker
+holds the lease (paused, unowned), the operator's command does the same with a consumer of its own.
+
+Expiry: the owner watches the broker's backlog; once it has stayed at or above `expire_backlog`
+for `expire_after_seconds` (the docs: 10,000 messages for an hour), the subscription becomes
+Expired: it is in the fleet's `...:expired` set, nobody serves it, its broker subscription and
+Redis state are deleted, and only deletion is allowed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import pulsar.asyncio as pulsar_async
+import redis.asyncio as aioredis
+
+from worker import keys
+from worker.registry import delete_matching
+from worker.subscriptions import Subscription
+
+SEEK_TTL_SECONDS = 300
+
+
+def seek_key(sub_key: str) -> str:
+    return f"{keys.PREFIX}:{keys.tag(sub_key)}:seek"
+
+
+def seek_result_key(sub_key: str) -> str:
+    return f"{keys.PREFIX}:{keys.tag(sub_key)}:seek-result"
+
+
+def over_since_key(sub_key: str) -> str:
+    return f"{keys.PREFIX}:{keys.tag(sub_key)}:backlog-over-since"
+
+
+@dataclass(frozen=True)
+class SeekTarget:
+    """Where to move the cursor: `earliest`, `latest`, or a publish time in ms since the epoch."""
+
+    to: str | int
+
+    def publish_time_ms(self) -> int:
+        """Every target as a publish time: seeking by time works the same on Apache Pulsar and
+        pulsar-lite (whose seek to MessageId.earliest/latest fails with a disconnect)."""
+        if self.to == "earliest":
+            return 0
+        if self.to == "latest":
+            return int(time.time() * 1000) + 1
+        return int(self.to)
+
+    def describe(self) -> str:
+        if isinstance(self.to, int):
+            from worker.messages import rfc3339
+
+            return rfc3339(self.to)
+        return str(self.to)
+
+
+async def seek_with_own_consumer(client: pulsar_async.Client, sub: Subscription, target: SeekTarget) -> None:
+    """Move the subscription's cursor through a consumer of our own. Call it while no other consumer
+    of the subscription is attached: the next consumer to attach starts from the new position."""
+    from worker import consumer as pulsar_adapter
+
+    consumer = await pulsar_adapter.subscribe(client, sub, "push-worker-seek", receiver_queue_size=1)
+    try:
+        await consumer.seek(target.publish_time_ms())
+    finally:
+        await asyncio.wait_for(consumer.close(), timeout=5.0)
+
+
+async def forget_attempts(client: aioredis.Redis, sub_key: str) -> int:
+    """Delete the attempt counters of one subscription (histories stay)."""
+    return await delete_matching(client, keys.message_key(sub_key, "*"))
+
+
+async def request_seek(client: aioredis.Redis, channel: str, sub_key: str, target: SeekTarget, request_id: str) -> None:
+    await client.set(seek_key(sub_key), orjson.dumps({"id": request_id, "to": target.to}), ex=SEEK_TTL_SECONDS)
+    await client.delete(seek_result_key(sub_key))
+    await client.publish(channel, b"seek " + sub_key.encode())
+
+
+async def take_seek_request(client: aioredis.Redis, sub_key: str) -> tuple[str, SeekTarget] | None:
+    """The pending request for this subscription, removed so that it runs once."""
+    raw = await client.getdel(seek_key(sub_key))
+    if raw is None:
+        return None
+    data = orjson.loads(raw)
+    return str(data["id"]), SeekTarget(data["to"])
+
+
+async def write_seek_result(client: aioredis.Redis, sub_key: str, request_id: str, **fields: Any) -> None:
+    await client.set(seek_result_key(sub_key), orjson.dumps({"id": request_id, **fields}), ex=SEEK_TTL_SECONDS)
+
+
+async def seek_result(client: aioredis.Redis, sub_key: str, request_id: str) -> dict[str, Any] | None:
+    raw = await client.get(seek_result_key(sub_key))
+    if raw is None:
+        return None
+    data: dict[str, Any] = orjson.loads(raw)
+    return data if data.get("id") == request_id else None
+
+
+class ExpiryWatch:
+    """Turns backlog readings into the Expired decision, with the clock kept in Redis so the hour
+    survives ownership changes."""
+
+    def __init__(self, client: aioredis.Redis, expire_backlog: int, expire_after_seconds: float) -> None:
+        self.client = client
+        self.expire_backlog = expire_backlog
+        self.expire_after_ms = int(expire_after_seconds * 1000)
+
+    async def observe(self, sub_key: str, backlog: float) -> bool:
+        """Record one reading; True once the subscription has expired."""
+        key = over_since_key(sub_key)
+        if backlog < self.expire_backlog:
+            await self.client.delete(key)
+            return False
+        now = int(time.time() * 1000)
+        await self.client.set(key, now, nx=True, ex=max(60, self.expire_after_ms // 1000 * 2))
+        since = int(await self.client.get(key) or now)
+        return now - since >= self.expire_after_ms
