@@ -258,3 +258,62 @@ async def test_a_backlog_over_the_threshold_for_long_enough_expires_the_subscrip
     assert code == 0, err
     await eventually(lambda: state_of(w, key) is None, what="state metric gone after deletion")
     await redis.aclose()
+
+
+# -- CLI: queue, history, discard, purge --------------------------------------------------------------
+
+async def test_queue_history_discard_and_purge(start_worker, endpoint: Endpoint, client: Client, topic,
+                                               redis_url, broker, tmp_path):
+    mode = {"fail": {b"retry-me"}, "all_fail": False}
+
+    async def behave(rec):
+        if rec.body_payload == b"slow":
+            await asyncio.sleep(3)
+        failing = mode["all_fail"] or rec.body_payload in mode["fail"]
+        return web.Response(status=500 if failing else 204)
+
+    endpoint.behaviour = behave
+    config, settings = worker_yaml(tmp_path, broker.url, redis_url, push_sub(
+        "ops-cli", topic, endpoint.url, max_deliver=-1, dead_letter={"topic": topic + "-dlq"},
+        retry={"min_backoff_seconds": 0.3, "max_backoff_seconds": 0.3}))
+    [sub] = settings.subscriptions
+    w = await start_worker(sub)
+    [ok, retry_me, slow] = client.publish(topic, [b"ok", b"retry-me", b"slow"])
+    await eventually(lambda: len(endpoint.by_id().get(retry_me, [])) >= 2 and slow in endpoint.by_id()
+                     and ok in endpoint.by_id(), what="one delivered, one retrying, one in flight")
+    args = ("--config", config, "--json")
+
+    code, out, err = await cli("queue", sub.name, "--state", "retrying", *args)
+    assert code == 0, err
+    [retrying] = json.loads(out)["messages"]
+    assert retrying["message_id"] == retry_me and retrying["last_status"] == "500" and retrying["attempts"] >= 2
+    code, out, _ = await cli("queue", sub.name, "--state", "inflight", *args)
+    assert [m["message_id"] for m in json.loads(out)["messages"]] == [slow]
+    code, out, _ = await cli("queue", sub.name, "--state", "dead", *args)
+    assert code == 0 and json.loads(out)["messages"] == []
+
+    code, out, err = await cli("discard", retry_me, "--subscription", sub.name, *args)
+    assert code == 0 and json.loads(out)["result"] == "discarded", err
+    attempts_at_discard = len(endpoint.by_id()[retry_me])
+    await eventually(lambda: w.dispatchers[sub.key].stats.acked >= 2, what="slow one delivered")
+    code, out, _ = await cli("history", sub.name, *args)
+    settled = {m["message_id"]: m.get("result") or m.get("event") for m in json.loads(out)["messages"]}
+    assert settled == {ok: "ack", retry_me: "discarded", slow: "ack"}
+    code, out, _ = await cli("history", sub.name, "--config", config)
+    assert "delivered" in out and "discarded" in out
+
+    mode["all_fail"] = True
+    backlog = client.publish(topic, [b"backlog-%d" % i for i in range(5)])
+    await eventually(lambda: all(b in endpoint.by_id() for b in backlog), what="backlog attempted")
+    code, _, err = await cli("purge", sub.name, "--config", config)  # not a terminal, no --yes
+    assert code == 2 and "--yes" in err
+    code, out, err = await cli("purge", sub.name, "--yes", "--config", config)
+    assert code == 0 and "purged" in out, err
+    purged_at = len(endpoint.requests)
+    mode["all_fail"] = False
+    [after] = client.publish(topic, [b"after"])
+    await eventually(lambda: after in endpoint.by_id(), what="a message after the purge delivered")
+    settle = time.monotonic() + 1.0  # two retry periods: a backlog message not purged would show up
+    await eventually(lambda: time.monotonic() > settle, what="settle")
+    assert not set(backlog) & {r.headers["Pubsub-Message-Id"] for r in endpoint.requests[purged_at:]}
+    assert len(endpoint.by_id()[retry_me]) == attempts_at_discard  # discarded: never tried again

@@ -180,6 +180,72 @@ class Admin:
         finally:
             await asyncio.wait_for(client.close(), timeout=5.0)
 
+    async def queue(self, name: str, state: str, limit: int) -> str:
+        """Messages of one subscription in flight (first attempt under way) or retrying (failed at
+        least once, waiting or being retried), from their attempt records. (`dead`: see dlq.)"""
+        key = await self.existing(name)
+        rows: list[dict[str, Any]] = []
+        async for record_key in self.client.scan_iter(match=keys.message_key(key, "*"), count=1000):
+            record = {text_of(k): text_of(v) for k, v in (await self.client.hgetall(record_key)).items()}
+            retrying = bool(record.get("last"))
+            if "discard" in record or retrying != (state == "retrying"):
+                continue
+            rows.append({"message_id": text_of(record_key).split(":m:", 1)[1],
+                         "attempts": int(record.get("n", 0)), "last_status": record.get("last", "")})
+            if len(rows) >= limit:
+                break
+        rows.sort(key=lambda r: r["message_id"])
+        if self.as_json:
+            return json.dumps({"subscription": key, "state": state, "messages": rows})
+        if not rows:
+            return f"{key}: no {state} messages"
+        return f"{key}: {len(rows)} {state} message(s)\n" + table(rows, list(rows[0]))
+
+    async def history(self, name: str, limit: int) -> str:
+        """Recently settled messages of one subscription, newest first: how each ended."""
+        key = await self.existing(name)
+        entries = [json.loads(e) for e in await self.client.lrange(keys.settled_key(key), 0, limit - 1)]
+        if self.as_json:
+            return json.dumps({"subscription": key, "messages": entries})
+        if not entries:
+            return f"{key}: nothing settled recently"
+        rows = [{"time": when(e["at_ms"]), "message_id": e["message_id"],
+                 "outcome": {"ack": "delivered"}.get(e.get("result", ""), e.get("result") or e.get("event", "")),
+                 "attempts": e.get("attempt", ""), "status": e.get("status", e.get("topic", "")),
+                 "worker": e.get("worker", "")} for e in entries]
+        return table(rows, list(rows[0]))
+
+    async def discard(self, message_id: str, name: str, wait: float) -> str:
+        """Settle one message without delivering it: the worker holding it acks it at its next
+        attempt (or when it arrives) and records `discarded` in its history."""
+        key = await self.existing(name)
+        await self.registry.refuse_if_expired(key, "discard")
+        record = keys.message_key(key, message_id)
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.hset(record, "discard", 1)
+            pipe.expire(record, 7 * 24 * 3600)  # a message that never comes back leaves nothing behind
+            await pipe.execute()
+        deadline = time.monotonic() + wait
+        done = False
+        while not done and time.monotonic() < deadline:
+            done = not await self.client.exists(record)  # the worker deletes the record once settled
+            if not done:
+                await asyncio.sleep(0.2)
+        result = {"subscription": key, "message_id": message_id, "result": "discarded" if done else "pending"}
+        if self.as_json:
+            return json.dumps(result)
+        if done:
+            return f"{key}: {message_id} discarded"
+        return (f"{key}: {message_id} will be discarded when a worker next tries it (it is waiting for a retry, "
+                "or not yet received)")
+
+    async def purge(self, name: str, pulsar: PulsarSettings) -> str:
+        """Skip the whole backlog: the cursor moves to the latest message; attempt counts reset."""
+        out = await self.seek(name, SeekTarget("latest"), pulsar)
+        if self.as_json:
+            return json.dumps({**json.loads(out), "result": "purged"})
+        return out.replace("sought to latest", "purged (backlog skipped)")
+
     async def pause(self, name: str, paused: bool, wait: float) -> str:
         """Pause or resume; a pause returns once no worker delivers for it any more (up to `wait` s)."""
         key = await self.existing(name)

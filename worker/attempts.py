@@ -23,21 +23,30 @@ from worker import keys
 
 # Count the attempt and refresh the TTL in one step; return the count and the last recorded status.
 _BEGIN = """
+if redis.call('HGET', KEYS[1], 'discard') then return {redis.call('HGET', KEYS[1], 'n') or 0, '', 1} end
 local n = redis.call('HINCRBY', KEYS[1], 'n', 1)
 redis.call('EXPIRE', KEYS[1], ARGV[1])
-return {n, redis.call('HGET', KEYS[1], 'last') or ''}
+return {n, redis.call('HGET', KEYS[1], 'last') or '', 0}
 """
 
-# Append history entries (capped, with a TTL); then forget the counter (settled) or remember how the
-# attempt ended (for a dead-letter published after a crash).
+# Append history entries (capped, with a TTL); then, settled: forget the counter and add the message
+# to the subscription's settled list; else remember how the attempt ended (for a dead-letter
+# published after a crash).
 _RECORD = """
-for i = 5, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
+for i = 6, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
 redis.call('LTRIM', KEYS[2], -tonumber(ARGV[4]), -1)
 redis.call('EXPIRE', KEYS[2], ARGV[3])
-if ARGV[1] == '1' then redis.call('DEL', KEYS[1]) else redis.call('HSET', KEYS[1], 'last', ARGV[2]) end
+if ARGV[1] == '1' then
+  redis.call('DEL', KEYS[1])
+  redis.call('LPUSH', KEYS[3], ARGV[5])
+  redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[4]) * 10 - 1)
+  redis.call('EXPIRE', KEYS[3], ARGV[3])
+else
+  redis.call('HSET', KEYS[1], 'last', ARGV[2])
+end
 return 1
 """
-HISTORY_CAP = 100  # entries kept per message (the newest)
+HISTORY_CAP = 100  # entries kept per message (the newest); the settled list keeps 10x as many messages
 
 Queued = tuple[Callable[[Any], None], "asyncio.Future[Any]"]
 
@@ -48,6 +57,7 @@ class AttemptRecord:
 
     number: int
     last_status: str
+    discard: bool = False  # an operator asked to settle it without delivery
 
 
 class Pipeliner:
@@ -127,17 +137,20 @@ class AttemptStore:
     async def begin(self, subscription_key: str, message_id: str) -> AttemptRecord:
         """Record the next attempt before it is made; returns its number (1, 2, ...)."""
         key = keys.message_key(subscription_key, message_id)
-        n, last = await self._call(lambda p: p.eval(_BEGIN, 1, key, self.ttl_seconds))
-        return AttemptRecord(int(n), last.decode() if isinstance(last, bytes) else str(last))
+        n, last, discard = await self._call(lambda p: p.eval(_BEGIN, 1, key, self.ttl_seconds))
+        return AttemptRecord(int(n), last.decode() if isinstance(last, bytes) else str(last), bool(int(discard)))
 
     async def record(self, subscription_key: str, message_id: str, entries: list[dict[str, Any]],
                      settled: bool, last_status: str = "") -> None:
-        """Append `entries` to the message's history; then forget its counter when `settled`, else
-        remember `last_status`. One round trip."""
-        keys_ = (keys.message_key(subscription_key, message_id), keys.history_key(subscription_key, message_id))
-        args = ["1" if settled else "0", last_status, self.history_ttl_seconds, HISTORY_CAP,
+        """Append `entries` to the message's history; then, `settled`, forget its counter and list it
+        among the settled messages (how it ended: the last entry); else remember `last_status`.
+        One round trip."""
+        keys_ = (keys.message_key(subscription_key, message_id), keys.history_key(subscription_key, message_id),
+                 keys.settled_key(subscription_key))
+        summary = {"message_id": message_id, **(entries[-1] if entries else {})} if settled else {}
+        args = ["1" if settled else "0", last_status, self.history_ttl_seconds, HISTORY_CAP, orjson.dumps(summary),
                 *(orjson.dumps(e) for e in entries)]
-        await self._call(lambda p: p.eval(_RECORD, 2, *keys_, *args))
+        await self._call(lambda p: p.eval(_RECORD, 3, *keys_, *args))
 
     async def history(self, subscription_key: str, message_id: str) -> list[dict[str, Any]]:
         """The message's recorded history, oldest first."""

@@ -146,6 +146,40 @@ def _seek_target(args: argparse.Namespace) -> Any:
     return SeekTarget(int(when.timestamp() * 1000))
 
 
+def _cmd_messages(args: argparse.Namespace) -> int:
+    """queue, history, discard, purge."""
+    from worker.admin import Admin, locate
+
+    if args.command == "queue" and args.state == "dead":
+        args.action, args.limit = "list", args.limit
+        return _cmd_dlq(args)
+    if args.command == "purge" and not args.yes:
+        if not sys.stdin.isatty():
+            raise ConfigError("purge", "--yes", "is required when not on a terminal (it skips the whole backlog)")
+        answer = input(f"Skip the whole backlog of {args.subscription}? Type its name to confirm: ")
+        if answer.strip() != args.subscription:
+            print("not purged")
+            return 1
+    target = locate(args.config, redis_url=args.redis_url, pulsar_url=getattr(args, "service_url", None))
+
+    async def go() -> str:
+        admin = Admin(target, as_json=args.json)
+        try:
+            if args.command == "queue":
+                return await admin.queue(args.subscription, args.state, args.limit)
+            if args.command == "history":
+                return await admin.history(args.subscription, args.limit)
+            if args.command == "discard":
+                return await admin.discard(args.message_id, args.subscription, args.wait)
+            pulsar = dataclasses.replace(target.settings.pulsar, service_url=target.pulsar("purge"))
+            return await admin.purge(args.subscription, pulsar)
+        finally:
+            await admin.close()
+
+    print(asyncio.run(go()))
+    return 0
+
+
 def _cmd_show(args: argparse.Namespace) -> int:
     from worker.admin import Admin, locate
 
@@ -253,6 +287,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--subscription", "-s", required=True, help="NAME or PROJECT/NAME")
     _connection_args(p)
     p.set_defaults(func=_cmd_show)
+
+    p = cmds.add_parser("queue", help="a subscription's messages by state: inflight, retrying or dead")
+    p.add_argument("subscription", help="NAME or PROJECT/NAME")
+    p.add_argument("--state", choices=("inflight", "retrying", "dead"), required=True)
+    p.add_argument("--limit", type=int, default=100)
+    _connection_args(p, broker=True)
+    p.set_defaults(func=_cmd_messages)
+
+    p = cmds.add_parser("history", help="a subscription's recently settled messages and how each ended")
+    p.add_argument("subscription", help="NAME or PROJECT/NAME")
+    p.add_argument("--limit", type=int, default=50)
+    _connection_args(p)
+    p.set_defaults(func=_cmd_messages)
+
+    p = cmds.add_parser("discard", help="settle one message without delivering it (recorded in its history)")
+    p.add_argument("message_id")
+    p.add_argument("--subscription", "-s", required=True, help="NAME or PROJECT/NAME")
+    p.add_argument("--wait", type=float, default=10.0, help="seconds to wait for a worker to settle it")
+    _connection_args(p)
+    p.set_defaults(func=_cmd_messages)
+
+    p = cmds.add_parser("purge", help="skip a subscription's whole backlog (asks for confirmation)")
+    p.add_argument("subscription", help="NAME or PROJECT/NAME")
+    p.add_argument("--yes", action="store_true", help="do not ask")
+    _connection_args(p, broker=True)
+    p.set_defaults(func=_cmd_messages)
 
     dlq = cmds.add_parser("dlq", help="dead letters of one subscription").add_subparsers(dest="action", required=True)
     p = dlq.add_parser("list", help="dead letters waiting (nothing is moved)")

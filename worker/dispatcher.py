@@ -290,6 +290,10 @@ class Dispatcher:
             if not await self._fenced():
                 return
             record = await self.attempts.begin(sub.key, env.message_id)
+            if record.discard:  # `push-worker discard`: settled without delivery, and recorded
+                self.log.info("discarded by an operator", message_id=env.message_id)
+                await self._ack(message, env, sub, [event_entry("discarded", self.ctx.worker_id)])
+                return
             limit = sub.attempt_limit
             if limit is not None and record.number > limit:
                 # Exhausted in an earlier life (crash before the dead-letter was confirmed): no new request.

@@ -24,3 +24,8 @@ def history_key(subscription_key: str, message_id: str) -> str:
 def pattern(subscription_key: str) -> str:
     """A SCAN pattern for every key of one subscription (all in one cluster slot)."""
     return f"{PREFIX}:{tag(subscription_key)}:*"
+
+
+def settled_key(subscription_key: str) -> str:
+    """The subscription's recently settled messages (newest first, capped): `push-worker history`."""
+    return f"{PREFIX}:{tag(subscription_key)}:settled"

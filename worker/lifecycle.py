@@ -29,6 +29,7 @@ from worker.registry import delete_matching
 from worker.subscriptions import Subscription
 
 SEEK_TTL_SECONDS = 300
+DRAIN_QUIET_SECONDS = 1.0  # no message for this long: the backlog is drained
 
 
 def seek_key(sub_key: str) -> str:
@@ -50,13 +51,9 @@ class SeekTarget:
     to: str | int
 
     def publish_time_ms(self) -> int:
-        """Every target as a publish time: seeking by time works the same on Apache Pulsar and
-        pulsar-lite (whose seek to MessageId.earliest/latest fails with a disconnect)."""
-        if self.to == "earliest":
-            return 0
-        if self.to == "latest":
-            return int(time.time() * 1000) + 1
-        return int(self.to)
+        """`earliest` or a time, as a publish time: seeking by time works the same on Apache Pulsar
+        and pulsar-lite (whose seek to MessageId.earliest fails with a disconnect)."""
+        return 0 if self.to == "earliest" else int(self.to)
 
     def describe(self) -> str:
         if isinstance(self.to, int):
@@ -66,16 +63,37 @@ class SeekTarget:
         return str(self.to)
 
 
-async def seek_with_own_consumer(client: pulsar_async.Client, sub: Subscription, target: SeekTarget) -> None:
-    """Move the subscription's cursor through a consumer of our own. Call it while no other consumer
-    of the subscription is attached: the next consumer to attach starts from the new position."""
+async def seek_with_own_consumer(client: pulsar_async.Client, sub: Subscription, target: SeekTarget) -> int:
+    """Move the subscription's cursor through a consumer of our own; returns how many messages were
+    skipped by acknowledging them (for `latest`). Call it while no other consumer of the subscription
+    is attached: the next consumer to attach starts from the new position.
+
+    `latest` acknowledges everything published before now instead of seeking past the end: that works
+    on every broker (pulsar-lite fails a seek past the last message, and Shared subscriptions cannot
+    ack cumulatively)."""
     from worker import consumer as pulsar_adapter
 
+    if target.to == "latest":
+        consumer = await pulsar_adapter.subscribe(client, sub, "push-worker-purge", receiver_queue_size=1000)
+        cutoff, skipped = int(time.time() * 1000), 0
+        try:
+            while True:
+                try:
+                    message = await asyncio.wait_for(consumer.receive(), DRAIN_QUIET_SECONDS)
+                except TimeoutError:
+                    return skipped
+                if message.publish_timestamp() > cutoff:
+                    return skipped  # newer than the purge: left for delivery
+                await consumer.acknowledge(message)
+                skipped += 1
+        finally:
+            await asyncio.wait_for(consumer.close(), timeout=5.0)
     consumer = await pulsar_adapter.subscribe(client, sub, "push-worker-seek", receiver_queue_size=1)
     try:
         await consumer.seek(target.publish_time_ms())
     finally:
         await asyncio.wait_for(consumer.close(), timeout=5.0)
+    return 0
 
 
 async def forget_attempts(client: aioredis.Redis, sub_key: str) -> int:
