@@ -66,6 +66,8 @@ def fleet() -> dict[str, Any]:
                              ('count(up{job="push-worker"} == 1)', "scraped and up")], 0, 24),
         panel(8, "Ownership balance (subscriptions per worker)", [(
             "count by (instance) (pushworker_subscription_owned == 1)", "{{instance}}")], 12, 24),
+        panel(9, "Subscriptions by state (Active, Error, Seeking, Paused, Expired)", [(
+            "sum by (state) (pushworker_subscription_state)", "{{state}}")], 0, 32),
     ], [])
 
 
@@ -96,7 +98,9 @@ def subscription() -> dict[str, Any]:
         panel(6, "Endpoint concurrency window", [(
             f"max by (subscription) (pushworker_endpoint_concurrency_window{{{sel}}})", "{{subscription}}")], 12, 16),
         panel(7, "Owner", [(f"max by (subscription, instance) (pushworker_subscription_owned{{{sel}}})",
-                            "{{subscription}} on {{instance}}")], 0, 24, kind="table", w=24),
+                            "{{subscription}} on {{instance}}")], 0, 24, kind="table", w=12),
+        panel(8, "State", [(f"max by (subscription, state) (pushworker_subscription_state{{{sel}}})",
+                            "{{subscription}} {{state}}")], 12, 24, kind="table", w=12),
     ], [SUB_VAR])
 
 

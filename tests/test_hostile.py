@@ -261,7 +261,7 @@ async def test_registry_refuses_a_batch_with_one_bad_definition_and_writes_none(
 
     good = {"name": "good", "topic": "persistent://p-a/main/t",
             "deliver": {"mode": "push", "push": {"url": "http://e.com/h"}}}
-    bad = {**good, "name": "bad", "max_deliver": 0}
+    bad = {**good, "name": "bad", "max_deliver": -5}
     path = tmp_path / "subs.yaml"
     path.write_text(orjson.dumps([good, bad]).decode())
     admin = Admin(Target(Settings(), redis_url=redis_url))

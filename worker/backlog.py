@@ -13,6 +13,7 @@ from urllib.parse import quote
 
 import aiohttp
 
+from worker.delivery import read_capped
 from worker.subscriptions import Subscription, topic_parts
 
 _SAMPLE = re.compile(r'^pulsar_subscription_back_log\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)')
@@ -74,7 +75,7 @@ class BacklogReader:
         timeout = aiohttp.ClientTimeout(total=10)
         async with self.session.get(url, timeout=timeout, allow_redirects=False) as response:
             response.raise_for_status()
-            return (await response.content.read(BODY_CAP)).decode("utf-8", "replace")
+            return (await read_capped(response, BODY_CAP)).decode("utf-8", "replace")
 
     async def _from_admin(self, sub: Subscription) -> float | None:
         domain, tenant, namespace, name = topic_parts(sub.topic)

@@ -122,16 +122,18 @@ def make_session(policy: DestinationPolicy, limit: int = 0) -> aiohttp.ClientSes
     )
 
 
-async def _read_capped(response: aiohttp.ClientResponse) -> None:
-    """Read the answer's body to its end or to the cap, whichever comes first, then stop (leaving the
-    connection to be dropped): an answer counts once it is complete within the deadline, and a huge
-    or endless body costs at most the cap. The body itself is not used."""
-    remaining = RESPONSE_BODY_CAP
+async def read_capped(response: aiohttp.ClientResponse, cap: int) -> bytes:
+    """The body to its end or to `cap` bytes, whichever comes first (`content.read(n)` alone returns
+    whatever has arrived so far, which can be much less than n)."""
+    chunks: list[bytes] = []
+    remaining = cap
     while remaining > 0:
         chunk = await response.content.read(remaining)
         if not chunk:
-            return
+            break
+        chunks.append(chunk)
         remaining -= len(chunk)
+    return b"".join(chunks)
 
 
 def _payload(body: bytes) -> bytes | io.BytesIO:
@@ -176,7 +178,9 @@ class Deliverer:
                 ) as response:
                     status = response.status
                     retry_after = parse_retry_after(response.headers.get("Retry-After"))
-                    await _read_capped(response)
+                    # An answer counts once complete within the deadline; a huge or endless body costs
+                    # at most the cap (then the connection is dropped). The body itself is not used.
+                    await read_capped(response, RESPONSE_BODY_CAP)
         except _Processing:
             return Outcome(Result.ACK, status=102, latency=time.monotonic() - started)
         except TimeoutError:
