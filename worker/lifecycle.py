@@ -137,13 +137,17 @@ class ExpiryWatch:
         self.expire_backlog = expire_backlog
         self.expire_after_ms = int(expire_after_seconds * 1000)
 
-    async def observe(self, sub_key: str, backlog: float) -> bool:
-        """Record one reading; True once the subscription has expired."""
-        key = over_since_key(sub_key)
-        if backlog < self.expire_backlog:
-            await self.client.delete(key)
-            return False
+    async def observe(self, backlogs: dict[str, float]) -> list[str]:
+        """Record one reading per subscription (one round trip for all); returns those that expired."""
         now = int(time.time() * 1000)
-        await self.client.set(key, now, nx=True, ex=max(60, self.expire_after_ms // 1000 * 2))
-        since = int(await self.client.get(key) or now)
-        return now - since >= self.expire_after_ms
+        over = [k for k, v in backlogs.items() if v >= self.expire_backlog]
+        async with self.client.pipeline(transaction=False) as pipe:
+            for key, value in backlogs.items():
+                if value < self.expire_backlog:
+                    pipe.delete(over_since_key(key))
+            for key in over:
+                pipe.set(over_since_key(key), now, nx=True, ex=max(60, self.expire_after_ms // 1000 * 2))
+                pipe.get(over_since_key(key))
+            results = await pipe.execute()
+        since = results[len(backlogs) - len(over):][1::2]
+        return [k for k, s in zip(over, since, strict=True) if now - int(s or now) >= self.expire_after_ms]

@@ -208,13 +208,15 @@ class Worker:
         while True:
             try:
                 owned = [d.sub for d in self.dispatchers.values()]
-                for key, value in (await self.backlog.read(owned)).items():
+                backlogs = await self.backlog.read(owned)
+                for key, value in backlogs.items():
                     dispatcher = self.dispatchers.get(key)
                     if dispatcher is not None:
                         self.metrics.backlog.labels(dispatcher.sub.tenant, dispatcher.sub.name).set(value)
-                        if await self.expiry.observe(key, value) and self.fleet is not None:
-                            self.log.warning("subscription expired", subscription=key, backlog=value)
-                            await self.fleet.registry.expire(key)
+                for key in await self.expiry.observe(backlogs):
+                    if self.fleet is not None:
+                        self.log.warning("subscription expired", subscription=key, backlog=backlogs[key])
+                        await self.fleet.registry.expire(key)
             except Exception as e:  # the backlog is a report: its failure never stops delivery
                 self.metrics.broker_errors.labels("backlog").inc()
                 self.log.warning("backlog read failed", error=type(e).__name__)
