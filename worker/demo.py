@@ -22,6 +22,7 @@ from worker.config import HttpSettings, Settings
 from worker.destinations import DestinationPolicy
 from worker.service import Worker
 from worker.subscriptions import RetryPolicy, Subscription
+from worker.tools import serve_local
 
 TOPIC = "persistent://p-demo/main/orders"
 DLQ = "persistent://p-demo/main/orders-dlq"
@@ -58,13 +59,7 @@ async def run_demo(messages: int = 300) -> int:
     state_dir = Path(".push-worker/demo")
     shutil.rmtree(state_dir, ignore_errors=True)
     endpoint = FlakyEndpoint()
-    app = web.Application()
-    app.router.add_post("/hook", endpoint.handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, port = await serve_local("/hook", endpoint.handle)
 
     sub = Subscription(
         name="orders-push", topic=TOPIC, url=f"http://127.0.0.1:{port}/hook", ack_deadline_seconds=1,

@@ -32,6 +32,7 @@ from aiohttp import web
 
 from worker import embedded
 from worker.embedded import free_port, terminate
+from worker.tools import serve_local
 
 TOPIC = "persistent://p-soak/main/events"
 SUBSCRIPTIONS = ("soak-shared", "soak-keyed")
@@ -128,13 +129,7 @@ async def run_soak(seconds: float = 60.0, workers: int = 2, rate: float = 40.0, 
     broker = embedded.start_pulsar(workdir / "pulsar")
     redis = embedded.start_redis(workdir / "redis")
     endpoint = ChaosEndpoint()
-    app = web.Application()
-    app.router.add_post("/hook", endpoint.handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, port = await serve_local("/hook", endpoint.handle)
     dlq = "persistent://p-soak/main/events-dlq"
     config = workdir / "worker.yaml"
     config.write_text(yaml.safe_dump({
