@@ -175,7 +175,8 @@ class Dispatcher:
             _, pending = await asyncio.wait(set(self._tasks), timeout=grace)
             for task in pending:
                 task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+            if pending:  # bounded too: a task that does not end on cancel must not hold the shutdown
+                await asyncio.wait(pending, timeout=CLOSE_TIMEOUT)
         # Closing the consumer hands every unacked message back to the broker for redelivery.
         # Bounded: a close that the client never confirms must not hold up a shutdown.
         with contextlib.suppress(Exception):

@@ -6,11 +6,10 @@ A `Worker` is an async context manager; `close()` is safe to call twice.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -263,6 +262,14 @@ class Worker:
             return False, "not yet in the fleet"
         return True, "ok"
 
+    async def _step(self, name: str, work: Awaitable[Any], limit: float) -> None:
+        try:
+            await asyncio.wait_for(work, limit)
+        except TimeoutError:
+            self.log.warning("shutdown step timed out", step=name, seconds=limit)
+        except Exception as e:
+            self.log.warning("shutdown step failed", step=name, error=type(e).__name__)
+
     async def close(self) -> None:
         """Drain and release everything; safe to call twice."""
         if self._closed:
@@ -271,28 +278,24 @@ class Worker:
         self._stop.set()
         if self._backlog_task is not None:
             self._backlog_task.cancel()
-        if self.fleet is not None:
-            with contextlib.suppress(Exception):
-                await self.fleet.leave()  # drains and releases leases so others take over at once
         grace = self.settings.shutdown_grace_seconds
+        # Every step is bounded: a shutdown must end within the pod's grace period even when Redis,
+        # the broker or a client library does not answer (and the log says which step did not).
+        if self.fleet is not None:  # drains and releases leases so others take over at once
+            await self._step("leave the fleet", self.fleet.leave(), grace + 15)
         keys = list(self._starting) + list(self.dispatchers)
-        await asyncio.gather(*(self.remove(k, grace) for k in keys), return_exceptions=True)
+        await self._step("drain", asyncio.gather(*(self.remove(k, grace) for k in keys), return_exceptions=True),
+                         grace + 10)
         if self._orphans:
             await asyncio.wait(set(self._orphans), timeout=5)
         self.log.info("drained")
-        with contextlib.suppress(Exception):
-            await self.status.close()
-        with contextlib.suppress(Exception):
-            await self.dead_letters.close()
-        with contextlib.suppress(Exception):
-            # Bounded: a subscribe still pending in the C++ client can hold close() for its operation timeout.
-            await asyncio.wait_for(self.pulsar.close(), timeout=5)
-        with contextlib.suppress(Exception):
-            await self.pipeliner.close()
-        with contextlib.suppress(Exception):
-            await self.redis.aclose()  # type: ignore[union-attr]
-        with contextlib.suppress(Exception):
-            await self.session.close()
+        await self._step("close the status server", self.status.close(), 5)
+        await self._step("close dead-letter producers", self.dead_letters.close(), 10)
+        # A subscribe still pending in the C++ client can hold close() for its operation timeout.
+        await self._step("close the Pulsar client", self.pulsar.close(), 5)
+        await self._step("stop the Redis pipeliner", self.pipeliner.close(), 5)
+        await self._step("close Redis", self.redis.aclose(), 5)  # type: ignore[union-attr]
+        await self._step("close the HTTP session", self.session.close(), 5)
         for service in reversed(self._services):
             await asyncio.to_thread(service.stop)
         self.log.info("worker stopped")
