@@ -15,7 +15,6 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from worker.dispatcher import State
 from worker.errors import ConfigError, NotFound, PushWorkerError
 from worker.fleet import lease_key, status_key
 from worker.lifecycle import SeekTarget
+from worker.messages import rfc3339
 from worker.registry import Registry, clear_state, text_of
 from worker.subscriptions import Subscription, is_push, parse_subscription
 
@@ -99,8 +99,14 @@ def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def when(ms: int) -> str:
-    return datetime.fromtimestamp(ms / 1000, tz=UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+def _what(entry: dict[str, Any]) -> str:
+    """An attempt's result (ack, nack, timeout, ...) or an event's name (dead-lettered, discarded, ...)."""
+    return str(entry.get("result") or entry.get("event", ""))
+
+
+def _status(entry: dict[str, Any]) -> str:
+    """An attempt's status, or where a dead-letter event sent the message."""
+    return str(entry.get("status", entry.get("topic", "")))
 
 
 class Admin:
@@ -119,10 +125,11 @@ class Admin:
         if "/" not in name:  # a bare name may be a config subscription a worker serves: find its key
             async for lease in self.client.scan_iter(match=lease_key("*"), count=1000):
                 served.add(text_of(lease).split("{", 1)[1].rsplit("}", 1)[0])
-        key = await self.registry.resolve(name, also=set(self.static) | served | await self.registry.paused())
-        if key in self.static or await self.client.hexists(self.registry.hash, key):
+        paused = await self.registry.paused()
+        key = await self.registry.resolve(name, also=set(self.static) | served | paused)
+        if key in self.static or key in paused or await self.client.hexists(self.registry.hash, key):
             return key
-        if await self.client.exists(lease_key(key), status_key(key)) or key in await self.registry.paused():
+        if await self.client.exists(lease_key(key), status_key(key)):
             return key
         raise ConfigError("registry", name, "no such subscription (not in the registry, the given config, "
                           "or served by a worker)")
@@ -172,13 +179,10 @@ class Admin:
 
     @staticmethod
     async def _seek_directly(sub: Subscription, target: SeekTarget, settings: PulsarSettings) -> None:
-        from worker import consumer as pulsar_adapter
+        from worker.consumer import open_client
 
-        client = pulsar_adapter.make_client(settings, settings.service_url or "")
-        try:
+        async with open_client(settings) as client:
             await lifecycle.seek_with_own_consumer(client, sub, target)
-        finally:
-            await asyncio.wait_for(client.close(), timeout=5.0)
 
     async def queue(self, name: str, state: str, limit: int) -> str:
         """Messages of one subscription in flight (first attempt under way) or retrying (failed at
@@ -209,10 +213,9 @@ class Admin:
             return json.dumps({"subscription": key, "messages": entries})
         if not entries:
             return f"{key}: nothing settled recently"
-        rows = [{"time": when(e["at_ms"]), "message_id": e["message_id"],
-                 "outcome": {"ack": "delivered"}.get(e.get("result", ""), e.get("result") or e.get("event", "")),
-                 "attempts": e.get("attempt", ""), "status": e.get("status", e.get("topic", "")),
-                 "worker": e.get("worker", "")} for e in entries]
+        rows = [{"time": rfc3339(e["at_ms"]), "message_id": e["message_id"],
+                 "outcome": {"ack": "delivered"}.get(_what(e), _what(e)), "attempts": e.get("attempt", ""),
+                 "status": _status(e), "worker": e.get("worker", "")} for e in entries]
         return table(rows, list(rows[0]))
 
     async def discard(self, message_id: str, name: str, wait: float) -> str:
@@ -275,10 +278,9 @@ class Admin:
         if self.as_json:
             return json.dumps({"subscription": key, "message_id": message_id, "history": entries,
                                "attempts_in_progress": int(pending) if pending is not None else None})
-        rows = [{"time": when(e["at_ms"]), "attempt": e.get("attempt", ""),
-                 "result": e.get("result") or e.get("event", ""), "status": e.get("status", e.get("topic", "")),
-                 "latency_ms": e.get("latency_ms", ""), "worker": e.get("worker", ""), "detail": e.get("detail", "")}
-                for e in entries]
+        rows = [{"time": rfc3339(e["at_ms"]), "attempt": e.get("attempt", ""), "result": _what(e),
+                 "status": _status(e), "latency_ms": e.get("latency_ms", ""), "worker": e.get("worker", ""),
+                 "detail": e.get("detail", "")} for e in entries]
         out = f"message {message_id} in {key}\n" + table(rows, list(rows[0]) if rows else ["time"])
         if pending is not None:
             out += f"\nnot settled yet: {int(pending)} attempt(s) counted so far"

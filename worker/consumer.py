@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pulsar
@@ -40,6 +43,16 @@ def make_client(settings: PulsarSettings, service_url: str) -> pulsar_async.Clie
     if settings.auth_token:
         kwargs["authentication"] = pulsar.AuthenticationToken(settings.auth_token)
     return pulsar_async.Client(service_url, **kwargs)
+
+
+@asynccontextmanager
+async def open_client(settings: PulsarSettings) -> AsyncIterator[pulsar_async.Client]:
+    """A client for a short operator task, closed (bounded) when it ends."""
+    client = make_client(settings, settings.service_url or "")
+    try:
+        yield client
+    finally:
+        await asyncio.wait_for(client.close(), timeout=5.0)
 
 
 def message_id_of(msg: pulsar.Message) -> str:

@@ -34,10 +34,18 @@ def dead_letter_properties(
     return props
 
 
+async def subscribe_cursor(client: pulsar_async.Client, topic: str, queue: int = 1,
+                           consumer_name: str | None = None) -> pulsar_async.Consumer:
+    """A consumer on the fleet's cursor of a dead-letter topic (always Shared: one type per cursor)."""
+    kwargs: dict[str, object] = {"consumer_name": consumer_name} if consumer_name else {}
+    return await client.subscribe(topic, DLQ_CURSOR, consumer_type=pulsar.ConsumerType.Shared,
+                                  initial_position=pulsar.InitialPosition.Earliest, receiver_queue_size=queue,
+                                  **kwargs)
+
+
 async def ensure_cursor(client: pulsar_async.Client, topic: str) -> None:
     """Create the fleet's cursor on a dead-letter topic (a no-op when it exists)."""
-    consumer = await client.subscribe(topic, DLQ_CURSOR, consumer_type=pulsar.ConsumerType.Shared,
-                                      initial_position=pulsar.InitialPosition.Earliest, receiver_queue_size=1)
+    consumer = await subscribe_cursor(client, topic)
     await asyncio.wait_for(consumer.close(), timeout=5.0)
 
 

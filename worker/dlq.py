@@ -31,14 +31,14 @@ import pulsar.asyncio as pulsar_async
 
 from worker import consumer as pulsar_adapter
 from worker import logs
-from worker.admin import Admin, Target, table, when
+from worker.admin import Admin, Target, table
 from worker.attempts import AttemptStore, Pipeliner
 from worker.config import PulsarSettings
-from worker.deadletter import DLQ_CURSOR, DeadLetterPublisher
+from worker.deadletter import DeadLetterPublisher, subscribe_cursor
 from worker.delivery import Deliverer, make_session
 from worker.dispatcher import DeliveryContext, Dispatcher
 from worker.errors import ConfigError, NotFound
-from worker.messages import Envelope
+from worker.messages import Envelope, rfc3339
 from worker.metrics import Metrics
 from worker.subscriptions import Subscription
 
@@ -140,19 +140,13 @@ class DeadLetters:
 
     @asynccontextmanager
     async def _cursor(self, sub: Subscription, queue: int = 1000) -> AsyncIterator[pulsar_async.Consumer]:
-        client = pulsar_adapter.make_client(self.pulsar_settings, self.pulsar_settings.service_url or "")
-        try:
-            assert sub.dead_letter_topic is not None
-            consumer = await client.subscribe(sub.dead_letter_topic, DLQ_CURSOR,
-                                              consumer_type=pulsar.ConsumerType.Shared,
-                                              initial_position=pulsar.InitialPosition.Earliest,
-                                              receiver_queue_size=queue, consumer_name="push-worker-dlq-cli")
+        assert sub.dead_letter_topic is not None
+        async with pulsar_adapter.open_client(self.pulsar_settings) as client:
+            consumer = await subscribe_cursor(client, sub.dead_letter_topic, queue, "push-worker-dlq-cli")
             try:
                 yield consumer
             finally:
                 await asyncio.wait_for(consumer.close(), timeout=5.0)
-        finally:
-            await asyncio.wait_for(client.close(), timeout=5.0)
 
     async def _peek(self, sub: Subscription, limit: int) -> list[pulsar.Message]:
         """Up to `limit` of this subscription's dead letters, oldest first; all released on return."""
@@ -172,7 +166,7 @@ class DeadLetters:
         props = message.properties()
         return {"dead_letter_id": pulsar_adapter.message_id_of(message),
                 "message_id": props.get("pubsub.original_message_id", ""),
-                "dead_lettered_at": when(message.publish_timestamp()),
+                "dead_lettered_at": rfc3339(message.publish_timestamp()),
                 "attempts": props.get("pubsub.delivery_attempts", ""),
                 "last_status": props.get("pubsub.last_status", ""), "bytes": len(message.data() or b"")}
 
@@ -227,11 +221,8 @@ class DeadLetters:
         started = time.monotonic()
         try:
             assert sub.dead_letter_topic is not None
-            consumer = await client.subscribe(sub.dead_letter_topic, DLQ_CURSOR,
-                                              consumer_type=pulsar.ConsumerType.Shared,
-                                              initial_position=pulsar.InitialPosition.Earliest,
-                                              receiver_queue_size=max(concurrency, 10),
-                                              consumer_name="push-worker-dlq-redrive")
+            consumer = await subscribe_cursor(client, sub.dead_letter_topic, max(concurrency, 10),
+                                              "push-worker-dlq-redrive")
             source = DeadLetterSource(consumer, sub, rate, limit)
             dispatcher = Dispatcher(sub, source, lambda m: original_envelope(sub, m), ctx)
             dispatcher.start()
