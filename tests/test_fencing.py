@@ -30,6 +30,9 @@ class OneMessage:
         self.given = True
         return "message"
 
+    def receive_ready(self) -> None:
+        return None
+
     async def acknowledge(self, message: object) -> None:
         self.acked.append(message)
 

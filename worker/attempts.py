@@ -1,54 +1,98 @@
 """Delivery attempts counted in Redis, so numbering survives crashes and ownership changes, and each
 message's attempt history (`push-worker show`), kept for a bounded time.
 
-The happy path costs two commands per message (one script call before the first attempt, one
-after it that records the outcome and forgets the counter). Calls made in the same moment by many
-deliveries share one pipelined round trip: a flusher sends whatever has queued up while the
-previous round trip was in flight.
+Each message costs two operations on the happy path: one before the first attempt (count it) and
+one after (record the outcome, forget the counter). Operations issued in the same moment are
+batched: the operations of one kind on one subscription become a single EVALSHA over all their keys
+(they share the subscription's hash tag, so this stays legal on Redis Cluster), and everything a
+moment produced goes in one pipelined round trip, sent while the previous one was in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import hashlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
 
 from worker import keys
 
-# Count the attempt and refresh the TTL in one step; return the count and the last recorded status.
-_BEGIN = """
-if redis.call('HGET', KEYS[1], 'discard') then return {redis.call('HGET', KEYS[1], 'n') or 0, '', 1} end
-local n = redis.call('HINCRBY', KEYS[1], 'n', 1)
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-return {n, redis.call('HGET', KEYS[1], 'last') or '', 0}
-"""
+BATCH_LIMIT = 200  # operations per script call: bounds how long one call holds Redis
 
-# Append history entries (capped, with a TTL); then, settled: forget the counter and add the message
-# to the subscription's settled list; else remember how the attempt ended (for a dead-letter
-# published after a crash).
-_RECORD = """
-for i = 6, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
-redis.call('LTRIM', KEYS[2], -tonumber(ARGV[4]), -1)
-redis.call('EXPIRE', KEYS[2], ARGV[3])
-if ARGV[1] == '1' then
-  redis.call('DEL', KEYS[1])
-  redis.call('LPUSH', KEYS[3], ARGV[5])
-  redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[4]) * 10 - 1)
-  redis.call('EXPIRE', KEYS[3], ARGV[3])
-else
-  redis.call('HSET', KEYS[1], 'last', ARGV[2])
+
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: cheap as a dict key on the hot path
+class BatchScript:
+    """A Lua script run over many operations at once. KEYS and ARGV start with what the batch shares
+    (`shared_keys` and `shared_args` of the call), then each operation's keys and args in turn; the
+    script returns `width` values per operation, in order."""
+
+    source: str
+    width: int
+
+    @property
+    def sha(self) -> str:
+        return hashlib.sha1(self.source.encode(), usedforsecurity=False).hexdigest()  # how Redis names scripts
+
+
+# Per operation: one key. Count the attempt and refresh the TTL; return the count, the status the
+# previous attempt ended with, and whether an operator asked to discard the message.
+BEGIN = BatchScript("""
+local out = {}
+for i = 1, #KEYS do
+  local v = redis.call('HMGET', KEYS[i], 'discard', 'last', 'n')
+  if v[1] then
+    out[#out + 1] = tonumber(v[3]) or 0; out[#out + 1] = ''; out[#out + 1] = 1
+  else
+    out[#out + 1] = redis.call('HINCRBY', KEYS[i], 'n', 1)
+    redis.call('EXPIRE', KEYS[i], ARGV[1])
+    out[#out + 1] = v[2] or ''; out[#out + 1] = 0
+  end
 end
-return 1
-"""
+return out
+""", width=3)
+
+# Shared: the settled list; history TTL and cap. Per operation: the counter and history keys; args
+# settled ('1'/'0'), last status, settled summary, number of history entries, the entries. Appends
+# the entries (capped, with a TTL); then, settled: forget the counter and list the message among the
+# settled; else remember how the attempt ended (for a dead-letter published after a crash).
+RECORD = BatchScript("""
+local ttl, cap = ARGV[1], tonumber(ARGV[2])
+local a, settled_any, out = 3, false, {}
+for k = 2, #KEYS, 2 do
+  local settled, last, summary, count = ARGV[a], ARGV[a + 1], ARGV[a + 2], tonumber(ARGV[a + 3])
+  a = a + 4
+  if count > 0 then
+    redis.call('RPUSH', KEYS[k + 1], unpack(ARGV, a, a + count - 1))
+    redis.call('LTRIM', KEYS[k + 1], -cap, -1)
+    redis.call('EXPIRE', KEYS[k + 1], ttl)
+  end
+  a = a + count
+  if settled == '1' then
+    redis.call('DEL', KEYS[k])
+    redis.call('LPUSH', KEYS[1], summary)
+    settled_any = true
+  else
+    redis.call('HSET', KEYS[k], 'last', last)
+  end
+  out[#out + 1] = 1
+end
+if settled_any then
+  redis.call('LTRIM', KEYS[1], 0, cap * 10 - 1)
+  redis.call('EXPIRE', KEYS[1], ttl)
+end
+return out
+""", width=1)
+
 HISTORY_CAP = 100  # entries kept per message (the newest); the settled list keeps 10x as many messages
 
-Queued = tuple[Callable[[Any], None], "asyncio.Future[Any]"]
+GroupKey = tuple[BatchScript, tuple[str, ...], tuple[Any, ...]]
+Operation = tuple[Sequence[Any], Sequence[Any], "asyncio.Future[Any]"]
 
 
 @dataclass(frozen=True)
@@ -60,49 +104,112 @@ class AttemptRecord:
     discard: bool = False  # an operator asked to settle it without delivery
 
 
+class _Batch:
+    """One flush: script operations grouped per (script, shared keys and args), plus plain commands."""
+
+    def __init__(self) -> None:
+        self.groups: dict[GroupKey, list[Operation]] = {}
+        self.commands: list[tuple[Callable[[Any], None], asyncio.Future[Any]]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.groups or self.commands)
+
+    def futures(self) -> list[asyncio.Future[Any]]:
+        return [f for ops in self.groups.values() for *_, f in ops] + [f for _, f in self.commands]
+
+
 class Pipeliner:
-    """Coalesces Redis commands issued concurrently into one pipeline round trip."""
+    """Batches Redis work issued concurrently: script operations into one call per group, and all of a
+    moment's calls into one pipelined round trip."""
 
     def __init__(self, client: aioredis.Redis, on_round_trip: Callable[[int], None] | None = None) -> None:
         self.client = client
         self._on_round_trip = on_round_trip or (lambda _: None)
-        self._queue: list[Queued] = []
+        self._pending = _Batch()
         self._flusher: asyncio.Task[None] | None = None
 
-    def submit(self, add: Callable[[Any], None]) -> asyncio.Future[Any]:
+    def operation(self, script: BatchScript, shared_keys: tuple[str, ...], shared_args: tuple[Any, ...],
+                  op_keys: Sequence[Any], op_args: Sequence[Any]) -> asyncio.Future[Any]:
+        """Queue one operation; resolves to its `script.width` values."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._queue.append((add, future))
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.create_task(self._flush())
+        self._pending.groups.setdefault((script, shared_keys, shared_args), []).append((op_keys, op_args, future))
+        self._kick()
         return future
 
+    def submit(self, add: Callable[[Any], None]) -> asyncio.Future[Any]:
+        """Queue a plain command, added to the pipeline by `add(pipe)`."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending.commands.append((add, future))
+        self._kick()
+        return future
+
+    def _kick(self) -> None:
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush())
+
     async def _flush(self) -> None:
-        while self._queue:
-            batch, self._queue = self._queue, []
-            pipe = self.client.pipeline(transaction=False)
-            for add, _ in batch:
-                add(pipe)
+        while self._pending:
+            batch, self._pending = self._pending, _Batch()
             try:
-                results = await pipe.execute(raise_on_error=False)
-            except (RedisError, OSError) as e:
-                results = [e] * len(batch)
+                await self._send(batch)
             except asyncio.CancelledError:
-                for _, future in batch:
+                for future in batch.futures():
                     future.cancel()
                 raise
-            self._on_round_trip(len(batch))
-            for (_, future), result in zip(batch, results, strict=True):
-                if future.done():
-                    continue
-                if isinstance(result, BaseException):
-                    future.set_exception(result)
-                else:
-                    future.set_result(result)
+
+    async def _send(self, batch: _Batch) -> None:
+        calls: list[tuple[BatchScript, list[Any], list[Any], list[Operation]]] = []
+        for (script, shared_keys, shared_args), ops in batch.groups.items():
+            for start in range(0, len(ops), BATCH_LIMIT):
+                chunk = ops[start:start + BATCH_LIMIT]
+                call_keys = [*shared_keys, *(k for op_keys, _, _ in chunk for k in op_keys)]
+                call_args = [*shared_args, *(a for _, op_args, _ in chunk for a in op_args)]
+                calls.append((script, call_keys, call_args, chunk))
+        results = await self._execute([_script_call(script, k, a) for script, k, a, _ in calls]
+                                      + [add for add, _ in batch.commands])
+        retry = [i for i, r in enumerate(results[:len(calls)]) if isinstance(r, NoScriptError)]
+        if retry:  # first use, or Redis restarted: EVAL sends the source once and caches it again
+            again = await self._execute([_script_call(*calls[i][:3], by_source=True) for i in retry])
+            for i, result in zip(retry, again, strict=True):
+                results[i] = result
+        for (script, _, _, chunk), result in zip(calls, results, strict=True):
+            for n, (_, _, future) in enumerate(chunk):
+                _resolve(future, result if isinstance(result, BaseException)
+                         else result[n * script.width:(n + 1) * script.width])
+        for (_, future), result in zip(batch.commands, results[len(calls):], strict=True):
+            _resolve(future, result)
+
+    async def _execute(self, adds: list[Callable[[Any], None]]) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        for add in adds:
+            add(pipe)
+        try:
+            results = await pipe.execute(raise_on_error=False)
+        except (RedisError, OSError) as e:
+            results = [e] * len(adds)
+        self._on_round_trip(len(adds))
+        return list(results)
 
     async def close(self) -> None:
         if self._flusher is not None:
             self._flusher.cancel()
             await asyncio.gather(self._flusher, return_exceptions=True)
+
+
+def _script_call(script: BatchScript, call_keys: list[Any], call_args: list[Any],
+                 by_source: bool = False) -> Callable[[Any], None]:
+    if by_source:
+        return lambda pipe: pipe.eval(script.source, len(call_keys), *call_keys, *call_args)
+    return lambda pipe: pipe.evalsha(script.sha, len(call_keys), *call_keys, *call_args)
+
+
+def _resolve(future: asyncio.Future[Any], result: Any) -> None:
+    if future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
 
 
 class AttemptStore:
@@ -115,9 +222,9 @@ class AttemptStore:
         self.history_ttl_seconds = history_ttl_seconds
         self._on_error = on_error or (lambda: None)
 
-    async def _call(self, add: Callable[[Any], None]) -> Any:
+    async def _call(self, queue: Callable[[], asyncio.Future[Any]]) -> Any:
         try:  # the common case, without building a retry controller
-            return await self.pipeliner.submit(add)
+            return await queue()
         except (RedisError, OSError):
             self._on_error()
         # No delivery proceeds without its attempt record: wait for Redis rather than guess.
@@ -128,7 +235,7 @@ class AttemptStore:
         ):
             with attempt:
                 try:
-                    return await self.pipeliner.submit(add)
+                    return await queue()
                 except (RedisError, OSError):
                     self._on_error()
                     raise
@@ -137,22 +244,22 @@ class AttemptStore:
     async def begin(self, subscription_key: str, message_id: str) -> AttemptRecord:
         """Record the next attempt before it is made; returns its number (1, 2, ...)."""
         key = keys.message_key(subscription_key, message_id)
-        n, last, discard = await self._call(lambda p: p.eval(_BEGIN, 1, key, self.ttl_seconds))
+        n, last, discard = await self._call(
+            lambda: self.pipeliner.operation(BEGIN, (), (self.ttl_seconds,), (key,), ()))
         return AttemptRecord(int(n), last.decode() if isinstance(last, bytes) else str(last), bool(int(discard)))
 
     async def record(self, subscription_key: str, message_id: str, entries: list[dict[str, Any]],
                      settled: bool, last_status: str = "") -> None:
         """Append `entries` to the message's history; then, `settled`, forget its counter and list it
-        among the settled messages (how it ended: the last entry); else remember `last_status`.
-        One round trip."""
-        keys_ = (keys.message_key(subscription_key, message_id), keys.history_key(subscription_key, message_id),
-                 keys.settled_key(subscription_key))
-        summary = {"message_id": message_id, **(entries[-1] if entries else {})} if settled else {}
-        args = ["1" if settled else "0", last_status, self.history_ttl_seconds, HISTORY_CAP, orjson.dumps(summary),
-                *(orjson.dumps(e) for e in entries)]
-        await self._call(lambda p: p.eval(_RECORD, 3, *keys_, *args))
+        among the settled messages (how it ended: the last entry); else remember `last_status`."""
+        op_keys = (keys.message_key(subscription_key, message_id), keys.history_key(subscription_key, message_id))
+        summary = orjson.dumps({"message_id": message_id, **(entries[-1] if entries else {})}) if settled else b""
+        op_args = ("1" if settled else "0", last_status, summary, len(entries), *(orjson.dumps(e) for e in entries))
+        await self._call(lambda: self.pipeliner.operation(
+            RECORD, (keys.settled_key(subscription_key),), (self.history_ttl_seconds, HISTORY_CAP), op_keys, op_args))
 
     async def history(self, subscription_key: str, message_id: str) -> list[dict[str, Any]]:
         """The message's recorded history, oldest first."""
-        raw = await self._call(lambda p: p.lrange(keys.history_key(subscription_key, message_id), 0, -1))
+        raw = await self._call(
+            lambda: self.pipeliner.submit(lambda p: p.lrange(keys.history_key(subscription_key, message_id), 0, -1)))
         return [orjson.loads(entry) for entry in raw]

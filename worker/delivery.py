@@ -11,6 +11,7 @@ from email.utils import parsedate_to_datetime
 from urllib.parse import urlsplit
 
 import aiohttp
+from yarl import URL
 
 from worker.destinations import DestinationPolicy, GuardedResolver, check_host
 from worker.errors import DestinationRefused
@@ -18,6 +19,7 @@ from worker.messages import PushRequest
 
 STREAM_ABOVE = 256 * 1024  # request bodies larger than this are streamed
 RESPONSE_BODY_CAP = 64 * 1024  # read at most this much of an endpoint's answer, then drop the connection
+TARGET_CACHE_SIZE = 10_000  # parsed endpoint URLs kept (one per subscription in practice)
 
 
 class Result(enum.StrEnum):
@@ -148,18 +150,22 @@ class Deliverer:
     def __init__(self, session: aiohttp.ClientSession, policy: DestinationPolicy) -> None:
         self.session = session
         self.policy = policy
-        self._checked_hosts: dict[str, str | None] = {}
+        self._targets: dict[str, tuple[URL, str | None]] = {}
 
-    def _literal_refusal(self, url: str) -> str | None:
-        # aiohttp skips the resolver for IP literals, so those are checked here (cached per host).
-        host = urlsplit(url).hostname or ""
-        if host not in self._checked_hosts:
+    def _target(self, url: str) -> tuple[URL, str | None]:
+        """The parsed URL and why it is refused (None: allowed), worked out once per URL. aiohttp skips
+        the resolver for IP literals, so those are checked here."""
+        known = self._targets.get(url)
+        if known is None:
+            refused = None
             try:
-                check_host(host, self.policy, resolve=False)
-                self._checked_hosts[host] = None
+                check_host(urlsplit(url).hostname or "", self.policy, resolve=False)
             except DestinationRefused as e:
-                self._checked_hosts[host] = str(e)
-        return self._checked_hosts[host]
+                refused = str(e)
+            if len(self._targets) >= TARGET_CACHE_SIZE:
+                self._targets.clear()
+            known = self._targets[url] = (URL(url), refused)
+        return known
 
     async def attempt(self, url: str, request: PushRequest, deadline: float) -> Outcome:
         """POST once; the whole exchange (connect, send, status, capped body) is bounded by `deadline` s."""
@@ -167,13 +173,13 @@ class Deliverer:
         if len(request.body) > self.policy.max_request_bytes:
             return Outcome(Result.TOO_LARGE, detail=f"request body of {len(request.body)} bytes is over "
                            f"destinations.max_request_bytes ({self.policy.max_request_bytes})")
-        refused = self._literal_refusal(url)
+        target, refused = self._target(url)
         if refused:
             return Outcome(Result.CONNECTION_ERROR, detail=refused)
         try:
             async with asyncio.timeout(deadline):
                 async with self.session.post(
-                    url, data=_payload(request.body), headers=request.headers, allow_redirects=False,
+                    target, data=_payload(request.body), headers=request.headers, allow_redirects=False,
                     timeout=aiohttp.ClientTimeout(total=None),
                 ) as response:
                     status = response.status

@@ -49,6 +49,7 @@ class ConsumerLike(Protocol):
     """What the dispatcher needs of a Pulsar consumer (pulsar.asyncio.Consumer fits)."""
 
     async def receive(self) -> Any: ...
+    def receive_ready(self) -> Any | None: ...  # a message already at hand, or None: never waits
     async def acknowledge(self, message: Any) -> None: ...
     async def unsubscribe(self) -> None: ...
     async def close(self) -> None: ...
@@ -228,13 +229,23 @@ class Dispatcher:
                 self.log.warning("receive failed", error=type(e).__name__)
                 await self._pause(1.0)
                 continue
+            self._take(message)
+            # What the client already holds is taken in the same turn: one wake-up per burst, not per message.
+            while self.window.try_acquire():
+                message = self.consumer.receive_ready()
+                if message is None:
+                    self.window.release()
+                    break
+                self._take(message)
             self.m.unsettled.set(self.window.used)
-            try:
-                env = self.to_envelope(message)
-            except Exception as e:  # a message we cannot even read is dead-lettered with the reason, never a crash
-                env = Envelope(message_id=_raw_id(message), data=_raw_data(message), topic=self.sub.topic,
-                               publish_time_ms=0, defect=f"unreadable message ({type(e).__name__})")
-            self._admit(message, env)
+
+    def _take(self, message: Any) -> None:
+        try:
+            env = self.to_envelope(message)
+        except Exception as e:  # a message we cannot even read is dead-lettered with the reason, never a crash
+            env = Envelope(message_id=_raw_id(message), data=_raw_data(message), topic=self.sub.topic,
+                           publish_time_ms=0, defect=f"unreadable message ({type(e).__name__})")
+        self._admit(message, env)
 
     def _admit(self, message: Any, env: Envelope) -> None:
         if env.message_id in self._active:

@@ -111,6 +111,9 @@ class DeadLetterSource:
         await asyncio.Event().wait()  # nothing more; the redrive stops the dispatcher
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def receive_ready(self) -> None:
+        return None  # every message goes through the filter and the rate limit in receive()
+
     async def acknowledge(self, message: Any) -> None:
         await self.consumer.acknowledge(message)
 

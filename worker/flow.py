@@ -49,6 +49,13 @@ class Window(_Slots):
     async def acquire(self) -> None:
         await self._take()
 
+    def try_acquire(self) -> bool:
+        """Take a slot if one is free and nobody is waiting for it; never waits."""
+        if self.used < self.limit and not self._waiters:
+            self.used += 1
+            return True
+        return False
+
     def release(self) -> None:
         self._give()
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import base64
 import re
+import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 import orjson
@@ -48,7 +48,8 @@ def format_message_id(ledger: int, entry: int, partition: int, batch: int) -> st
 
 def rfc3339(ms: int) -> str:
     """Milliseconds since the epoch as an RFC 3339 UTC timestamp."""
-    return datetime.fromtimestamp(ms / 1000, tz=UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    seconds, millis = divmod(int(ms), 1000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
 
 
 def header_safe(name: str, value: str) -> bool:
