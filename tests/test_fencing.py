@@ -9,7 +9,7 @@ import redis.asyncio as aioredis
 from tests.conftest import Endpoint, eventually, make_sub
 from worker.attempts import AttemptStore, Pipeliner
 from worker.deadletter import DeadLetterPublisher
-from worker.delivery import Deliverer, make_session
+from worker.delivery import Deliverer
 from worker.destinations import DestinationPolicy
 from worker.dispatcher import DeliveryContext, Dispatcher
 from worker.messages import Envelope
@@ -51,9 +51,9 @@ async def test_lease_lost_before_the_request_sends_and_settles_nothing(redis_url
 
     client = aioredis.Redis.from_url(redis_url)
     pipeliner = Pipeliner(client)
-    session = make_session(DestinationPolicy(allow_private=True))
+    deliverer = Deliverer(DestinationPolicy(allow_private=True))
     consumer = OneMessage()
-    ctx = DeliveryContext(Deliverer(session, DestinationPolicy(allow_private=True)), AttemptStore(pipeliner, 3600),
+    ctx = DeliveryContext(deliverer, AttemptStore(pipeliner, 3600),
                           DeadLetterPublisher(None), Metrics())  # type: ignore[arg-type]
     dispatcher = Dispatcher(sub, consumer, lambda m: Envelope("1:2:-1:-1", b"x", topic, 0), ctx, may_deliver)
     try:
@@ -68,4 +68,4 @@ async def test_lease_lost_before_the_request_sends_and_settles_nothing(redis_url
     finally:
         await pipeliner.close()
         await client.aclose()
-        await session.close()
+        await deliverer.close()

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import Client, Endpoint, eventually, make_sub
 from worker.config import parse_settings
-from worker.delivery import RESPONSE_BODY_CAP, Deliverer, Result, make_session
+from worker.delivery import RESPONSE_BODY_CAP, Deliverer, Result
 from worker.destinations import DestinationPolicy
 from worker.errors import ConfigError
 from worker.messages import PushRequest
@@ -94,17 +94,17 @@ async def redirect_to_metadata(reader: asyncio.StreamReader, writer: asyncio.Str
     (redirect_to_metadata, Result.NACK, 302),
 ])
 async def test_misbehaving_endpoints_are_bounded_failed_attempts(behaviour, result, status):
-    session = make_session(DestinationPolicy(allow_private=True))
+    deliverer = Deliverer(DestinationPolicy(allow_private=True))
     try:
         async with raw_endpoint(behaviour) as (url, _):
             started = time.monotonic()
-            outcome = await Deliverer(session, DestinationPolicy(allow_private=True)).attempt(
+            outcome = await deliverer.attempt(
                 url, PushRequest({"Content-Type": "application/json"}, b"{}"), DEADLINE)
             elapsed = time.monotonic() - started
         assert (outcome.result, outcome.status) == (result, status), outcome
         assert elapsed < DEADLINE + 1.0
     finally:
-        await session.close()
+        await deliverer.close()
 
 
 async def test_an_endless_response_body_is_read_only_up_to_the_cap():
@@ -119,10 +119,10 @@ async def test_an_endless_response_body_is_read_only_up_to_the_cap():
                 await writer.drain()
                 sent[0] += 65536
 
-    session = make_session(DestinationPolicy(allow_private=True))
+    deliverer = Deliverer(DestinationPolicy(allow_private=True))
     try:
         async with raw_endpoint(endless) as (url, _):
-            outcome = await Deliverer(session, DestinationPolicy(allow_private=True)).attempt(
+            outcome = await deliverer.attempt(
                 url, PushRequest({}, b"{}"), 10.0)
             assert (outcome.result, outcome.status) == (Result.NACK, 500)
             assert outcome.latency < 5.0
@@ -130,7 +130,7 @@ async def test_an_endless_response_body_is_read_only_up_to_the_cap():
             await eventually(lambda: sent[0] > 0, what="server wrote")
             assert sent[0] < RESPONSE_BODY_CAP + 64 * 1024 * 1024
     finally:
-        await session.close()
+        await deliverer.close()
 
 
 async def test_a_hostile_endpoint_fails_its_own_messages_while_others_flow(

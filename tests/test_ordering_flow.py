@@ -177,6 +177,22 @@ def test_adaptive_limit_slow_start_shrink_and_growth():
     asyncio.run(scenario())
 
 
+def test_odd_server_errors_do_not_shrink_the_window_but_a_failing_endpoint_does():
+    async def scenario():
+        limit = AdaptiveLimit(ceiling=64, initial=32, cooldown=0.0)
+        ok, error = Outcome(Result.ACK, status=204), Outcome(Result.NACK, status=500)
+        for i in range(400):  # one message in ten is one the endpoint cannot handle
+            await limit.acquire()
+            limit.release(error if i % 10 == 9 else ok)
+        assert limit.size >= 32
+        for _ in range(10):  # then every answer is a 500: the endpoint is struggling
+            await limit.acquire()
+            limit.release(error)
+        assert limit.size <= 16
+
+    asyncio.run(scenario())
+
+
 async def test_endpoint_window_is_exported_shrinks_on_failures_and_grows_on_success(
         start_worker, endpoint, client, topic):
     async def answer(rec):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import io
 import time
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
@@ -13,11 +12,12 @@ from urllib.parse import urlsplit
 import aiohttp
 from yarl import URL
 
+from worker import http1
 from worker.destinations import DestinationPolicy, GuardedResolver, check_host
 from worker.errors import DestinationRefused
 from worker.messages import PushRequest
 
-STREAM_ABOVE = 256 * 1024  # request bodies larger than this are streamed
+USER_AGENT = "push-worker/0.1"
 RESPONSE_BODY_CAP = 64 * 1024  # read at most this much of an endpoint's answer, then drop the connection
 TARGET_CACHE_SIZE = 10_000  # parsed endpoint URLs kept (one per subscription in practice)
 
@@ -86,42 +86,10 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
-class _Processing(Exception):
-    """An endpoint answered `102 Processing`: accepted, the final answer is not awaited."""
-
-
-class _InterimAwareResponse(aiohttp.ClientResponse):
-    """aiohttp skips 1xx answers while waiting for the final one; the contract acks on 102."""
-
-    async def start(self, connection: aiohttp.connector.Connection) -> aiohttp.ClientResponse:
-        protocol = connection.protocol
-        if protocol is None:
-            return await super().start(connection)
-        read = protocol.read
-
-        async def read_final_or_processing() -> tuple[object, object]:
-            message, payload = await read()
-            if message.code == 102:
-                raise _Processing
-            return message, payload
-
-        protocol.read = read_final_or_processing  # type: ignore[method-assign,assignment]
-        try:
-            return await super().start(connection)
-        finally:
-            del protocol.read  # back to the class's method; the connection is closed on _Processing
-
-
-def make_session(policy: DestinationPolicy, limit: int = 0) -> aiohttp.ClientSession:
-    """The shared HTTP client: guarded DNS, TLS verification on, no cookies kept between endpoints."""
-    connector = aiohttp.TCPConnector(
-        resolver=GuardedResolver(policy), limit=limit, ttl_dns_cache=30, ssl=True
-    )
-    return aiohttp.ClientSession(
-        connector=connector, cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False,
-        headers={"User-Agent": "push-worker/0.1"}, skip_auto_headers=("Accept-Encoding",),
-        response_class=_InterimAwareResponse,
-    )
+def make_session() -> aiohttp.ClientSession:
+    """An aiohttp session for the broker's stats and metrics pages (URLs from the operator's config,
+    not from subscriptions): TLS verification on, no cookies kept."""
+    return aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar(), headers={"User-Agent": USER_AGENT})
 
 
 async def read_capped(response: aiohttp.ClientResponse, cap: int) -> bytes:
@@ -138,23 +106,17 @@ async def read_capped(response: aiohttp.ClientResponse, cap: int) -> bytes:
     return b"".join(chunks)
 
 
-def _payload(body: bytes) -> bytes | io.BytesIO:
-    # aiohttp writes a large bytes body in one go (and warns that this can stall the loop); a file
-    # object is streamed in chunks, with the same Content-Length.
-    return io.BytesIO(body) if len(body) > STREAM_ABOVE else body
-
-
 class Deliverer:
-    """Sends push requests over one shared session and classifies what comes back."""
+    """Sends push requests over keep-alive connections and classifies what comes back."""
 
-    def __init__(self, session: aiohttp.ClientSession, policy: DestinationPolicy) -> None:
-        self.session = session
+    def __init__(self, policy: DestinationPolicy, client: http1.Client | None = None) -> None:
         self.policy = policy
+        self.client = client or http1.Client(GuardedResolver(policy), USER_AGENT)
         self._targets: dict[str, tuple[URL, str | None]] = {}
 
     def _target(self, url: str) -> tuple[URL, str | None]:
-        """The parsed URL and why it is refused (None: allowed), worked out once per URL. aiohttp skips
-        the resolver for IP literals, so those are checked here."""
+        """The parsed URL and why it is refused (None: allowed), worked out once per URL. The resolver
+        checks names at connect time; IP literals are checked here."""
         known = self._targets.get(url)
         if known is None:
             refused = None
@@ -178,29 +140,23 @@ class Deliverer:
             return Outcome(Result.CONNECTION_ERROR, detail=refused)
         try:
             async with asyncio.timeout(deadline):
-                async with self.session.post(
-                    target, data=_payload(request.body), headers=request.headers, allow_redirects=False,
-                    timeout=aiohttp.ClientTimeout(total=None),
-                ) as response:
-                    status = response.status
-                    retry_after = parse_retry_after(response.headers.get("Retry-After"))
-                    # An answer counts once complete within the deadline; a huge or endless body costs
-                    # at most the cap (then the connection is dropped). The body itself is not used.
-                    await read_capped(response, RESPONSE_BODY_CAP)
-        except _Processing:
-            return Outcome(Result.ACK, status=102, latency=time.monotonic() - started)
+                # An answer counts once complete within the deadline; a huge or endless body costs at
+                # most the cap (then the connection is dropped). The body itself is not used.
+                answer = await self.client.post(target, request.headers, request.body, RESPONSE_BODY_CAP)
         except TimeoutError:
             return Outcome(Result.TIMEOUT, latency=time.monotonic() - started, detail=f"no answer in {deadline:g}s")
-        except aiohttp.ClientConnectorError as e:
-            detail = str(e.os_error) if isinstance(e.os_error, DestinationRefused) else type(e).__name__
-            return Outcome(Result.CONNECTION_ERROR, latency=time.monotonic() - started, detail=detail)
-        except (aiohttp.ClientError, OSError, ValueError) as e:
+        except (DestinationRefused, http1.ProtocolError) as e:
+            return Outcome(Result.CONNECTION_ERROR, latency=time.monotonic() - started, detail=str(e))
+        except (OSError, ValueError) as e:
             return Outcome(Result.CONNECTION_ERROR, latency=time.monotonic() - started, detail=type(e).__name__)
         except Exception as e:  # an outcome, never an exception: one odd endpoint must not wedge a message
             return Outcome(Result.CONNECTION_ERROR, latency=time.monotonic() - started,
                            detail=f"unexpected {type(e).__name__}")
         latency = time.monotonic() - started
-        if is_ack_status(status):
-            return Outcome(Result.ACK, status=status, latency=latency)
-        return Outcome(Result.NACK, status=status, latency=latency,
-                       retry_after=retry_after if status in (429, 503) else None)
+        if is_ack_status(answer.status):
+            return Outcome(Result.ACK, status=answer.status, latency=latency)
+        retry_after = parse_retry_after(answer.headers.get("retry-after")) if answer.status in (429, 503) else None
+        return Outcome(Result.NACK, status=answer.status, latency=latency, retry_after=retry_after)
+
+    async def close(self) -> None:
+        await self.client.close()

@@ -35,7 +35,7 @@ from worker.admin import Admin, Target, table
 from worker.attempts import AttemptStore, Pipeliner
 from worker.config import PulsarSettings
 from worker.deadletter import DeadLetterPublisher, subscribe_cursor
-from worker.delivery import Deliverer, make_session
+from worker.delivery import Deliverer
 from worker.dispatcher import DeliveryContext, Dispatcher
 from worker.errors import ConfigError, NotFound
 from worker.messages import Envelope, rfc3339
@@ -213,10 +213,9 @@ class DeadLetters:
         sub = dataclasses.replace(sub, type="shared", max_ack_pending=concurrency)
         settings = self.target.settings
         pipeliner = Pipeliner(admin.client)
-        session = make_session(settings.destinations)
         metrics = Metrics()
         client = pulsar_adapter.make_client(self.pulsar_settings, self.pulsar_settings.service_url or "")
-        ctx = DeliveryContext(Deliverer(session, settings.destinations),
+        ctx = DeliveryContext(Deliverer(settings.destinations),
                               AttemptStore(pipeliner, settings.redis.attempts_ttl_seconds,
                                            history_ttl_seconds=settings.redis.history_ttl_seconds),
                               DeadLetterPublisher(client), metrics, worker_id="dlq-redrive")
@@ -244,7 +243,7 @@ class DeadLetters:
             await ctx.dead_letters.close()
             await asyncio.wait_for(client.close(), timeout=5.0)
             await pipeliner.close()
-            await session.close()
+            await ctx.deliverer.close()
         if self.as_json:
             return json.dumps(result)
         return (f"{sub.key}: redrive done: {result['redriven']} delivered, {result['dead_lettered_again']} "

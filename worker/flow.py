@@ -65,11 +65,22 @@ class Window(_Slots):
 
 
 def overloaded(outcome: Outcome) -> bool:
-    """Signals that the endpoint has too much: 429, 5xx, timeouts, connection errors.
-    Other 4xx say the message is wrong, not that the endpoint is busy."""
+    """Signals that the endpoint has too much: 429, 503, timeouts, connection errors.
+    Other 4xx say the message is wrong, not that the endpoint is busy; other 5xx are weighed by
+    how often they come (`server_error`)."""
     if outcome.result in (Result.TIMEOUT, Result.CONNECTION_ERROR):
         return True
-    return outcome.status is not None and (outcome.status == 429 or outcome.status >= 500)
+    return outcome.status in (429, 503)
+
+
+def server_error(outcome: Outcome) -> bool:
+    """500, 502, 504...: a struggling endpoint when most answers are like this, a bad message (one
+    the endpoint cannot handle) when they are the odd one out."""
+    return outcome.status is not None and outcome.status >= 500 and not overloaded(outcome)
+
+
+SERVER_ERROR_SHARE = 0.3  # recent share of server errors above which they count as overload
+SHARE_WEIGHT = 0.05  # weight of each answer in that share (about the last 20-40 answers)
 
 
 class AdaptiveLimit(_Slots):
@@ -77,7 +88,9 @@ class AdaptiveLimit(_Slots):
 
     Slow start: the window grows by one per success until the threshold, then by 1/window
     (about one per round of requests). On overload it halves, at most once per `cooldown`,
-    so a burst of failures from one bad moment does not collapse it to one. A `Retry-After`
+    so a burst of failures from one bad moment does not collapse it to one. Server errors other
+    than 503 count as overload only while they are a large share of recent answers: an endpoint
+    that fails one message in ten is not slowed for the other nine. A `Retry-After`
     on 429/503 also pauses new requests to the endpoint until it has passed.
     """
 
@@ -88,6 +101,7 @@ class AdaptiveLimit(_Slots):
         self.cooldown = cooldown
         self._last_cut = 0.0
         self._paused_until = 0.0
+        self._error_share = 0.0
         super().__init__(self.size)
 
     @property
@@ -118,11 +132,13 @@ class AdaptiveLimit(_Slots):
         self._wake()
 
     def _learn(self, outcome: Outcome) -> None:
+        failed = server_error(outcome)
+        self._error_share += SHARE_WEIGHT * ((1.0 if failed else 0.0) - self._error_share)
         if outcome.acked:
             step = 1.0 if self.window < self.threshold else 1.0 / self.window
             self.window = min(float(self.ceiling), self.window + step)
             return
-        if not overloaded(outcome):
+        if not (overloaded(outcome) or (failed and self._error_share > SERVER_ERROR_SHARE)):
             return
         now = time.monotonic()
         if now - self._last_cut >= self.cooldown:

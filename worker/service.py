@@ -117,8 +117,8 @@ class Worker:
                                      on_error=self.metrics.redis_errors.inc,
                                      history_ttl_seconds=s.redis.history_ttl_seconds)
         self.pulsar = pulsar_adapter.make_client(s.pulsar, self.pulsar_url)
-        self.session = make_session(s.destinations)
-        self.deliverer = Deliverer(self.session, s.destinations)
+        self.session = make_session()
+        self.deliverer = Deliverer(s.destinations)
         self.dead_letters = DeadLetterPublisher(self.pulsar)
         self.delivery = DeliveryContext(self.deliverer, self.attempts, self.dead_letters, self.metrics, self.secrets,
                                         self.worker_id)
@@ -295,6 +295,7 @@ class Worker:
         await self._step("close the Pulsar client", self.pulsar.close(), 5)
         await self._step("stop the Redis pipeliner", self.pipeliner.close(), 5)
         await self._step("close Redis", self.redis.aclose(), 5)  # type: ignore[union-attr]
+        await self._step("close the endpoint connections", self.deliverer.close(), 5)
         await self._step("close the HTTP session", self.session.close(), 5)
         for service in reversed(self._services):
             await asyncio.to_thread(service.stop)

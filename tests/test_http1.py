@@ -1,0 +1,205 @@
+"""The delivery HTTP/1.1 client against real sockets: request wire format, keep-alive reuse, every
+answer framing, protocol violations, large bodies, and TLS verification."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import shutil
+import ssl
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from yarl import URL
+
+from worker import http1
+from worker.delivery import Deliverer, Result
+from worker.destinations import DestinationPolicy, GuardedResolver
+from worker.messages import PushRequest
+
+ALLOW = DestinationPolicy(allow_private=True)
+
+
+class Server:
+    """A TCP server that reads each request (head and Content-Length body) and answers with the
+    next scripted bytes; counts connections and keeps what it received."""
+
+    def __init__(self, answers: list[bytes]) -> None:
+        self.answers = answers
+        self.connections = 0
+        self.requests: list[tuple[bytes, bytes]] = []
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        with contextlib.suppress(Exception):
+            while self.answers:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:"))
+                body = await reader.readexactly(length)
+                self.requests.append((head, body))
+                writer.write(self.answers.pop(0))
+                await writer.drain()
+        writer.close()
+
+
+@contextlib.asynccontextmanager
+async def serving(answers: list[bytes], tls: ssl.SSLContext | None = None) -> AsyncIterator[tuple[Server, URL]]:
+    server = Server(answers)
+    listener = await asyncio.start_server(server.handle, "127.0.0.1", 0, ssl=tls)
+    port = listener.sockets[0].getsockname()[1]
+    try:
+        yield server, URL(f"{'https' if tls else 'http'}://127.0.0.1:{port}/push?x=1")
+    finally:
+        listener.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(listener.wait_closed(), 2)
+
+
+def client(context: ssl.SSLContext | None = None) -> http1.Client:
+    return http1.Client(GuardedResolver(ALLOW), ssl_context=context)
+
+
+async def test_requests_are_well_formed_and_reuse_one_connection():
+    async with serving([b"HTTP/1.1 204 No Content\r\n\r\n"] * 3) as (server, url):
+        c = client()
+        try:
+            for i in range(3):
+                answer = await c.post(url, {"Content-Type": "application/json", "Pubsub-Delivery-Attempt": str(i)},
+                                      b'{"n": %d}' % i, 65536)
+                assert answer.status == 204
+        finally:
+            await c.close()
+    assert server.connections == 1
+    head, body = server.requests[2]
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"POST /push?x=1 HTTP/1.1"
+    assert f"Host: 127.0.0.1:{url.port}".encode() in lines
+    assert b"Content-Length: 8" in lines and b"Pubsub-Delivery-Attempt: 2" in lines
+    assert b"User-Agent: push-worker/0.1" in lines
+    assert body == b'{"n": 2}'
+
+
+@pytest.mark.parametrize(("answer", "status", "reused"), [
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello", 200, True),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4;ext=1\r\nWiki\r\n5\r\npedia\r\n0\r\n"
+     b"X-Trailer: y\r\n\r\n", 200, True),
+    (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: 0\r\n\r\n", 201, True),
+    (b"HTTP/1.1 102 Processing\r\n\r\n", 102, False),  # the final answer would follow on this connection
+    (b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n", 200, False),
+    (b"HTTP/1.0 200 OK\r\nContent-Length: 0\r\n\r\n", 200, False),
+    (b"HTTP/1.1 500 Oops\r\nContent-Length: 200000\r\n\r\n" + b"z" * 200000, 500, False),  # over the cap
+    (b"HTTP/1.1 503 Busy\r\nRetry-After: 7\r\nContent-Length: 0\r\n\r\n", 503, True),
+])
+async def test_each_answer_framing_is_read_and_reuse_follows_it(answer, status, reused):
+    async with serving([answer, b"HTTP/1.1 204 No Content\r\n\r\n"]) as (server, url):
+        c = client()
+        try:
+            first = await c.post(url, {}, b"x", 65536)
+            second = await c.post(url, {}, b"y", 65536)
+        finally:
+            await c.close()
+    assert (first.status, second.status) == (status, 204)
+    assert server.connections == (1 if reused else 2)
+    if status == 503:
+        assert first.headers["retry-after"] == "7"
+
+
+async def test_an_answer_without_framing_ends_with_the_connection():
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\n\r\nthe body runs until close")
+        await writer.drain()
+        writer.close()
+
+    listener = await asyncio.start_server(handle, "127.0.0.1", 0)
+    c = client()
+    try:
+        port = listener.sockets[0].getsockname()[1]
+        answer = await c.post(URL(f"http://127.0.0.1:{port}/"), {}, b"", 65536)
+        assert answer.status == 200
+    finally:
+        await c.close()
+        listener.close()
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab",
+    b"HTTP/1.1 20 OK\r\n\r\n",
+    b"HTTP/2 200\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nBad Name: x\r\n\r\n",
+    b"HTTP/1.1 101 Switching Protocols\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nX: " + b"h" * (http1.HEAD_LIMIT + 10),
+])
+async def test_protocol_violations_fail_the_exchange(answer):
+    async with serving([answer]) as (_, url):
+        c = client()
+        try:
+            with pytest.raises(http1.ProtocolError):
+                await asyncio.wait_for(c.post(url, {}, b"x", 65536), 5)
+        finally:
+            await c.close()
+
+
+async def test_unsafe_header_values_are_refused_before_anything_is_sent():
+    async with serving([b"HTTP/1.1 204 No Content\r\n\r\n"]) as (server, url):
+        c = client()
+        try:
+            with pytest.raises(http1.HeaderRefused):
+                await c.post(url, {"X-Evil": "a\r\nInjected: yes"}, b"x", 65536)
+        finally:
+            await c.close()
+    assert server.connections == 0
+
+
+async def test_a_large_body_arrives_whole():
+    body = bytes(range(256)) * (5 * 4096)  # 5 MiB, sent in pieces with flow control
+    async with serving([b"HTTP/1.1 204 No Content\r\n\r\n"]) as (server, url):
+        c = client()
+        try:
+            assert (await c.post(url, {}, body, 65536)).status == 204
+        finally:
+            await c.close()
+    assert hashlib.sha256(server.requests[0][1]).digest() == hashlib.sha256(body).digest()
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 (made with the openssl command)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    where = tmp_path_factory.mktemp("tls")
+    cert, key = where / "cert.pem", where / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+async def test_tls_certificates_are_verified(certificate):
+    cert, key = certificate
+    server_side = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_side.load_cert_chain(cert, key)
+    async with serving([b"HTTP/1.1 204 No Content\r\n\r\n"] * 2, tls=server_side) as (server, url):
+        # The system trust store does not know this certificate: refused, nothing delivered.
+        deliverer = Deliverer(ALLOW)
+        try:
+            outcome = await deliverer.attempt(str(url), PushRequest({}, b"secret"), 5.0)
+        finally:
+            await deliverer.close()
+        assert outcome.result is Result.CONNECTION_ERROR and "SSL" in outcome.detail, outcome
+        assert server.requests == []
+        # Trusted, it goes through (and the host name, an IP here, is checked against the certificate).
+        trusted = ssl.create_default_context(cafile=str(cert))
+        c = client(trusted)
+        try:
+            assert (await c.post(url, {}, b"hello", 65536)).status == 204
+        finally:
+            await c.close()
+        assert server.requests[0][1] == b"hello"
