@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
 
 from worker import keys
@@ -34,10 +34,10 @@ class BatchScript:
 
     source: str
     width: int
+    sha: str = field(init=False)
 
-    @property
-    def sha(self) -> str:
-        return hashlib.sha1(self.source.encode(), usedforsecurity=False).hexdigest()  # how Redis names scripts
+    def __post_init__(self) -> None:  # how Redis names a script
+        object.__setattr__(self, "sha", hashlib.sha1(self.source.encode(), usedforsecurity=False).hexdigest())
 
 
 # Per operation: one key. Count the attempt and refresh the TTL; return the count, the status the
@@ -104,12 +104,15 @@ class AttemptRecord:
     discard: bool = False  # an operator asked to settle it without delivery
 
 
+Command = tuple[Any, ...]
+
+
 class _Batch:
     """One flush: script operations grouped per (script, shared keys and args), plus plain commands."""
 
     def __init__(self) -> None:
         self.groups: dict[GroupKey, list[Operation]] = {}
-        self.commands: list[tuple[Callable[[Any], None], asyncio.Future[Any]]] = []
+        self.commands: list[tuple[Command, asyncio.Future[Any]]] = []
 
     def __bool__(self) -> bool:
         return bool(self.groups or self.commands)
@@ -118,15 +121,27 @@ class _Batch:
         return [f for ops in self.groups.values() for *_, f in ops] + [f for _, f in self.commands]
 
 
+def pack(command: Command) -> bytes:
+    """One command in the Redis protocol (RESP). redis-py's packer is pure Python and re-copies its
+    buffer for every argument; batched scripts carry hundreds of arguments."""
+    parts = [b"*%d\r\n" % len(command)]
+    for arg in command:
+        data = arg if isinstance(arg, bytes) else str(arg).encode()
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(parts)
+
+
 class Pipeliner:
     """Batches Redis work issued concurrently: script operations into one call per group, and all of a
-    moment's calls into one pipelined round trip."""
+    moment's calls into one pipelined round trip, over a connection of its own (one round trip at a
+    time, so it never waits for the client's pool)."""
 
     def __init__(self, client: aioredis.Redis, on_round_trip: Callable[[int], None] | None = None) -> None:
         self.client = client
         self._on_round_trip = on_round_trip or (lambda _: None)
         self._pending = _Batch()
         self._flusher: asyncio.Task[None] | None = None
+        self._connection: Any = None
 
     def operation(self, script: BatchScript, shared_keys: tuple[str, ...], shared_args: tuple[Any, ...],
                   op_keys: Sequence[Any], op_args: Sequence[Any]) -> asyncio.Future[Any]:
@@ -136,10 +151,10 @@ class Pipeliner:
         self._kick()
         return future
 
-    def submit(self, add: Callable[[Any], None]) -> asyncio.Future[Any]:
-        """Queue a plain command, added to the pipeline by `add(pipe)`."""
+    def submit(self, *command: Any) -> asyncio.Future[Any]:
+        """Queue a plain command; resolves to its reply."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending.commands.append((add, future))
+        self._pending.commands.append((command, future))
         self._kick()
         return future
 
@@ -156,51 +171,58 @@ class Pipeliner:
                 for future in batch.futures():
                     future.cancel()
                 raise
+            except Exception as e:  # a bug here must fail the callers, not leave them waiting forever
+                for future in batch.futures():
+                    _resolve(future, e)
 
     async def _send(self, batch: _Batch) -> None:
-        calls: list[tuple[BatchScript, list[Any], list[Any], list[Operation]]] = []
+        calls: list[tuple[BatchScript, list[Any], list[Operation]]] = []
         for (script, shared_keys, shared_args), ops in batch.groups.items():
             for start in range(0, len(ops), BATCH_LIMIT):
                 chunk = ops[start:start + BATCH_LIMIT]
-                call_keys = [*shared_keys, *(k for op_keys, _, _ in chunk for k in op_keys)]
-                call_args = [*shared_args, *(a for _, op_args, _ in chunk for a in op_args)]
-                calls.append((script, call_keys, call_args, chunk))
-        results = await self._execute([_script_call(script, k, a) for script, k, a, _ in calls]
-                                      + [add for add, _ in batch.commands])
+                keys_ = [*shared_keys, *(k for op_keys, _, _ in chunk for k in op_keys)]
+                args = [*shared_args, *(a for _, op_args, _ in chunk for a in op_args)]
+                calls.append((script, [len(keys_), *keys_, *args], chunk))
+        results = await self._execute([("EVALSHA", script.sha, *rest) for script, rest, _ in calls]
+                                      + [command for command, _ in batch.commands])
         retry = [i for i, r in enumerate(results[:len(calls)]) if isinstance(r, NoScriptError)]
         if retry:  # first use, or Redis restarted: EVAL sends the source once and caches it again
-            again = await self._execute([_script_call(*calls[i][:3], by_source=True) for i in retry])
+            again = await self._execute([("EVAL", calls[i][0].source, *calls[i][1]) for i in retry])
             for i, result in zip(retry, again, strict=True):
                 results[i] = result
-        for (script, _, _, chunk), result in zip(calls, results, strict=True):
+        for (script, _, chunk), result in zip(calls, results[:len(calls)], strict=True):
             for n, (_, _, future) in enumerate(chunk):
                 _resolve(future, result if isinstance(result, BaseException)
                          else result[n * script.width:(n + 1) * script.width])
         for (_, future), result in zip(batch.commands, results[len(calls):], strict=True):
             _resolve(future, result)
 
-    async def _execute(self, adds: list[Callable[[Any], None]]) -> list[Any]:
-        pipe = self.client.pipeline(transaction=False)
-        for add in adds:
-            add(pipe)
+    async def _execute(self, commands: list[Command]) -> list[Any]:
+        """Send the commands in one write and read their replies; a failed command's reply is its
+        error, a lost connection is every command's error."""
+        if self._connection is None:
+            self._connection = self.client.connection_pool.make_connection()  # type: ignore[no-untyped-call]
+        conn = self._connection
+        results: list[Any] = []
         try:
-            results = await pipe.execute(raise_on_error=False)
+            await conn.send_packed_command(b"".join(map(pack, commands)), check_health=False)
+            for _ in commands:
+                try:
+                    results.append(await conn.read_response())
+                except ResponseError as e:  # this command's error reply; the next replies follow
+                    results.append(e)
         except (RedisError, OSError) as e:
-            results = [e] * len(adds)
-        self._on_round_trip(len(adds))
-        return list(results)
+            await conn.disconnect(nowait=True)  # replies may be out of step: reconnect next time
+            results = [e] * len(commands)
+        self._on_round_trip(len(commands))
+        return results
 
     async def close(self) -> None:
         if self._flusher is not None:
             self._flusher.cancel()
             await asyncio.gather(self._flusher, return_exceptions=True)
-
-
-def _script_call(script: BatchScript, call_keys: list[Any], call_args: list[Any],
-                 by_source: bool = False) -> Callable[[Any], None]:
-    if by_source:
-        return lambda pipe: pipe.eval(script.source, len(call_keys), *call_keys, *call_args)
-    return lambda pipe: pipe.evalsha(script.sha, len(call_keys), *call_keys, *call_args)
+        if self._connection is not None:
+            await self._connection.disconnect()
 
 
 def _resolve(future: asyncio.Future[Any], result: Any) -> None:
@@ -261,5 +283,5 @@ class AttemptStore:
     async def history(self, subscription_key: str, message_id: str) -> list[dict[str, Any]]:
         """The message's recorded history, oldest first."""
         raw = await self._call(
-            lambda: self.pipeliner.submit(lambda p: p.lrange(keys.history_key(subscription_key, message_id), 0, -1)))
+            lambda: self.pipeliner.submit("LRANGE", keys.history_key(subscription_key, message_id), 0, -1))
         return [orjson.loads(entry) for entry in raw]

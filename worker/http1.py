@@ -57,14 +57,16 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self._waiter: asyncio.Future[None] | None = None
         self._writable = True
+        self._reading_paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
-        if len(self.buffer) > 2 * HEAD_LIMIT and self.transport is not None:
-            self.transport.pause_reading()  # the reader consumes the buffer, then resumes
+        if len(self.buffer) > 2 * HEAD_LIMIT and self.transport is not None and not self._reading_paused:
+            self._reading_paused = True  # bounded memory: the reader resumes it when it wants more
+            self.transport.pause_reading()
         self._wake()
 
     def eof_received(self) -> bool:
@@ -121,7 +123,8 @@ class _Connection(asyncio.Protocol):
         """Wait for more bytes; ProtocolError if the connection closed instead."""
         if self.closed:
             raise ProtocolError("connection closed before the answer was complete")
-        if self.transport is not None and self.transport.is_reading() is False:
+        if self._reading_paused and self.transport is not None:
+            self._reading_paused = False
             self.transport.resume_reading()
         await self._wait()
 
