@@ -155,6 +155,10 @@ class Dispatcher:
 
     def start(self) -> None:
         self.m.owned.set(1)
+        # Read when scraped, not written per message: exact, and free on the hot path.
+        self.m.unsettled.set_function(lambda: self.window.used)
+        self.m.in_flight.set_function(lambda: self.endpoint_limit.in_use)
+        self.m.endpoint_window.set_function(lambda: self.endpoint_limit.size)
         self._reported_state = self.state
         self.metrics.set_state(self.sub.tenant, self.sub.name, self.state)
         self._receiver = asyncio.create_task(self._receive_loop(), name=f"receive {self.sub.key}")
@@ -237,7 +241,6 @@ class Dispatcher:
                     self.window.release()
                     break
                 self._take(message)
-            self.m.unsettled.set(self.window.used)
 
     def _take(self, message: Any) -> None:
         try:
@@ -288,7 +291,6 @@ class Dispatcher:
         finally:
             self._active.discard(env.message_id)
             self.window.release()
-            self.m.unsettled.set(self.window.used)
 
     async def _deliver_until_settled(self, message: Any, env: Envelope) -> None:
         if env.defect is not None:  # no request could carry it faithfully: dead-letter it with the reason
@@ -346,14 +348,11 @@ class Dispatcher:
         if not self.may_deliver():  # checked again right before the request: Redis may have been slow
             self.endpoint_limit.release(None)
             return None
-        self.m.in_flight.inc()
         outcome: Outcome | None = None
         try:
             outcome = await self._send(sub, env, request)
         finally:
-            self.m.in_flight.dec()
             self.endpoint_limit.release(outcome)
-        self.m.endpoint_window.set(self.endpoint_limit.size)
         if outcome.acked:
             self._failures_in_row = 0
         else:

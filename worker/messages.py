@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import functools
 import re
 import time
 from dataclasses import dataclass, field
@@ -49,7 +50,12 @@ def format_message_id(ledger: int, entry: int, partition: int, batch: int) -> st
 def rfc3339(ms: int) -> str:
     """Milliseconds since the epoch as an RFC 3339 UTC timestamp."""
     seconds, millis = divmod(int(ms), 1000)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
+    return f"{_utc_second(seconds)}.{millis:03d}Z"
+
+
+@functools.lru_cache(maxsize=1024)  # messages of one burst share their second
+def _utc_second(seconds: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
 
 
 def header_safe(name: str, value: str) -> bool:

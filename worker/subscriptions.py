@@ -6,6 +6,7 @@ mappings (config file, registry) into one, or raises `ConfigError` naming subscr
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,12 +64,12 @@ class Subscription:
         """The most requests in flight at once."""
         return min(self.max_ack_pending, self.max_concurrency or self.max_ack_pending)
 
-    @property
+    @functools.cached_property  # read per message on the hot path
     def tenant(self) -> str:
         """The Pulsar tenant of the topic: the platform's project boundary."""
         return topic_parts(self.topic)[1]
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
         """Unique within a fleet: two projects may both have a subscription called `orders`."""
         return f"{self.tenant}/{self.name}"
