@@ -24,8 +24,8 @@ import aiohttp
 import psutil
 import pulsar
 import redis
+import uvloop
 import yaml
-from aiohttp import web
 
 from worker import embedded
 from worker.consumer import CONSUMER_TYPES
@@ -36,44 +36,94 @@ LATENCY_RATE = 200.0  # messages/s in the latency phase
 
 # -- the sink (own process) ---------------------------------------------------------------------
 
-def sink_main(port: int, fail_rate: float) -> None:
-    """Answers 204 (or 500 for `fail_rate` of requests); counts and records publish-to-ack latency."""
-    state: dict[str, Any] = {"count": 0, "acked": 0, "first": None, "last": None, "latency": []}
-    rng = random.Random(3)
+NO_CONTENT = b"HTTP/1.1 204 No Content\r\n\r\n"
+FAILED = b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n\r\n"
 
-    async def push(request: web.Request) -> web.Response:
-        await request.read()
+
+class SinkState:
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.count, self.acked = 0, 0
+        self.first: float | None = None
+        self.last: float | None = None
+        self.published: list[tuple[float, bytes]] = []  # (arrival, Pubsub-Publish-Time), parsed when asked
+
+    def as_json(self) -> bytes:
+        latency = [now - datetime.fromisoformat(sent.decode().replace("Z", "+00:00")).timestamp()
+                   for now, sent in self.published]
+        return json.dumps({"count": self.count, "acked": self.acked, "first": self.first, "last": self.last,
+                           "latency": latency}).encode()
+
+
+class SinkProtocol(asyncio.Protocol):
+    """A fast HTTP/1.1 sink: reads each request's head and Content-Length body, answers 204 (or 500
+    for `fail_rate` of requests) on the same keep-alive connection. Kept minimal so that the sink
+    is not what limits either measurement; it also serves GET /stats and POST /reset."""
+
+    def __init__(self, state: SinkState, fail_rate: float, rng: random.Random) -> None:
+        self.state, self.fail_rate, self.rng = state, fail_rate, rng
+        self.buffer = bytearray()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while (end := self.buffer.find(b"\r\n\r\n")) >= 0:
+            head = bytes(self.buffer[:end])
+            length, published = 0, None
+            for line in head.split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                name = name.lower()
+                if name == b"content-length":
+                    length = int(value)
+                elif name == b"pubsub-publish-time":
+                    published = value.strip()
+            if len(self.buffer) < end + 4 + length:
+                return
+            del self.buffer[:end + 4 + length]
+            assert self.transport is not None
+            self.transport.write(self.answer(head.split(b" ", 2)[:2], published))
+
+    def answer(self, request: list[bytes], published: bytes | None) -> bytes:
+        state = self.state
+        if request == [b"GET", b"/stats"]:
+            body = state.as_json()
+            return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+                len(body), body)
+        if request == [b"POST", b"/reset"]:
+            state.reset()
+            return b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"
         now = time.time()
-        state["count"] += 1
-        state["first"] = state["first"] or now
-        if rng.random() < fail_rate:
-            return web.Response(status=500)
-        state["acked"] += 1
-        state["last"] = now
-        published = request.headers.get("Pubsub-Publish-Time")
-        if published and len(state["latency"]) < 200_000:
-            sent = datetime.fromisoformat(published.replace("Z", "+00:00")).timestamp()
-            state["latency"].append(now - sent)
-        return web.Response(status=204)
+        state.count += 1
+        state.first = state.first or now
+        if self.rng.random() < self.fail_rate:
+            return FAILED
+        state.acked += 1
+        state.last = now
+        if published and len(state.published) < 200_000:
+            state.published.append((now, published))
+        return NO_CONTENT
 
-    async def stats(_: web.Request) -> web.Response:
-        return web.json_response(state)
 
-    async def reset(_: web.Request) -> web.Response:
-        state.update(count=0, acked=0, first=None, last=None, latency=[])
-        return web.json_response({})
+def sink_main(port: int, fail_rate: float) -> None:
+    state, rng = SinkState(), random.Random(3)
 
-    app = web.Application()
-    app.router.add_post("/push", push)
-    app.router.add_get("/stats", stats)
-    app.router.add_post("/reset", reset)
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: SinkProtocol(state, fail_rate, rng), "127.0.0.1", port)
+        await server.serve_forever()
+
+    uvloop.run(serve())
 
 
 # -- the reference (own process) ----------------------------------------------------------------
 
 async def reference_main(url: str, total: int, concurrency: int) -> None:
-    """A bare aiohttp POST loop: the most one process can push to this sink."""
+    """A bare aiohttp POST loop (on uvloop, like the worker): the most one process can push to this sink."""
     remaining = total
     async with aiohttp.ClientSession() as session:
         async def loop() -> None:
@@ -306,4 +356,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "sink":
         sink_main(int(sys.argv[2]), float(sys.argv[3]))
     elif sys.argv[1] == "reference":
-        asyncio.run(reference_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
+        uvloop.run(reference_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))  # as the worker runs
