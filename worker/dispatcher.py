@@ -276,7 +276,7 @@ class Dispatcher:
         try:
             while queue and not self._stopping.is_set():
                 message, env = queue.popleft()
-                await self._settle_one(message, env)
+                await self._settle_one(message, env, in_lane=True)
         finally:
             self._lanes.pop(lane, None)
             for _, env in queue:  # released to the broker when the consumer closes
@@ -285,51 +285,57 @@ class Dispatcher:
 
     # -- one message -------------------------------------------------------------------------
 
-    async def _settle_one(self, message: Any, env: Envelope) -> None:
+    async def _settle_one(self, message: Any, env: Envelope, in_lane: bool = False) -> None:
+        record: Awaitable[None] | None = None
         try:
-            await self._deliver_until_settled(message, env)
+            record = await self._deliver_until_settled(message, env)
         finally:
             self._active.discard(env.message_id)
             self.window.release()
+        # Settled once the broker has the ack: the slot is free already; the Redis record follows (in a
+        # lane, in the background, so the next message of the lane goes at once).
+        if record is not None:
+            if in_lane:
+                self._spawn(record)
+            else:
+                await record
 
-    async def _deliver_until_settled(self, message: Any, env: Envelope) -> None:
+    async def _deliver_until_settled(self, message: Any, env: Envelope) -> Awaitable[None] | None:
+        """Deliver until acked, dead-lettered or dropped; returns the settled record still to write."""
         if env.defect is not None:  # no request could carry it faithfully: dead-letter it with the reason
             if await self._fenced():
                 self.log.error("undeliverable message", message_id=env.message_id, defect=env.defect)
-                await self._give_up(message, env, self.sub, 0, "unreadable",
-                                    [event_entry("unreadable", self.ctx.worker_id, detail=env.defect)])
-            return
+                return await self._give_up(message, env, self.sub, 0, "unreadable",
+                                           [event_entry("unreadable", self.ctx.worker_id, detail=env.defect)])
+            return None
         while not self._stopping.is_set():
             sub = self.sub  # an edit applies from the next attempt on
             if not await self._fenced():
-                return
+                return None
             record = await self.attempts.begin(sub.key, env.message_id)
             if record.discard:  # `push-worker discard`: settled without delivery, and recorded
                 self.log.info("discarded by an operator", message_id=env.message_id)
-                await self._ack(message, env, sub, [event_entry("discarded", self.ctx.worker_id)])
-                return
+                return await self._ack(message, env, sub, [event_entry("discarded", self.ctx.worker_id)])
             limit = sub.attempt_limit
             if limit is not None and record.number > limit:
                 # Exhausted in an earlier life (crash before the dead-letter was confirmed): no new request.
-                await self._give_up(message, env, sub, record.number - 1, record.last_status or "unknown", [])
-                return
+                return await self._give_up(message, env, sub, record.number - 1, record.last_status or "unknown", [])
             outcome = await self._attempt(sub, env, record.number)
             if outcome is None:  # lease lost before sending: not an attempt; the next owner gets it
                 await self._stopping.wait()
-                return
+                return None
             entry = history_entry(record.number, outcome, self.ctx.worker_id)
             if outcome.acked:
-                await self._ack(message, env, sub, [entry])
+                settled = await self._ack(message, env, sub, [entry])
                 self.stats.acked += 1
                 self.m.acked.inc()
                 self.log.debug("delivered", message_id=env.message_id, attempt=record.number,
                                status=outcome.status, latency=round(outcome.latency, 4))
-                return
+                return settled
             self.log.info("delivery failed", message_id=env.message_id, attempt=record.number,
                           status=outcome.last_status, detail=outcome.detail, latency=round(outcome.latency, 4))
             if (limit is not None and record.number >= limit) or outcome.permanent:
-                await self._give_up(message, env, sub, record.number, outcome.last_status, [entry])
-                return
+                return await self._give_up(message, env, sub, record.number, outcome.last_status, [entry])
             await self.attempts.record(sub.key, env.message_id, [entry], settled=False, last_status=outcome.last_status)
             self.stats.retried += 1
             self.m.retries.inc()
@@ -338,6 +344,7 @@ class Dispatcher:
                 await self._pause(retry_delay(sub.retry, record.number, outcome.retry_after))
             finally:
                 self.m.held_for_retry.dec()
+        return None
 
     async def _attempt(self, sub: Subscription, env: Envelope, attempt: int) -> Outcome | None:
         """One request, or None when the lease was lost while waiting for an endpoint slot."""
@@ -376,10 +383,10 @@ class Dispatcher:
             request = PushRequest({**request.headers, **extra}, request.body, request.omitted_attributes)
         return await self.deliverer.attempt(sub.url, request, float(sub.ack_deadline_seconds))
 
-    async def _ack(self, message: Any, env: Envelope, sub: Subscription, history: list[dict[str, Any]]) -> None:
-        """Ack to the broker, then record the history and forget the counter. Once the broker has the
-        ack the message is settled: the record is written in the background (stop() waits for it),
-        so the message's slot in the window is free one Redis round trip sooner."""
+    async def _ack(self, message: Any, env: Envelope, sub: Subscription,
+                   history: list[dict[str, Any]]) -> Awaitable[None] | None:
+        """Ack to the broker; returns the record still to write (history, counter forgotten), or None
+        when the ack failed (the failure is recorded here, and the counter stays)."""
         try:
             await self.consumer.acknowledge(message)
         except Exception as e:
@@ -388,11 +395,11 @@ class Dispatcher:
             self.log.warning("ack failed", message_id=env.message_id, error=type(e).__name__)
             await self.attempts.record(sub.key, env.message_id, history, settled=False,
                                        last_status=history[-1].get("status", "") if history else "")
-            return
-        self._spawn(self.attempts.record(sub.key, env.message_id, history, settled=True))
+            return None
+        return self.attempts.record(sub.key, env.message_id, history, settled=True)
 
     async def _give_up(self, message: Any, env: Envelope, sub: Subscription, attempts: int, last_status: str,
-                       history: list[dict[str, Any]]) -> None:
+                       history: list[dict[str, Any]]) -> Awaitable[None] | None:
         log = self.log.bind(message_id=env.message_id, attempts=attempts, last_status=last_status)
         if sub.dead_letter_topic:
             props = dead_letter_properties(env, sub.topic, sub.name, attempts, last_status)
@@ -406,7 +413,7 @@ class Dispatcher:
             self.m.dropped.inc()
             log.warning("dropped after last attempt")
             history = [*history, event_entry("dropped", self.ctx.worker_id)]
-        await self._ack(message, env, sub, history)
+        return await self._ack(message, env, sub, history)
 
     async def _pause(self, seconds: float) -> None:
         """Sleep, but wake at once when the dispatcher stops."""
