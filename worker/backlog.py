@@ -13,7 +13,7 @@ from urllib.parse import quote
 
 import aiohttp
 
-from worker.delivery import read_capped
+from worker.delivery import USER_AGENT
 from worker.subscriptions import Subscription, topic_parts
 
 _SAMPLE = re.compile(r'^pulsar_subscription_back_log\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)')
@@ -41,6 +41,26 @@ def _topic_matches(label: str, topic: str) -> bool:
     short = topic_parts(topic)[3]
     # a partition of the topic, in full or short form
     return label == short or label.startswith(topic + "-partition-") or label.startswith(short + "-partition-")
+
+
+def make_session() -> aiohttp.ClientSession:
+    """The aiohttp session for the broker's stats and metrics pages (URLs from the operator's config,
+    not from subscriptions): TLS verification on, no cookies kept."""
+    return aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar(), headers={"User-Agent": USER_AGENT})
+
+
+async def read_capped(response: aiohttp.ClientResponse, cap: int) -> bytes:
+    """The body to its end or to `cap` bytes, whichever comes first (`content.read(n)` alone returns
+    whatever has arrived so far, which can be much less than n)."""
+    chunks: list[bytes] = []
+    remaining = cap
+    while remaining > 0:
+        chunk = await response.content.read(remaining)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
 
 
 class BacklogReader:

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from urllib.parse import urlsplit
 
-import aiohttp
 from yarl import URL
 
 from worker import http1
@@ -84,26 +83,6 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
     if when is None:
         return None
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
-
-
-def make_session() -> aiohttp.ClientSession:
-    """An aiohttp session for the broker's stats and metrics pages (URLs from the operator's config,
-    not from subscriptions): TLS verification on, no cookies kept."""
-    return aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar(), headers={"User-Agent": USER_AGENT})
-
-
-async def read_capped(response: aiohttp.ClientResponse, cap: int) -> bytes:
-    """The body to its end or to `cap` bytes, whichever comes first (`content.read(n)` alone returns
-    whatever has arrived so far, which can be much less than n)."""
-    chunks: list[bytes] = []
-    remaining = cap
-    while remaining > 0:
-        chunk = await response.content.read(remaining)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        remaining -= len(chunk)
-    return b"".join(chunks)
 
 
 class Deliverer:

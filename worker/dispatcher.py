@@ -46,7 +46,7 @@ class State(enum.StrEnum):
 
 
 class ConsumerLike(Protocol):
-    """What the dispatcher needs of a Pulsar consumer (pulsar.asyncio.Consumer fits)."""
+    """What the dispatcher needs of a Pulsar consumer (`consumer.PulsarConsumer` fits)."""
 
     async def receive(self) -> Any: ...
     def receive_ready(self) -> Any | None: ...  # a message already at hand, or None: never waits

@@ -18,10 +18,10 @@ import redis.asyncio as aioredis
 from worker import consumer as pulsar_adapter
 from worker import embedded, lifecycle, logs
 from worker.attempts import AttemptStore, Pipeliner
-from worker.backlog import BacklogReader
+from worker.backlog import BacklogReader, make_session
 from worker.config import Settings
 from worker.deadletter import DeadLetterPublisher
-from worker.delivery import Deliverer, make_session
+from worker.delivery import Deliverer
 from worker.destinations import check_host
 from worker.dispatcher import DeliveryContext, Dispatcher, State
 from worker.errors import ConfigError, DestinationRefused, PushWorkerError
