@@ -161,12 +161,16 @@ class Figures:
 POLL_SECONDS = 0.2
 
 
-def _get(url: str) -> Any:
+def _fetch(url: str) -> bytes:
     try:
         with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - local http URLs only
-            return json.loads(response.read())
+            return bytes(response.read())
     except urllib.error.HTTPError as e:  # /readyz answers 503 with a JSON body until ready
-        return json.loads(e.read())
+        return bytes(e.read())
+
+
+def _get(url: str) -> Any:
+    return json.loads(_fetch(url))
 
 
 def _post(url: str) -> None:
@@ -321,12 +325,8 @@ def _worker_ready(ps: psutil.Process) -> bool:
 
 def _metric(ps: psutil.Process, name: str) -> float:
     """Sum of a metric's samples on the worker's /metrics."""
-    async def go() -> str:
-        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{_status_port(ps)}/metrics") as r:
-            return await r.text()
-
     total = 0.0
-    for line in asyncio.run(go()).splitlines():
+    for line in _fetch(f"http://127.0.0.1:{_status_port(ps)}/metrics").decode().splitlines():
         if line.startswith(name):
             total += float(line.rsplit(" ", 1)[1])
     return total

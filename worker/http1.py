@@ -18,7 +18,7 @@ import ipaddress
 import socket
 import ssl
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 from yarl import URL
@@ -44,7 +44,7 @@ class HeaderRefused(ValueError):
 @dataclass(frozen=True)
 class Answer:
     status: int
-    headers: dict[str, str] = field(default_factory=dict)  # lower-cased names, the last value of each
+    headers: dict[str, str]  # lower-cased names, the last value of each
 
 
 class _Connection(asyncio.Protocol):
