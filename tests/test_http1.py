@@ -147,6 +147,26 @@ async def test_protocol_violations_fail_the_exchange(answer):
             await c.close()
 
 
+@pytest.mark.parametrize("answer", [
+    b"",  # nothing at all
+    b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc",  # body stalls
+    b"HTTP/1.1 200 OK\r\n\r\nabc",  # read until close, never closed
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n",  # no last chunk
+])
+async def test_an_exchange_not_over_by_the_deadline_times_out_and_drops_the_connection(answer):
+    async with serving([answer, b"HTTP/1.1 204 No Content\r\n\r\n"]) as (server, url):
+        c = client()
+        try:
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(c.post(url, {}, b"x", 65536, deadline=0.3), 5)
+            assert 0.3 <= asyncio.get_running_loop().time() - started < 1.3
+            assert (await c.post(url, {}, b"y", 65536, deadline=2)).status == 204  # on a new connection
+        finally:
+            await c.close()
+    assert server.connections == 2
+
+
 async def test_unsafe_header_values_are_refused_before_anything_is_sent():
     async with serving([b"HTTP/1.1 204 No Content\r\n\r\n"]) as (server, url):
         c = client()
