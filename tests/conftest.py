@@ -205,9 +205,10 @@ def make_sub(topic: str, url: str, **overrides: Any) -> Subscription:
     return Subscription(**values)
 
 
-def make_settings(broker_url: str, redis_url: str, subs: tuple[Subscription, ...], **kw: Any) -> Settings:
+def make_settings(broker_url: str, redis: str | RedisSettings, subs: tuple[Subscription, ...], **kw: Any) -> Settings:
     values: dict[str, Any] = {
-        "pulsar": PulsarSettings(service_url=broker_url), "redis": RedisSettings(url=redis_url),
+        "pulsar": PulsarSettings(service_url=broker_url),
+        "redis": redis if isinstance(redis, RedisSettings) else RedisSettings(url=redis),
         "http": HttpSettings(port=0), "destinations": DestinationPolicy(allow_private=True),
         "subscriptions": subs, "shutdown_grace_seconds": 5.0,
     }
@@ -219,7 +220,7 @@ def make_settings(broker_url: str, redis_url: str, subs: tuple[Subscription, ...
 async def start_worker(broker: embedded.Service, redis_url: str) -> AsyncIterator[Callable[..., Awaitable[Worker]]]:
     workers: list[Worker] = []
 
-    async def start(*subs: Subscription, broker_url: str | None = None, redis: str | None = None,
+    async def start(*subs: Subscription, broker_url: str | None = None, redis: str | RedisSettings | None = None,
                     **kw: Any) -> Worker:
         w = Worker(make_settings(broker_url or broker.url, redis or redis_url, subs, **kw),
                    worker_id=f"w{len(workers)}")

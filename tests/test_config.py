@@ -150,6 +150,7 @@ def test_top_level_rules():
                        ({"destinations": {"allow_cidrs": ["10.0.0.1/8"]}}, "destinations.allow_cidrs[0]"),
                        ({"destinations": {"max_request_bytes": 10}}, "destinations.max_request_bytes"),
                        ({"redis": {"history_ttl_seconds": 0}}, "redis.history_ttl_seconds"),
+                       ({"redis": {"acked_history_ttl_seconds": -1}}, "redis.acked_history_ttl_seconds"),
                        ({"bogus": 1}, "bogus")]:
         with pytest.raises(ConfigError) as err:
             parse_settings(doc, env={})

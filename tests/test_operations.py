@@ -10,11 +10,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+import redis
 import yaml
 from aiohttp import web
 
 from tests.conftest import Client, Endpoint, eventually, make_sub
-from worker.config import Settings, load_settings
+from worker import keys
+from worker.config import RedisSettings, Settings, load_settings
 from worker.subscriptions import RetryPolicy
 
 
@@ -83,6 +86,32 @@ async def test_show_lists_each_attempt_with_status_latency_and_worker(
 
     code, _, err = await cli("show", "9:9:-1:-1", "-s", sub.name, "--redis-url", redis_url)
     assert code == 3 and "no attempt history" in err
+
+
+@pytest.mark.parametrize("acked_ttl", [600, 0])
+async def test_a_message_acked_first_time_keeps_its_history_briefly_and_a_retried_one_long(
+        start_worker, endpoint: Endpoint, client: Client, topic, redis_url, acked_ttl):
+    fails_once = {b"retried"}
+    endpoint.behaviour = lambda rec: web.Response(status=500 if rec.body_payload in fails_once and not
+                                                  fails_once.discard(rec.body_payload) else 204)
+    sub = make_sub(topic, endpoint.url, retry=RetryPolicy(0.05, 0.05))
+    w = await start_worker(sub, redis=RedisSettings(url=redis_url, history_ttl_seconds=7200,
+                                                    acked_history_ttl_seconds=acked_ttl))
+    first, retried = client.publish(topic, [b"first", b"retried"])
+    await eventually(lambda: w.dispatchers[sub.key].stats.acked == 2, what="both delivered")
+    r = redis.Redis.from_url(redis_url)
+    try:
+        await eventually(lambda: r.exists(keys.history_key(sub.key, retried)), what="history recorded")
+        assert 3600 < r.ttl(keys.history_key(sub.key, retried)) <= 7200
+        if acked_ttl:
+            assert 0 < r.ttl(keys.history_key(sub.key, first)) <= acked_ttl
+        else:
+            code, _, err = await cli("show", first, "-s", sub.name, "--redis-url", redis_url)
+            assert code == 3 and "no attempt history" in err
+        assert [json.loads(e)["message_id"] for e in r.lrange(keys.settled_key(sub.key), 0, -1)] == [
+            retried, first]  # both listed among the settled either way (`push-worker history`)
+    finally:
+        r.close()
 
 
 def worker_yaml(tmp_path: Path, broker_url: str, redis_url: str, *subs: dict[str, Any]) -> tuple[str, Settings]:

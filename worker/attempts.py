@@ -57,20 +57,23 @@ end
 return out
 """, width=3)
 
-# Shared: the settled list; history TTL and cap. Per operation: the counter and history keys; args
-# settled ('1'/'0'), last status, settled summary, number of history entries, the entries. Appends
-# the entries (capped, with a TTL); then, settled: forget the counter and list the message among the
-# settled; else remember how the attempt ended (for a dead-letter published after a crash).
+# Shared: the settled list; its TTL and the history cap. Per operation: the counter and history keys;
+# args settled ('1'/'0'), last status, settled summary, history TTL (0: not kept), number of history
+# entries, the entries. Appends the entries (capped, with the TTL); then, settled: forget the counter
+# and list the message among the settled; else remember how the attempt ended (for a dead-letter
+# published after a crash).
 RECORD = BatchScript("""
 local ttl, cap = ARGV[1], tonumber(ARGV[2])
 local a, settled_any, out = 3, false, {}
 for k = 2, #KEYS, 2 do
-  local settled, last, summary, count = ARGV[a], ARGV[a + 1], ARGV[a + 2], tonumber(ARGV[a + 3])
-  a = a + 4
-  if count > 0 then
-    redis.call('RPUSH', KEYS[k + 1], unpack(ARGV, a, a + count - 1))
-    redis.call('LTRIM', KEYS[k + 1], -cap, -1)
-    redis.call('EXPIRE', KEYS[k + 1], ttl)
+  local settled, last, summary, history_ttl, count = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3],
+    tonumber(ARGV[a + 4])
+  a = a + 5
+  if count > 0 and history_ttl ~= '0' then
+    if redis.call('RPUSH', KEYS[k + 1], unpack(ARGV, a, a + count - 1)) > cap then
+      redis.call('LTRIM', KEYS[k + 1], -cap, -1)
+    end
+    redis.call('EXPIRE', KEYS[k + 1], history_ttl)
   end
   a = a + count
   if settled == '1' then
@@ -238,10 +241,11 @@ class AttemptStore:
     """Attempt counters per (subscription, message). Retries Redis until it answers."""
 
     def __init__(self, pipeliner: Pipeliner, ttl_seconds: int, on_error: Callable[[], None] | None = None,
-                 history_ttl_seconds: int = 3 * 24 * 3600):
+                 history_ttl_seconds: int = 3 * 24 * 3600, acked_history_ttl_seconds: int = 3600):
         self.pipeliner = pipeliner
         self.ttl_seconds = ttl_seconds
         self.history_ttl_seconds = history_ttl_seconds
+        self.acked_history_ttl_seconds = acked_history_ttl_seconds
         self._on_error = on_error or (lambda: None)
 
     async def _call(self, queue: Callable[[], asyncio.Future[Any]]) -> Any:
@@ -271,12 +275,15 @@ class AttemptStore:
         return AttemptRecord(int(n), last.decode() if isinstance(last, bytes) else str(last), bool(int(discard)))
 
     async def record(self, subscription_key: str, message_id: str, entries: list[dict[str, Any]],
-                     settled: bool, last_status: str = "") -> None:
-        """Append `entries` to the message's history; then, `settled`, forget its counter and list it
-        among the settled messages (how it ended: the last entry); else remember `last_status`."""
+                     settled: bool, last_status: str = "", acked_first_time: bool = False) -> None:
+        """Append `entries` to the message's history (kept `acked_history_ttl_seconds` when it was
+        `acked_first_time`, else `history_ttl_seconds`); then, `settled`, forget its counter and list
+        it among the settled messages (how it ended: the last entry); else remember `last_status`."""
         op_keys = (keys.message_key(subscription_key, message_id), keys.history_key(subscription_key, message_id))
         summary = orjson.dumps({"message_id": message_id, **(entries[-1] if entries else {})}) if settled else b""
-        op_args = ("1" if settled else "0", last_status, summary, len(entries), *(orjson.dumps(e) for e in entries))
+        history_ttl = self.acked_history_ttl_seconds if acked_first_time else self.history_ttl_seconds
+        op_args = ("1" if settled else "0", last_status, summary, history_ttl, len(entries),
+                   *(orjson.dumps(e) for e in entries))
         await self._call(lambda: self.pipeliner.operation(
             RECORD, (keys.settled_key(subscription_key),), (self.history_ttl_seconds, HISTORY_CAP), op_keys, op_args))
 

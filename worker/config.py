@@ -48,6 +48,9 @@ class RedisSettings:
     url: str | None = field(default=None, repr=False)
     attempts_ttl_seconds: int = 7 * 24 * 3600
     history_ttl_seconds: int = 3 * 24 * 3600  # how long `push-worker show` can see a message's attempts
+    # ... when it was acked at its first attempt: most messages, and nothing to investigate, so kept
+    # briefly (0: not kept); Redis holds about 350 bytes per message for this long.
+    acked_history_ttl_seconds: int = 3600
 
 
 @dataclass(frozen=True)
@@ -142,11 +145,12 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
     )
 
     rd = r.sub("redis")
-    rd.reject_unknown({"url", "attempts_ttl_seconds", "history_ttl_seconds"})
+    rd.reject_unknown({"url", "attempts_ttl_seconds", "history_ttl_seconds", "acked_history_ttl_seconds"})
     redis_url = env.get("PUSH_WORKER_REDIS_URL") or _url(rd, "url", ("redis", "rediss", "unix"))
     redis = RedisSettings(url=redis_url,
                           attempts_ttl_seconds=rd.integer("attempts_ttl_seconds", 7 * 24 * 3600, 60, 10**8),
-                          history_ttl_seconds=rd.integer("history_ttl_seconds", 3 * 24 * 3600, 60, 10**8))
+                          history_ttl_seconds=rd.integer("history_ttl_seconds", 3 * 24 * 3600, 60, 10**8),
+                          acked_history_ttl_seconds=rd.integer("acked_history_ttl_seconds", 3600, 0, 10**8))
 
     h = r.sub("http")
     h.reject_unknown({"host", "port"})

@@ -326,7 +326,7 @@ class Dispatcher:
                 return None
             entry = history_entry(record.number, outcome, self.ctx.worker_id)
             if outcome.acked:
-                settled = await self._ack(message, env, sub, [entry])
+                settled = await self._ack(message, env, sub, [entry], acked_first_time=record.number == 1)
                 self.stats.acked += 1
                 self.m.acked.inc()
                 self.log.debug("delivered", message_id=env.message_id, attempt=record.number,
@@ -383,8 +383,8 @@ class Dispatcher:
             request = PushRequest({**request.headers, **extra}, request.body, request.omitted_attributes)
         return await self.deliverer.attempt(sub.url, request, float(sub.ack_deadline_seconds))
 
-    async def _ack(self, message: Any, env: Envelope, sub: Subscription,
-                   history: list[dict[str, Any]]) -> Awaitable[None] | None:
+    async def _ack(self, message: Any, env: Envelope, sub: Subscription, history: list[dict[str, Any]],
+                   acked_first_time: bool = False) -> Awaitable[None] | None:
         """Ack to the broker; returns the record still to write (history, counter forgotten), or None
         when the ack failed (the failure is recorded here, and the counter stays)."""
         try:
@@ -396,7 +396,7 @@ class Dispatcher:
             await self.attempts.record(sub.key, env.message_id, history, settled=False,
                                        last_status=history[-1].get("status", "") if history else "")
             return None
-        return self.attempts.record(sub.key, env.message_id, history, settled=True)
+        return self.attempts.record(sub.key, env.message_id, history, settled=True, acked_first_time=acked_first_time)
 
     async def _give_up(self, message: Any, env: Envelope, sub: Subscription, attempts: int, last_status: str,
                        history: list[dict[str, Any]]) -> Awaitable[None] | None:

@@ -217,7 +217,8 @@ class DeadLetters:
         client = pulsar_adapter.make_client(self.pulsar_settings, self.pulsar_settings.service_url or "")
         ctx = DeliveryContext(Deliverer(settings.destinations),
                               AttemptStore(pipeliner, settings.redis.attempts_ttl_seconds,
-                                           history_ttl_seconds=settings.redis.history_ttl_seconds),
+                                           history_ttl_seconds=settings.redis.history_ttl_seconds,
+                                           acked_history_ttl_seconds=settings.redis.acked_history_ttl_seconds),
                               DeadLetterPublisher(client), metrics, worker_id="dlq-redrive")
         dispatcher: Dispatcher | None = None
         started = time.monotonic()
