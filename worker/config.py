@@ -48,8 +48,8 @@ class RedisSettings:
     url: str | None = field(default=None, repr=False)
     attempts_ttl_seconds: int = 7 * 24 * 3600
     history_ttl_seconds: int = 3 * 24 * 3600  # how long `push-worker show` can see a message's attempts
-    # ... when it was acked at its first attempt: most messages, and nothing to investigate, so kept
-    # briefly (0: not kept); Redis holds about 350 bytes per message for this long.
+    # The same for a message acked at its first attempt: most messages, with nothing to investigate,
+    # so kept briefly (0: not kept). Redis holds about 350 bytes per message for this long.
     acked_history_ttl_seconds: int = 3600
 
 
