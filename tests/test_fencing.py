@@ -8,6 +8,7 @@ import redis.asyncio as aioredis
 
 from tests.conftest import Endpoint, eventually, make_sub
 from worker.attempts import AttemptStore, Pipeliner
+from worker.config import RedisSettings
 from worker.deadletter import DeadLetterPublisher
 from worker.delivery import Deliverer
 from worker.destinations import DestinationPolicy
@@ -53,7 +54,7 @@ async def test_lease_lost_before_the_request_sends_and_settles_nothing(redis_url
     pipeliner = Pipeliner(client)
     deliverer = Deliverer(DestinationPolicy(allow_private=True))
     consumer = OneMessage()
-    ctx = DeliveryContext(deliverer, AttemptStore(pipeliner, 3600),
+    ctx = DeliveryContext(deliverer, AttemptStore(pipeliner, RedisSettings(attempts_ttl_seconds=3600)),
                           DeadLetterPublisher(None), Metrics())  # type: ignore[arg-type]
     dispatcher = Dispatcher(sub, consumer, lambda m: Envelope("1:2:-1:-1", b"x", topic, 0), ctx, may_deliver)
     try:

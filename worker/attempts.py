@@ -22,6 +22,7 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
 
 from worker import keys
+from worker.config import RedisSettings
 
 BATCH_LIMIT = 200  # operations per script call: bounds how long one call holds Redis
 
@@ -240,12 +241,11 @@ def _resolve(future: asyncio.Future[Any], result: Any) -> None:
 class AttemptStore:
     """Attempt counters per (subscription, message). Retries Redis until it answers."""
 
-    def __init__(self, pipeliner: Pipeliner, ttl_seconds: int, on_error: Callable[[], None] | None = None,
-                 history_ttl_seconds: int = 3 * 24 * 3600, acked_history_ttl_seconds: int = 3600):
+    def __init__(self, pipeliner: Pipeliner, settings: RedisSettings, on_error: Callable[[], None] | None = None):
         self.pipeliner = pipeliner
-        self.ttl_seconds = ttl_seconds
-        self.history_ttl_seconds = history_ttl_seconds
-        self.acked_history_ttl_seconds = acked_history_ttl_seconds
+        self.ttl_seconds = settings.attempts_ttl_seconds
+        self.history_ttl_seconds = settings.history_ttl_seconds
+        self.acked_history_ttl_seconds = settings.acked_history_ttl_seconds
         self._on_error = on_error or (lambda: None)
 
     async def _call(self, queue: Callable[[], asyncio.Future[Any]]) -> Any:

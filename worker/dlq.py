@@ -216,9 +216,7 @@ class DeadLetters:
         metrics = Metrics()
         client = pulsar_adapter.make_client(self.pulsar_settings, self.pulsar_settings.service_url or "")
         ctx = DeliveryContext(Deliverer(settings.destinations),
-                              AttemptStore(pipeliner, settings.redis.attempts_ttl_seconds,
-                                           history_ttl_seconds=settings.redis.history_ttl_seconds,
-                                           acked_history_ttl_seconds=settings.redis.acked_history_ttl_seconds),
+                              AttemptStore(pipeliner, settings.redis),
                               DeadLetterPublisher(client), metrics, worker_id="dlq-redrive")
         dispatcher: Dispatcher | None = None
         started = time.monotonic()

@@ -113,10 +113,7 @@ class Worker:
         self.redis = aioredis.Redis.from_url(self.redis_url, socket_timeout=10, socket_connect_timeout=5,
                                              health_check_interval=15)
         self.pipeliner = Pipeliner(self.redis, on_round_trip=self.metrics.round_trip)
-        self.attempts = AttemptStore(self.pipeliner, s.redis.attempts_ttl_seconds,
-                                     on_error=self.metrics.redis_errors.inc,
-                                     history_ttl_seconds=s.redis.history_ttl_seconds,
-                                     acked_history_ttl_seconds=s.redis.acked_history_ttl_seconds)
+        self.attempts = AttemptStore(self.pipeliner, s.redis, on_error=self.metrics.redis_errors.inc)
         self.pulsar = pulsar_adapter.make_client(s.pulsar, self.pulsar_url)
         self.session = make_session()
         self.deliverer = Deliverer(s.destinations)
