@@ -20,15 +20,24 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import yaml
+from redis.exceptions import ResponseError
 
 from worker import keys, lifecycle
-from worker.config import PulsarSettings, Settings, load_settings, parse_settings
+from worker.config import (
+    PULSAR_SCHEMES,
+    REDIS_SCHEMES,
+    PulsarSettings,
+    Settings,
+    check_url,
+    load_settings,
+    parse_settings,
+)
 from worker.dispatcher import State
 from worker.errors import ConfigError, NotFound, PushWorkerError
 from worker.fleet import lease_key, status_key
 from worker.lifecycle import SeekTarget
 from worker.messages import rfc3339
-from worker.registry import Registry, clear_state, text_of
+from worker.registry import Registry, clear_state, safe_text, text_of
 from worker.subscriptions import Subscription, is_push, parse_subscription
 
 ENDPOINTS_FILE = "endpoints.json"
@@ -56,13 +65,13 @@ class Target:
         if not self.redis_url:
             raise ConfigError(command, "--redis-url", "is required (or --config with redis.url, "
                               "$PUSH_WORKER_REDIS_URL, or a running embedded worker's state_dir)")
-        return self.redis_url
+        return check_url(self.redis_url, REDIS_SCHEMES, command, "--redis-url")
 
     def pulsar(self, command: str) -> str:
         if not self.pulsar_url:
             raise ConfigError(command, "--service-url", "is required (or --config with pulsar.service_url, "
                               "$PUSH_WORKER_PULSAR_URL, or a running embedded worker's state_dir)")
-        return self.pulsar_url
+        return check_url(self.pulsar_url, PULSAR_SCHEMES, command, "--service-url")
 
 
 def locate(config: str | None, redis_url: str | None = None, pulsar_url: str | None = None) -> Target:
@@ -97,6 +106,14 @@ def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     lines = ["  ".join(c.upper().ljust(widths[c]) for c in columns)]
     lines += ["  ".join(str(r.get(c, "")).ljust(widths[c]) for c in columns) for r in rows]
     return "\n".join(line.rstrip() for line in lines)
+
+
+def _count(value: str | None) -> int:
+    """A counter of a status hash (written by a worker, but Redis may hold anything)."""
+    try:
+        return int(value or 0)
+    except ValueError:
+        return 0
 
 
 def _what(entry: dict[str, Any]) -> str:
@@ -192,7 +209,7 @@ class Admin:
         async for record_key in self.client.scan_iter(match=keys.message_key(key, "*"), count=1000):
             record = {text_of(k): text_of(v) for k, v in (await self.client.hgetall(record_key)).items()}
             retrying = bool(record.get("last"))
-            if "discard" in record or retrying != (state == "retrying"):
+            if "discard" in record or "settled" in record or retrying != (state == "retrying"):
                 continue
             rows.append({"message_id": text_of(record_key).split(":m:", 1)[1],
                          "attempts": int(record.get("n", 0)), "last_status": record.get("last", "")})
@@ -231,7 +248,8 @@ class Admin:
         deadline = time.monotonic() + wait
         done = False
         while not done and time.monotonic() < deadline:
-            done = not await self.client.exists(record)  # the worker deletes the record once settled
+            # Once settled, the worker turns the record into a settled marker (it expires later).
+            done = (await self.client.hget(record, "settled")) is not None
             if not done:
                 await asyncio.sleep(0.2)
         result = {"subscription": key, "message_id": message_id, "result": "discarded" if done else "pending"}
@@ -270,7 +288,8 @@ class Admin:
         """A message's delivery attempts in one subscription, oldest first."""
         key = await self.existing(name)
         raw = await self.client.lrange(keys.history_key(key, message_id), 0, -1)
-        pending = await self.client.hget(keys.message_key(key, message_id), "n")
+        counted, settled = await self.client.hmget(keys.message_key(key, message_id), ["n", "settled"])
+        pending = None if settled is not None else counted
         entries = [json.loads(e) for e in raw]
         if not entries and pending is None:
             raise NotFound(f"no attempt history for message {message_id} in {key} (kept for "
@@ -316,15 +335,17 @@ class Admin:
 
     async def _row(self, key: str, definition: dict[str, Any], held_back: dict[str, str]) -> dict[str, Any]:
         owner = await self.client.get(lease_key(key))
-        status = {text_of(k): text_of(v) for k, v in (await self.client.hgetall(status_key(key))).items()}
-        project, name = key.split("/", 1)
+        try:
+            status = {safe_text(k): safe_text(v) for k, v in (await self.client.hgetall(status_key(key))).items()}
+        except ResponseError:  # a status key of the wrong type: no status to show
+            status = {}
+        project, _, name = key.partition("/")
         state = held_back.get(key) or status.get("state") or ("Starting" if owner else "Unowned")
         return {
             "project": project, "name": name, "type": definition.get("type", "shared"),
-            "owner": text_of(owner) if owner else "-",
+            "owner": safe_text(owner) if owner else "-",
             "state": state, "reason": status.get("reason", "") if key not in held_back else "",
-            "acked": int(status.get("acked", 0)), "retried": int(status.get("retried", 0)),
-            "dead_lettered": int(status.get("dead_lettered", 0)), "unsettled": int(status.get("unsettled", 0)),
+            **{field: _count(status.get(field)) for field in ("acked", "retried", "dead_lettered", "unsettled")},
         }
 
     async def _held_back(self) -> dict[str, str]:
@@ -334,15 +355,27 @@ class Admin:
         return out
 
     async def list(self) -> str:
-        definitions = await self.registry.definitions()
+        """Every subscription of the registry and the given config (`source`), with its status; an
+        invalid registry entry is a row in state `invalid` with the reason."""
+        entries: dict[str, Any] = {k: ({"type": s.type}, "config") for k, s in self.static.items()}
+        for key, entry in (await self.registry.entries()).items():
+            entries[key] = (entry if isinstance(entry, str) else entry[0], "registry")
         held_back = await self._held_back()
-        rows = [await self._row(k, d, held_back) for k, d in sorted(definitions.items())]
+        rows = []
+        for key, (entry, source) in sorted(entries.items()):
+            if isinstance(entry, str):
+                project, _, name = key.partition("/")
+                rows.append({"project": project, "name": name, "type": "-", "owner": "-", "state": "invalid",
+                             "reason": entry, "acked": 0, "retried": 0, "dead_lettered": 0, "unsettled": 0,
+                             "source": source})
+            else:
+                rows.append({**await self._row(key, entry, held_back), "source": source})
         if self.as_json:
             return json.dumps(rows)
         if not rows:
             return "no subscriptions in the registry"
         return table(rows, ["project", "name", "type", "owner", "state", "reason", "acked", "retried", "dead_lettered",
-                             "unsettled"])
+                             "unsettled", "source"])
 
     async def get(self, name: str) -> str:
         key = await self.registry.resolve(name)

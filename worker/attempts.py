@@ -2,7 +2,10 @@
 message's attempt history (`push-worker show`), kept for a bounded time.
 
 Each message costs two operations on the happy path: one before the first attempt (count it) and
-one after (record the outcome, forget the counter). Operations issued in the same moment are
+one after (record the outcome, turn the counter into a settled marker). The marker outlives the
+ack: the client groups acks for ~100 ms before the broker has them, so a worker killed in between
+leaves the broker to redeliver a settled message; its copy finds the marker and is acked without
+a request, instead of starting again at attempt 1. Operations issued in the same moment are
 batched: the operations of one kind on one subscription become a single EVALSHA over all their keys
 (they share the subscription's hash tag, so this stays legal on Redis Cluster), and everything a
 moment produced goes in one pipelined round trip, sent while the previous one was in flight.
@@ -41,48 +44,79 @@ class BatchScript:
         object.__setattr__(self, "sha", hashlib.sha1(self.source.encode(), usedforsecurity=False).hexdigest())
 
 
-# Per operation: one key. Count the attempt and refresh the TTL; return the count, the status the
-# previous attempt ended with, and whether an operator asked to discard the message.
-BEGIN = BatchScript("""
+# Corrupt state (a key of the wrong type, a counter that is not an integer) must not fail the whole
+# batch: every message of the subscription would wait on it forever. `call` replaces such a key and
+# says so in `corrupt`, so the worker can log what it started over.
+_LUA_CALL = """
+local corrupt = {}
+local function call(...)
+  local r = redis.pcall(...)
+  if type(r) == 'table' and r.err then
+    local key = select(2, ...)
+    corrupt[key] = true
+    redis.call('DEL', key)
+    r = redis.call(...)
+  end
+  return r
+end
+"""
+
+# Per operation: one key. A message already settled (a copy the broker redelivered because its ack
+# was lost) is reported as such and not counted. Else count the attempt and refresh the TTL; return
+# the count, the status the previous attempt ended with, the state (0 deliver, 1 discarded by an
+# operator, 2 settled already) and whether the record was corrupt and started over.
+BEGIN = BatchScript(_LUA_CALL + """
 local out = {}
 for i = 1, #KEYS do
-  local v = redis.call('HMGET', KEYS[i], 'discard', 'last', 'n')
-  if v[1] then
-    out[#out + 1] = tonumber(v[3]) or 0; out[#out + 1] = ''; out[#out + 1] = 1
+  local v = call('HMGET', KEYS[i], 'discard', 'last', 'n', 'settled')
+  local n, last, state = tonumber(v[3]) or 0, '', 0
+  if v[4] then
+    state = 2
+  elseif v[1] then
+    state = 1
   else
-    out[#out + 1] = redis.call('HINCRBY', KEYS[i], 'n', 1)
+    n = call('HINCRBY', KEYS[i], 'n', 1)
+    if n < 1 then
+      corrupt[KEYS[i]] = true
+      n = 1
+      redis.call('HSET', KEYS[i], 'n', n)
+    end
     redis.call('EXPIRE', KEYS[i], ARGV[1])
-    out[#out + 1] = v[2] or ''; out[#out + 1] = 0
+    last = string.sub(v[2] or '', 1, 64)
   end
+  out[#out + 1] = n; out[#out + 1] = last; out[#out + 1] = state
+  out[#out + 1] = corrupt[KEYS[i]] and 1 or 0
 end
 return out
-""", width=3)
+""", width=4)
 
-# Shared: the settled list; its TTL and the history cap. Per operation: the counter and history keys;
-# args settled ('1'/'0'), last status, settled summary, history TTL (0: not kept), number of history
-# entries, the entries. Appends the entries (capped, with the TTL); then, settled: forget the counter
-# and list the message among the settled; else remember how the attempt ended (for a dead-letter
-# published after a crash).
-RECORD = BatchScript("""
-local ttl, cap = ARGV[1], tonumber(ARGV[2])
-local a, settled_any, out = 3, false, {}
+# Shared: the settled list; its TTL, the history cap and the settled marker's TTL. Per operation: the
+# counter and history keys; args settled ('1'/'0'), last status, settled summary, history TTL (0:
+# not kept), number of history entries, the entries. Appends the entries (capped, with the TTL);
+# then, settled: turn the counter into a settled marker (a redelivered copy is then acked without a
+# request, and numbering never starts over) and list the message among the settled; else remember
+# how the attempt ended (for a dead-letter published after a crash).
+RECORD = BatchScript(_LUA_CALL + """
+local ttl, cap, settled_ttl = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local a, settled_any, out = 4, false, {}
 for k = 2, #KEYS, 2 do
   local settled, last, summary, history_ttl, count = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3],
     tonumber(ARGV[a + 4])
   a = a + 5
   if count > 0 and history_ttl ~= '0' then
-    if redis.call('RPUSH', KEYS[k + 1], unpack(ARGV, a, a + count - 1)) > cap then
+    if call('RPUSH', KEYS[k + 1], unpack(ARGV, a, a + count - 1)) > cap then
       redis.call('LTRIM', KEYS[k + 1], -cap, -1)
     end
     redis.call('EXPIRE', KEYS[k + 1], history_ttl)
   end
   a = a + count
   if settled == '1' then
-    redis.call('DEL', KEYS[k])
-    redis.call('LPUSH', KEYS[1], summary)
+    call('HSET', KEYS[k], 'settled', 1)
+    redis.call('EXPIRE', KEYS[k], settled_ttl)
+    call('LPUSH', KEYS[1], summary)
     settled_any = true
   else
-    redis.call('HSET', KEYS[k], 'last', last)
+    call('HSET', KEYS[k], 'last', last)
   end
   out[#out + 1] = 1
 end
@@ -106,6 +140,8 @@ class AttemptRecord:
     number: int
     last_status: str
     discard: bool = False  # an operator asked to settle it without delivery
+    settled: bool = False  # settled already: a redelivered copy, to ack without a request
+    corrupt: bool = False  # the stored record was unreadable and started over
 
 
 Command = tuple[Any, ...]
@@ -246,6 +282,7 @@ class AttemptStore:
         self.ttl_seconds = settings.attempts_ttl_seconds
         self.history_ttl_seconds = settings.history_ttl_seconds
         self.acked_history_ttl_seconds = settings.acked_history_ttl_seconds
+        self.settled_ttl_seconds = settings.settled_ttl_seconds
         self._on_error = on_error or (lambda: None)
 
     async def _call(self, queue: Callable[[], asyncio.Future[Any]]) -> Any:
@@ -270,22 +307,25 @@ class AttemptStore:
     async def begin(self, subscription_key: str, message_id: str) -> AttemptRecord:
         """Record the next attempt before it is made; returns its number (1, 2, ...)."""
         key = keys.message_key(subscription_key, message_id)
-        n, last, discard = await self._call(
+        n, last, state, corrupt = await self._call(
             lambda: self.pipeliner.operation(BEGIN, (), (self.ttl_seconds,), (key,), ()))
-        return AttemptRecord(int(n), last.decode() if isinstance(last, bytes) else str(last), bool(int(discard)))
+        last_status = last.decode(errors="replace") if isinstance(last, bytes) else str(last)
+        return AttemptRecord(int(n), last_status, discard=state == 1, settled=state == 2, corrupt=bool(corrupt))
 
     async def record(self, subscription_key: str, message_id: str, entries: list[dict[str, Any]],
                      settled: bool, last_status: str = "", acked_first_time: bool = False) -> None:
         """Append `entries` to the message's history (kept `acked_history_ttl_seconds` when it was
-        `acked_first_time`, else `history_ttl_seconds`); then, `settled`, forget its counter and list
-        it among the settled messages (how it ended: the last entry); else remember `last_status`."""
+        `acked_first_time`, else `history_ttl_seconds`); then, `settled`, mark its counter settled
+        (for `settled_ttl_seconds`) and list it among the settled messages (how it ended: the last
+        entry); else remember `last_status`."""
         op_keys = (keys.message_key(subscription_key, message_id), keys.history_key(subscription_key, message_id))
         summary = orjson.dumps({"message_id": message_id, **(entries[-1] if entries else {})}) if settled else b""
         history_ttl = self.acked_history_ttl_seconds if acked_first_time else self.history_ttl_seconds
         op_args = ("1" if settled else "0", last_status, summary, history_ttl, len(entries),
                    *(orjson.dumps(e) for e in entries))
         await self._call(lambda: self.pipeliner.operation(
-            RECORD, (keys.settled_key(subscription_key),), (self.history_ttl_seconds, HISTORY_CAP), op_keys, op_args))
+            RECORD, (keys.settled_key(subscription_key),),
+            (self.history_ttl_seconds, HISTORY_CAP, self.settled_ttl_seconds), op_keys, op_args))
 
     async def history(self, subscription_key: str, message_id: str) -> list[dict[str, Any]]:
         """The message's recorded history, oldest first."""

@@ -378,19 +378,47 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    """Run the command; every failure ends in one line on stderr and its exit code, never a traceback
+    (PUSH_WORKER_DEBUG=1 adds the traceback for a bug report)."""
     try:
         return int(args.func(args))
-    except ConfigError as e:
-        print(f"push-worker: invalid configuration: {e}", file=sys.stderr)
-        return 2
-    except NotFound as e:
-        print(f"push-worker: {e}", file=sys.stderr)
-        return 3
-    except PushWorkerError as e:
-        print(f"push-worker: {e}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        code, line = explain(e)
+        if os.environ.get("PUSH_WORKER_DEBUG"):
+            import traceback
+
+            traceback.print_exc()
+        print(f"push-worker: {line}", file=sys.stderr)
+        return code
+
+
+def explain(error: BaseException) -> tuple[int, str]:
+    """The exit code and the one line an operator sees for `error`: what failed and what to check."""
+    import pulsar
+    from redis import exceptions as redis_errors
+
+    text = " ".join(str(error).split())[:300] or type(error).__name__
+    if isinstance(error, ConfigError):
+        return 2, f"invalid configuration: {text}"
+    if isinstance(error, NotFound):
+        return 3, text
+    if isinstance(error, PushWorkerError):
+        return 1, text
+    if isinstance(error, redis_errors.AuthenticationError) or "WRONGPASS" in text or "NOAUTH" in text:
+        return 1, f"redis refused the credentials ({text}); check the password in the Redis URL"
+    if isinstance(error, (redis_errors.ConnectionError, redis_errors.TimeoutError)):
+        return 1, (f"redis unreachable ({text}); check --redis-url, redis.url or $PUSH_WORKER_REDIS_URL, "
+                   "and that Redis is running")
+    if isinstance(error, redis_errors.RedisError):
+        return 1, f"redis answered with an error ({text}); its data may be damaged"
+    if isinstance(error, pulsar.PulsarException):
+        return 1, (f"the broker failed: {type(error).__name__} ({text}); check --service-url, pulsar.service_url "
+                   "or $PUSH_WORKER_PULSAR_URL, and that the broker is running")
+    if isinstance(error, OSError):
+        return 1, f"{text}"
+    return 1, f"unexpected error: {type(error).__name__}: {text} (a bug: PUSH_WORKER_DEBUG=1 shows where)"
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ from worker.destinations import DEFAULT_MAX_REQUEST_BYTES, DestinationPolicy
 from worker.errors import ConfigError
 from worker.subscriptions import NAME_PATTERN, NAME_RULE, FieldReader, Subscription, is_push, parse_subscription
 
+PULSAR_SCHEMES = ("pulsar", "pulsar+ssl")
+REDIS_SCHEMES = ("redis", "rediss", "unix")
 
 @dataclass(frozen=True)
 class PulsarSettings:
@@ -51,6 +53,9 @@ class RedisSettings:
     # The same for a message acked at its first attempt: most messages, with nothing to investigate,
     # so kept briefly (0: not kept). Redis holds about 350 bytes per message for this long.
     acked_history_ttl_seconds: int = 3600
+    # How long a settled message's counter stays as a marker: a copy the broker redelivers within
+    # this (its ack was lost to a crash or a broker outage) is acked without a request.
+    settled_ttl_seconds: int = 3600
 
 
 @dataclass(frozen=True)
@@ -89,12 +94,36 @@ class Settings:
     log_level: str = "info"
 
 
-def _url(r: FieldReader, name: str, schemes: tuple[str, ...]) -> str | None:
+def _url(r: FieldReader, name: str, schemes: tuple[str, ...], env_name: str = "",
+         env: Mapping[str, str] | None = None) -> str | None:
+    """A URL field, or the environment variable that overrides it; either is checked the same way."""
+    if env_name and env and env.get(env_name):
+        return check_url(env[env_name], schemes, "environment", env_name)
     if not r.has(name):
         return None
     value = r.text(name)
-    if urlsplit(value).scheme not in schemes:
-        raise r.fail(name, f"must be a URL with scheme {' or '.join(schemes)}")
+    if url_rule_broken(value, schemes):
+        raise r.fail(name, url_rule(schemes))
+    return value
+
+
+def url_rule(schemes: tuple[str, ...]) -> str:
+    return f"must be a URL with scheme {' or '.join(schemes)} and a host (e.g. {schemes[0]}://host:port)"
+
+
+def url_rule_broken(value: str, schemes: tuple[str, ...]) -> bool:
+    try:
+        parts = urlsplit(value)
+        _ = parts.port  # a port that is not a number raises here
+    except ValueError:
+        return True
+    return parts.scheme not in schemes or (parts.scheme != "unix" and not parts.hostname)
+
+
+def check_url(value: str, schemes: tuple[str, ...], where: str, name: str) -> str:
+    """`value` if it is a URL of one of `schemes` with a host, else a ConfigError naming `name`."""
+    if url_rule_broken(value, schemes):
+        raise ConfigError(where, name, url_rule(schemes))
     return value
 
 
@@ -133,24 +162,26 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
     p = r.sub("pulsar")
     p.reject_unknown({"service_url", "tls_trust_certs_file", "operation_timeout_seconds", "admin_url",
                       "metrics_url", "backlog_interval_seconds"})
-    pulsar_url = env.get("PUSH_WORKER_PULSAR_URL") or _url(p, "service_url", ("pulsar", "pulsar+ssl"))
+    pulsar_url = _url(p, "service_url", PULSAR_SCHEMES, "PUSH_WORKER_PULSAR_URL", env)
     pulsar = PulsarSettings(
         service_url=pulsar_url,
         tls_trust_certs_file=p.text("tls_trust_certs_file") if p.has("tls_trust_certs_file") else None,
         auth_token=env.get("PUSH_WORKER_PULSAR_TOKEN") or None,
         operation_timeout_seconds=p.integer("operation_timeout_seconds", 30, 1, 600),
-        admin_url=env.get("PUSH_WORKER_PULSAR_ADMIN_URL") or _url(p, "admin_url", ("http", "https")),
+        admin_url=_url(p, "admin_url", ("http", "https"), "PUSH_WORKER_PULSAR_ADMIN_URL", env),
         metrics_url=_url(p, "metrics_url", ("http", "https")),
         backlog_interval_seconds=p.number("backlog_interval_seconds", 15.0, 1.0, 3600.0),
     )
 
     rd = r.sub("redis")
-    rd.reject_unknown({"url", "attempts_ttl_seconds", "history_ttl_seconds", "acked_history_ttl_seconds"})
-    redis_url = env.get("PUSH_WORKER_REDIS_URL") or _url(rd, "url", ("redis", "rediss", "unix"))
+    rd.reject_unknown({"url", "attempts_ttl_seconds", "history_ttl_seconds", "acked_history_ttl_seconds",
+                       "settled_ttl_seconds"})
+    redis_url = _url(rd, "url", REDIS_SCHEMES, "PUSH_WORKER_REDIS_URL", env)
     redis = RedisSettings(url=redis_url,
                           attempts_ttl_seconds=rd.integer("attempts_ttl_seconds", 7 * 24 * 3600, 60, 10**8),
                           history_ttl_seconds=rd.integer("history_ttl_seconds", 3 * 24 * 3600, 60, 10**8),
-                          acked_history_ttl_seconds=rd.integer("acked_history_ttl_seconds", 3600, 0, 10**8))
+                          acked_history_ttl_seconds=rd.integer("acked_history_ttl_seconds", 3600, 0, 10**8),
+                          settled_ttl_seconds=rd.integer("settled_ttl_seconds", 3600, 60, 10**8))
 
     h = r.sub("http")
     h.reject_unknown({"host", "port"})
@@ -199,7 +230,8 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
     return Settings(
         pulsar=pulsar,
         redis=redis,
-        state_dir=Path(env.get("PUSH_WORKER_STATE_DIR") or r.text("state_dir", ".push-worker")),
+        # Absolute at load: the embedded broker runs with the state dir as its working directory.
+        state_dir=Path(env.get("PUSH_WORKER_STATE_DIR") or r.text("state_dir", ".push-worker")).absolute(),
         http=http,
         destinations=destinations,
         subscriptions=tuple(subs),

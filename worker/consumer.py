@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -28,13 +29,19 @@ CONSUMER_TYPES = {
 }
 
 
-def make_client(settings: PulsarSettings, service_url: str) -> pulsar_async.Client:
+def quiet_logger() -> Any:
+    """For operator commands: the client's own log lines would bury the command's one-line answer
+    (a dead broker prints a line per reconnect); its failures surface as exceptions instead."""
+    return pulsar.FileLogger(pulsar.LoggerLevel.Error, os.devnull)
+
+
+def make_client(settings: PulsarSettings, service_url: str, operator: bool = False) -> pulsar_async.Client:
     """An asyncio Pulsar client; TLS hostnames are verified."""
     kwargs: dict[str, Any] = {
         "operation_timeout_seconds": settings.operation_timeout_seconds,
         # The C++ client's own logger: a Python logger is called from client threads that need the
         # GIL, which can deadlock the client's destructor at exit.
-        "logger": pulsar.ConsoleLogger(pulsar.LoggerLevel.Warn),
+        "logger": quiet_logger() if operator else pulsar.ConsoleLogger(pulsar.LoggerLevel.Warn),
         "tls_validate_hostname": True,
         "tls_allow_insecure_connection": False,
     }
@@ -48,7 +55,7 @@ def make_client(settings: PulsarSettings, service_url: str) -> pulsar_async.Clie
 @asynccontextmanager
 async def open_client(settings: PulsarSettings) -> AsyncIterator[pulsar_async.Client]:
     """A client for a short operator task, closed (bounded) when it ends."""
-    client = make_client(settings, settings.service_url or "")
+    client = make_client(settings, settings.service_url or "", operator=True)
     try:
         yield client
     finally:
@@ -117,6 +124,9 @@ class PulsarConsumer:
             await self._consumer.acknowledge(message)
         else:
             self._raw.acknowledge(message)
+
+    async def negative_acknowledge(self, message: Any) -> None:
+        await self._consumer.negative_acknowledge(message)
 
     async def seek(self, position: int) -> None:
         await self._consumer.seek(position)

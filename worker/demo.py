@@ -71,6 +71,7 @@ async def run_demo(messages: int = 300) -> int:
     started = time.monotonic()
     print(f"push-worker demo: embedded broker + Redis under {state_dir}, endpoint on port {port}")
     async with Worker(settings, worker_id="demo") as worker:
+        assert worker.status is not None
         print(f"metrics: http://127.0.0.1:{worker.status.port}/metrics")
         dlq_count = await asyncio.to_thread(_publish_and_watch_dlq, worker.pulsar_url, messages)
         await _progress(worker, sub.key, messages, started)

@@ -28,6 +28,7 @@ from worker.messages import Envelope, PushRequest, build_request, format_message
 from worker.metrics import Metrics
 from worker.signing import SecretStore, SecretUnavailable, auth_headers
 from worker.subscriptions import Subscription
+from worker.supervisor import Supervisor
 
 _SINGLE_LANE = "\x00total-order"
 CLOSE_TIMEOUT = 5.0  # seconds a broker close may take before shutdown goes on without it
@@ -51,6 +52,7 @@ class ConsumerLike(Protocol):
     async def receive(self) -> Any: ...
     def receive_ready(self) -> Any | None: ...  # a message already at hand, or None: never waits
     async def acknowledge(self, message: Any) -> None: ...
+    async def negative_acknowledge(self, message: Any) -> None: ...  # the broker redelivers it after a delay
     async def unsubscribe(self) -> None: ...
     async def close(self) -> None: ...
 
@@ -84,6 +86,7 @@ class DeliveryContext:
     metrics: Metrics
     secrets: SecretStore = field(default_factory=SecretStore)
     worker_id: str = ""
+    supervisor: Supervisor = field(default_factory=Supervisor)
 
 
 def history_entry(attempt: int, outcome: Outcome, worker_id: str) -> dict[str, Any]:
@@ -161,7 +164,7 @@ class Dispatcher:
         self.m.endpoint_window.set_function(lambda: self.endpoint_limit.size)
         self._reported_state = self.state
         self.metrics.set_state(self.sub.tenant, self.sub.name, self.state)
-        self._receiver = asyncio.create_task(self._receive_loop(), name=f"receive {self.sub.key}")
+        self._receiver = self.ctx.supervisor.spawn("receive", self._receive_loop)
 
     def update(self, sub: Subscription) -> None:
         """Apply an edit of mutable fields; a request under way keeps the values it started with."""
@@ -289,6 +292,10 @@ class Dispatcher:
         record: Awaitable[None] | None = None
         try:
             record = await self._deliver_until_settled(message, env)
+        except Exception as e:  # a bug must not strand the message: loud, and the broker redelivers it
+            self.ctx.supervisor.failed("settle", e)
+            with contextlib.suppress(Exception):
+                await self.consumer.negative_acknowledge(message)
         finally:
             self._active.discard(env.message_id)
             self.window.release()
@@ -313,9 +320,17 @@ class Dispatcher:
             if not await self._fenced():
                 return None
             record = await self.attempts.begin(sub.key, env.message_id)
+            if record.corrupt:
+                self.log.warning("attempt record was unreadable; started over", message_id=env.message_id,
+                                 attempt=record.number)
+            if record.settled:  # a copy redelivered because its ack was lost: settled already, no request
+                await self._ack_only(message, env)
+                self.m.settled_redeliveries.inc()
+                return None
             if record.discard:  # `push-worker discard`: settled without delivery, and recorded
                 self.log.info("discarded by an operator", message_id=env.message_id)
-                return await self._ack(message, env, sub, [event_entry("discarded", self.ctx.worker_id)])
+                return await self._ack(message, env, sub, [event_entry("discarded", self.ctx.worker_id)],
+                                       record_first=True)
             limit = sub.attempt_limit
             if limit is not None and record.number > limit:
                 # Exhausted in an earlier life (crash before the dead-letter was confirmed): no new request.
@@ -384,19 +399,33 @@ class Dispatcher:
         return await self.deliverer.attempt(sub.url, request, float(sub.ack_deadline_seconds))
 
     async def _ack(self, message: Any, env: Envelope, sub: Subscription, history: list[dict[str, Any]],
-                   acked_first_time: bool = False) -> Awaitable[None] | None:
-        """Ack to the broker; returns the record still to write (history, counter forgotten), or None
-        when the ack failed (the failure is recorded here, and the counter stays)."""
-        try:
-            await self.consumer.acknowledge(message)
-        except Exception as e:
+                   acked_first_time: bool = False, record_first: bool = False) -> Awaitable[None] | None:
+        """Ack to the broker and mark the message settled in Redis. Returns the record still to write,
+        or None when it was written already or the ack failed.
+
+        `record_first` (dead letters, discards) writes the settled marker before the ack: a copy
+        redelivered because the ack was lost then finds it and is acked without being dead-lettered
+        twice. Deliveries ack first, so their slot is free a Redis round trip sooner; a crash between
+        the two leaves the counter, and a redelivered copy goes on with the next attempt number."""
+        if record_first:
+            await self.attempts.record(sub.key, env.message_id, history, settled=True)
+            await self._ack_only(message, env)
+            return None
+        if not await self._ack_only(message, env):
             # The broker will redeliver; the counter stays so the numbering continues.
-            self.m.broker_errors.labels("ack").inc()
-            self.log.warning("ack failed", message_id=env.message_id, error=type(e).__name__)
             await self.attempts.record(sub.key, env.message_id, history, settled=False,
                                        last_status=history[-1].get("status", "") if history else "")
             return None
         return self.attempts.record(sub.key, env.message_id, history, settled=True, acked_first_time=acked_first_time)
+
+    async def _ack_only(self, message: Any, env: Envelope) -> bool:
+        try:
+            await self.consumer.acknowledge(message)
+        except Exception as e:
+            self.m.broker_errors.labels("ack").inc()
+            self.log.warning("ack failed", message_id=env.message_id, error=type(e).__name__)
+            return False
+        return True
 
     async def _give_up(self, message: Any, env: Envelope, sub: Subscription, attempts: int, last_status: str,
                        history: list[dict[str, Any]]) -> Awaitable[None] | None:
@@ -413,7 +442,7 @@ class Dispatcher:
             self.m.dropped.inc()
             log.warning("dropped after last attempt")
             history = [*history, event_entry("dropped", self.ctx.worker_id)]
-        return await self._ack(message, env, sub, history)
+        return await self._ack(message, env, sub, history, record_first=True)
 
     async def _pause(self, seconds: float) -> None:
         """Sleep, but wake at once when the dispatcher stops."""

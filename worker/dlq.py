@@ -22,7 +22,7 @@ import dataclasses
 import json
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -30,7 +30,7 @@ import pulsar
 import pulsar.asyncio as pulsar_async
 
 from worker import consumer as pulsar_adapter
-from worker import logs
+from worker import keys, logs
 from worker.admin import Admin, Target, table
 from worker.attempts import AttemptStore, Pipeliner
 from worker.config import PulsarSettings
@@ -86,8 +86,10 @@ class DeadLetterSource:
     """The cursor, seen by a dispatcher: only this subscription's dead letters from before `started_ms`,
     rate-limited; once the cursor runs dry it sets `exhausted` and hands out nothing more."""
 
-    def __init__(self, consumer: pulsar_async.Consumer, sub: Subscription, rate: float, limit: int | None) -> None:
+    def __init__(self, consumer: pulsar_async.Consumer, sub: Subscription, rate: float, limit: int | None,
+                 fresh_count: Callable[[str], Awaitable[Any]]) -> None:
         self.consumer, self.sub = consumer, sub
+        self.fresh_count = fresh_count
         self.rate = RateLimit(rate)
         self.limit = limit
         self.started_ms = int(time.time() * 1000)
@@ -104,6 +106,8 @@ class DeadLetterSource:
                 break
             if is_for(self.sub, message) and message.publish_timestamp() <= self.started_ms:
                 await self.rate.wait()
+                # The original's record is a settled marker now: a redrive counts attempts afresh.
+                await self.fresh_count(original_envelope(self.sub, message).message_id)
                 self.taken += 1
                 return message
             # someone else's, or newer than this redrive: left unacked, back to the cursor on close
@@ -113,6 +117,9 @@ class DeadLetterSource:
 
     def receive_ready(self) -> None:
         return None  # every message goes through the filter and the rate limit in receive()
+
+    async def negative_acknowledge(self, message: Any) -> None:
+        await self.consumer.negative_acknowledge(message)
 
     async def acknowledge(self, message: Any) -> None:
         await self.consumer.acknowledge(message)
@@ -214,7 +221,8 @@ class DeadLetters:
         settings = self.target.settings
         pipeliner = Pipeliner(admin.client)
         metrics = Metrics()
-        client = pulsar_adapter.make_client(self.pulsar_settings, self.pulsar_settings.service_url or "")
+        client = pulsar_adapter.make_client(self.pulsar_settings, self.pulsar_settings.service_url or "",
+                                            operator=True)
         ctx = DeliveryContext(Deliverer(settings.destinations),
                               AttemptStore(pipeliner, settings.redis),
                               DeadLetterPublisher(client), metrics, worker_id="dlq-redrive")
@@ -224,7 +232,8 @@ class DeadLetters:
             assert sub.dead_letter_topic is not None
             consumer = await subscribe_cursor(client, sub.dead_letter_topic, max(concurrency, 10),
                                               "push-worker-dlq-redrive")
-            source = DeadLetterSource(consumer, sub, rate, limit)
+            source = DeadLetterSource(consumer, sub, rate, limit,
+                                      lambda message_id: admin.client.delete(keys.message_key(sub.key, message_id)))
             dispatcher = Dispatcher(sub, source, lambda m: original_envelope(sub, m), ctx)
             dispatcher.start()
             report = 0.0

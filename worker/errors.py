@@ -28,5 +28,9 @@ class InfrastructureError(PushWorkerError):
     retriable = True
 
 
+class StartupError(PushWorkerError):
+    """The worker cannot start, and waiting will not help (e.g. Redis refused the credentials)."""
+
+
 class NotFound(PushWorkerError):
     """What an operator command asked about does not exist (or is no longer kept)."""

@@ -15,32 +15,60 @@ import contextlib
 import hashlib
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from worker import keys, lifecycle, logs
 from worker.config import FleetSettings
 from worker.dispatcher import State
-from worker.registry import Registry, clear_state, fleet_key
+from worker.registry import Registry, clear_state, fleet_key, safe_text
 from worker.subscriptions import Subscription
+from worker.supervisor import log_task_failure
 
 if TYPE_CHECKING:
     from worker.service import Worker
 
+# Members whose expiry lies further ahead than any heartbeat sets (3 TTLs) are garbage, not workers:
+# left in place they would be assigned subscriptions nobody serves. A members key of the wrong type
+# is corrupt state and starts over. Returns the live members, then how many entries were dropped.
 _HEARTBEAT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-return redis.call('ZRANGE', KEYS[1], 0, -1)
+local ttl = tonumber(ARGV[2])
+local dropped = 0
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind ~= 'zset' and kind ~= 'none' then
+  redis.call('DEL', KEYS[1]); dropped = 1
+end
+redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
+dropped = dropped + redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+dropped = dropped + redis.call('ZREMRANGEBYSCORE', KEYS[1], '(' .. (now + 3 * ttl), '+inf')
+local members = redis.call('ZRANGE', KEYS[1], 0, -1)
+members[#members + 1] = dropped
+return members
 """
 DELETE_GRACE = 1.0  # seconds requests under way get when their subscription is deleted
 STATUS_EVERY = 5.0  # seconds between status refreshes for `subs list`
 STATUS_REFRESH = 30.0  # an unchanged status is rewritten this often (it expires after 3x this)
-_RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
-_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+# GET of a key that is not a string fails: a lease key holding a hash (corrupt) is simply not ours.
+_RENEW = """
+local holder = redis.pcall('GET', KEYS[1])
+if holder == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+_RELEASE = """
+if redis.pcall('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+# Every lease carries an expiry. A lease key without one is garbage that would block the
+# subscription forever: it gets the lease TTL, so it lapses like a dead owner's.
+_ACQUIRE = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+if redis.call('PTTL', KEYS[1]) == -1 then redis.call('PEXPIRE', KEYS[1], ARGV[2]); return -1 end
+return 0
+"""
 
 
 def lease_key(sub_key: str) -> str:
@@ -113,7 +141,8 @@ class Fleet:
         self.expired: set[str] = set()
         self._state_reported: set[str] = set()  # paused/expired keys assigned here, exported as a state metric
         self._seeks: set[asyncio.Task[None]] = set()
-        self._registry_version = -1
+        self._registry_version: object = None  # as read from Redis (compared, never parsed)
+        self._ignored: set[tuple[str, str]] = set()  # what was logged as ignored (once each)
         self._status_held: frozenset[str] = frozenset()
         self._status_at = 0.0
         self._status_sent: dict[str, tuple[float, dict[str, str | int]]] = {}
@@ -133,21 +162,37 @@ class Fleet:
         return self.worker.worker_id
 
     async def start(self) -> None:
-        await self.tick()
-        self._tasks = [asyncio.create_task(self._loop(), name="fleet loop"),
-                       asyncio.create_task(self._listen(), name="fleet events")]
+        """Join at once (the first round runs here), then keep going in supervised tasks."""
+        self._wake.set()
+        supervisor = self.worker.supervisor
+        self._tasks = [supervisor.spawn("fleet", self._loop), supervisor.spawn("fleet-events", self._listen)]
+        await self._tick_safely()
 
     async def _loop(self) -> None:
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.settings.heartbeat_seconds)
             self._wake.clear()
-            try:
-                await self.tick()
-            except (RedisError, OSError) as e:
-                self.worker.metrics.redis_errors.inc()
-                self.log.warning("fleet tick failed", error=type(e).__name__)
-                await self._drop_expired()
+            await self._tick_safely()
+
+    async def _tick_safely(self) -> None:
+        try:
+            await self.tick()
+        except (RedisError, OSError) as e:
+            self.worker.metrics.redis_errors.inc()
+            self.log.warning("fleet tick failed", error=type(e).__name__)
+            await self._drop_expired()
+        except Exception:
+            await self._drop_expired()  # fenced anyway; stop what can no longer be renewed
+            raise
+
+    def _ignore(self, what: str, detail: str) -> None:
+        """Log once that a value read from Redis was ignored (corrupt or invalid state)."""
+        if (what, detail) not in self._ignored:
+            if len(self._ignored) > 10_000:  # garbage must not grow the worker's memory without bound
+                self._ignored.clear()
+            self._ignored.add((what, detail))
+            self.log.warning("ignored invalid state in Redis", what=what, detail=detail[:300])
 
     async def _listen(self) -> None:
         """Registry and membership notifications make changes land well inside the resync period."""
@@ -160,7 +205,7 @@ class Fleet:
                         continue
                     data = message.get("data") or b""
                     if isinstance(data, bytes) and data.startswith(b"seek "):
-                        self._start_seek(data[5:].decode())
+                        self._start_seek(safe_text(data[5:]))
                     else:
                         self._wake.set()
             except (RedisError, OSError):
@@ -172,28 +217,55 @@ class Fleet:
     async def tick(self) -> None:
         """One round: heartbeat, read the registry if it changed, renew, release, acquire."""
         sent_at = time.monotonic()
-        pipe = self.client.pipeline(transaction=False)
-        pipe.eval(_HEARTBEAT, 1, self.members_key, self.me, self.member_ttl_ms)
-        pipe.get(self.registry.version_key)
         held = [key for key, lease in self.leases.items() if lease.due(sent_at)]
-        for key in held:
-            await self._renew(keys=[lease_key(key)], args=[self.me, self.ttl_ms], client=pipe)  # queued
-        results = await pipe.execute()
-        self.members = sorted(m.decode() for m in results[0])
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.eval(_HEARTBEAT, 1, self.members_key, self.me, self.member_ttl_ms)
+            pipe.get(self.registry.version_key)
+            for key in held:
+                await self._renew(keys=[lease_key(key)], args=[self.me, self.ttl_ms], client=pipe)  # queued
+            results = await pipe.execute(raise_on_error=False)
+        for result in results:
+            if isinstance(result, (RedisError, OSError)) and not isinstance(result, ResponseError):
+                raise result  # the connection failed: the whole round did
+        if isinstance(results[0], Exception):
+            raise results[0]
+        *members, dropped = results[0]
+        if dropped:
+            self._ignore("fleet members", f"{dropped} entries with an impossible expiry or of the wrong type")
+        self.members = sorted(safe_text(m) for m in members)
         self.worker.metrics.fleet_size.set(len(self.members))
-        version = int(results[1] or 0)
+        version = results[1]
+        if isinstance(version, Exception):
+            self._ignore("registry version", str(version))
+            version = object()  # unreadable: read the registry every round until it is repaired
         for key, renewed in zip(held, results[2:], strict=True):
-            if renewed:
+            if renewed is True or (not isinstance(renewed, Exception) and renewed):
                 self.leases[key].renewed(sent_at)
             else:
                 await self._lost(key)
         if version != self._registry_version:
-            live = await self.registry.snapshot()
-            self.paused = await self.registry.paused()
-            self.expired = await self.registry.expired()
-            self.subscriptions = {**self.static, **live}
+            await self._read_registry()
             self._registry_version = version
         await self._reconcile()
+
+    async def _read_registry(self) -> None:
+        """The registry, paused and expired sets. One that cannot be read (a key of the wrong type)
+        keeps what was read last; invalid entries are skipped; both are logged."""
+        try:
+            live, invalid = await self.registry.read()
+            self.subscriptions = {**self.static, **live}
+            for key, reason in invalid.items():
+                self._ignore("registry entry", f"{key}: {reason}")
+        except ResponseError as e:
+            self._ignore("registry", str(e))
+        try:
+            self.paused = await self.registry.paused()
+        except ResponseError as e:
+            self._ignore("paused set", str(e))
+        try:
+            self.expired = await self.registry.expired()
+        except ResponseError as e:
+            self._ignore("expired set", str(e))
 
     def _owners(self) -> dict[str, str]:
         basis = (tuple(self.members), tuple(sorted(self.subscriptions)))
@@ -217,6 +289,8 @@ class Fleet:
             await self._try_acquire(key)
         for key in self.worker.serving - set(self.leases):  # safety net: nothing runs without a lease
             await self.worker.remove(key, grace=0)
+        for key in (wanted & set(self.leases)) - self.worker.serving:  # a start that failed: try again
+            self.worker.add(self.subscriptions[key], may_deliver=self.leases[key].valid)
         for key in wanted & set(self.leases):
             dispatcher = self.worker.dispatchers.get(key)
             sub = self.subscriptions[key]
@@ -227,7 +301,10 @@ class Fleet:
 
     async def _try_acquire(self, key: str) -> None:
         sent_at = time.monotonic()
-        if not await self.client.set(lease_key(key), self.me, nx=True, px=self.ttl_ms):
+        acquired = await self.client.eval(_ACQUIRE, 1, lease_key(key), self.me, self.ttl_ms)
+        if acquired == -1:
+            self._ignore("lease", f"{key}: a lease without an expiry; it now lapses in {self.settings.lease_seconds}s")
+        if acquired != 1:
             return  # the previous owner still holds it: it releases on handover, or it expires
         lease = Lease(self.settings.lease_seconds, margin=min(2.0, self.settings.lease_seconds / 4))
         lease.renewed(sent_at)
@@ -284,9 +361,14 @@ class Fleet:
         task = asyncio.create_task(self._seek(key), name=f"seek {key}")
         self._seeks.add(task)
         task.add_done_callback(self._seeks.discard)
+        task.add_done_callback(log_task_failure(self.worker.supervisor, "seek"))
 
     async def _seek(self, key: str) -> None:
-        request = await lifecycle.take_seek_request(self.client, key)
+        try:
+            request = await lifecycle.take_seek_request(self.client, key)
+        except (ValueError, TypeError, KeyError) as e:  # an unreadable request: removed, and said
+            self._ignore("seek request", f"{key}: {type(e).__name__}: {e}")
+            return
         if request is None:
             return
         request_id, target = request
@@ -312,7 +394,10 @@ class Fleet:
         if not held or (held == self._status_held and now - self._status_at < STATUS_EVERY):
             return
         self._status_held, self._status_at = held, now
-        pipe = self.client.pipeline(transaction=False)
+        async with self.client.pipeline(transaction=False) as pipe:
+            await self._write_status(pipe, held, now)
+
+    async def _write_status(self, pipe: Any, held: frozenset[str], now: float) -> None:
         for key in self.leases:
             dispatcher = self.worker.dispatchers.get(key)
             fields: dict[str, str | int] = {"owner": self.me, "state": "Starting"}
@@ -325,7 +410,8 @@ class Fleet:
             if sent is not None and sent[1] == fields and now - sent[0] < STATUS_REFRESH:
                 continue
             self._status_sent[key] = (now, fields)
-            pipe.hset(status_key(key), mapping={**fields, "updated_ms": int(time.time() * 1000)})  # type: ignore[dict-item]
+            pipe.delete(status_key(key))  # stale fields go, and so does a key of the wrong type
+            pipe.hset(status_key(key), mapping={**fields, "updated_ms": int(time.time() * 1000)})
             pipe.pexpire(status_key(key), int(max(self.ttl_ms * 3, STATUS_REFRESH * 3000)))
         for key in [k for k in self._status_sent if k not in held]:
             del self._status_sent[key]

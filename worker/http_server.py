@@ -10,15 +10,18 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from worker.metrics import Metrics
 
 ReadyCheck = Callable[[], Awaitable[tuple[bool, str]]]
+AliveCheck = Callable[[], tuple[bool, str]]
 
 
 class StatusServer:
     """Serves metrics and probes; `port` is the bound port (useful when configured as 0)."""
 
-    def __init__(self, host: str, port: int, metrics: Metrics, ready: ReadyCheck) -> None:
+    def __init__(self, host: str, port: int, metrics: Metrics, ready: ReadyCheck,
+                 alive: AliveCheck | None = None) -> None:
         self.host, self.port = host, port
         self.metrics = metrics
         self.ready = ready
+        self.alive = alive or (lambda: (True, "ok"))
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
@@ -44,7 +47,8 @@ class StatusServer:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _healthz(self, _: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+        ok, reason = self.alive()
+        return web.json_response({"status": "ok" if ok else "failing", "reason": reason}, status=200 if ok else 503)
 
     async def _readyz(self, _: web.Request) -> web.Response:
         ok, reason = await self.ready()

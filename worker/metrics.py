@@ -29,6 +29,9 @@ class Metrics:
                                      "Messages republished to the dead-letter topic", SUB, registry=r)
         self.dropped = Counter("pushworker_messages_dropped",
                                "Exhausted messages acked and dropped (no dead-letter topic)", SUB, registry=r)
+        self.settled_redeliveries = Counter(
+            "pushworker_settled_redeliveries", "Redelivered copies of messages already settled (their ack was "
+            "lost to a crash or a broker outage), acked without a request", SUB, registry=r)
         self.retries = Counter("pushworker_retries", "Failed attempts scheduled for a retry", SUB, registry=r)
         self.in_flight = Gauge("pushworker_in_flight", "HTTP requests under way", SUB, registry=r)
         self.held_for_retry = Gauge("pushworker_held_for_retry", "Messages waiting for their retry backoff",
@@ -42,6 +45,8 @@ class Metrics:
         self.redis_commands = Counter("pushworker_redis_commands", "Commands sent to Redis", registry=r)
         self.redis_errors = Counter("pushworker_redis_errors", "Redis calls that failed (and were retried)",
                                     registry=r)
+        self.task_failures = Counter("pushworker_task_failures", "Background tasks that failed unexpectedly "
+                                     "(each is logged with its traceback and restarted)", ("task",), registry=r)
         self.broker_errors = Counter("pushworker_broker_errors", "Broker calls that failed",
                                      ("operation",), registry=r)
         self.endpoint_window = Gauge("pushworker_endpoint_concurrency_window",
@@ -95,6 +100,7 @@ class SubscriptionMetrics:
         self.dead_lettered = m.dead_lettered.labels(*labels)
         self.dropped = m.dropped.labels(*labels)
         self.retries = m.retries.labels(*labels)
+        self.settled_redeliveries = m.settled_redeliveries.labels(*labels)
         self.in_flight = m.in_flight.labels(*labels)
         self.held_for_retry = m.held_for_retry.labels(*labels)
         self.unsettled = m.unsettled.labels(*labels)

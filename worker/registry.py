@@ -27,6 +27,11 @@ def text_of(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def safe_text(value: bytes | str) -> str:
+    """Text of a value read back from Redis, which may hold anything: invalid UTF-8 is replaced."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
 def fleet_key(fleet: str, what: str) -> str:
     return f"pw:{{fleet/{fleet}}}:{what}"
 
@@ -94,21 +99,40 @@ class Registry:
 
     async def snapshot(self) -> dict[str, Subscription]:
         """Every valid push definition; an entry that no longer validates is skipped, not fatal."""
-        raw = await self.client.hgetall(self.hash)
-        out: dict[str, Subscription] = {}
-        for value in raw.values():
+        return (await self.read())[0]
+
+    async def read(self) -> tuple[dict[str, Subscription], dict[str, str]]:
+        """Every valid push definition by key, and every invalid entry with the reason it is ignored."""
+        valid: dict[str, Subscription] = {}
+        invalid: dict[str, str] = {}
+        for key, entry in (await self.entries()).items():
+            if isinstance(entry, str):
+                invalid[key] = entry
+            elif entry[1] is not None:
+                valid[entry[1].key] = entry[1]
+        return valid, invalid
+
+    async def entries(self) -> dict[str, tuple[dict[str, Any], Subscription | None] | str]:
+        """Each entry by key: its definition and, for push ones, the subscription; or, for an entry
+        that cannot be used, why (an entry is untrusted input: invalid JSON or UTF-8, not a mapping,
+        a definition that no longer validates)."""
+        out: dict[str, tuple[dict[str, Any], Subscription | None] | str] = {}
+        for name, value in (await self.client.hgetall(self.hash)).items():
+            key = safe_text(name)
             try:
                 data = orjson.loads(value)
-                if is_push(data):
-                    sub = parse_subscription(data)
-                    out[sub.key] = sub
-            except (ConfigError, orjson.JSONDecodeError):
-                continue
+                if not isinstance(data, dict):
+                    raise ConfigError("", "definition", "must be a JSON object")
+                out[key] = (data, parse_subscription(data) if is_push(data) else None)
+            except ConfigError as e:
+                out[key] = str(e)
+            except (orjson.JSONDecodeError, ValueError, TypeError) as e:
+                out[key] = f"not a JSON definition ({type(e).__name__}: {e})"[:300]
         return out
 
     async def definitions(self) -> dict[str, dict[str, Any]]:
-        raw = await self.client.hgetall(self.hash)
-        return {text_of(k): orjson.loads(v) for k, v in raw.items()}
+        """The usable definitions by key (invalid entries left out: see `entries`)."""
+        return {k: e[0] for k, e in (await self.entries()).items() if not isinstance(e, str)}
 
     async def apply(self, data: Any) -> tuple[Subscription, str]:
         """Create or edit one subscription; returns it and `created`, `updated` or `unchanged`."""
@@ -151,10 +175,10 @@ class Registry:
                     continue
 
     async def paused(self) -> set[str]:
-        return {text_of(k) for k in await self.client.smembers(self.paused_key)}
+        return {safe_text(k) for k in await self.client.smembers(self.paused_key)}
 
     async def expired(self) -> set[str]:
-        return {text_of(k) for k in await self.client.smembers(self.expired_key)}
+        return {safe_text(k) for k in await self.client.smembers(self.expired_key)}
 
     async def expire(self, key: str) -> None:
         """Mark a subscription Expired: nobody serves it any more; only deletion is allowed."""

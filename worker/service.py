@@ -6,14 +6,15 @@ A `Worker` is an async context manager; `close()` is safe to call twice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import socket
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
 from worker import consumer as pulsar_adapter
 from worker import embedded, lifecycle, logs
@@ -24,13 +25,14 @@ from worker.deadletter import DeadLetterPublisher
 from worker.delivery import Deliverer
 from worker.destinations import check_host
 from worker.dispatcher import DeliveryContext, Dispatcher, State
-from worker.errors import ConfigError, DestinationRefused, PushWorkerError
+from worker.errors import ConfigError, DestinationRefused, PushWorkerError, StartupError
 from worker.fleet import Fleet
 from worker.http_server import StatusServer
 from worker.lifecycle import ExpiryWatch, SeekTarget
 from worker.metrics import Metrics
 from worker.signing import SecretRef, SecretStore, SecretUnavailable
 from worker.subscriptions import Subscription
+from worker.supervisor import LIVE_AFTER, READY_AFTER, Supervisor, log_task_failure
 
 
 def preflight(settings: Settings, secrets: SecretStore | None = None) -> None:
@@ -71,6 +73,8 @@ class Worker:
         self._starting: dict[str, asyncio.Task[None]] = {}
         self._orphans: set[asyncio.Future[None]] = set()
         self._services: list[embedded.Service] = []
+        self._stack = contextlib.AsyncExitStack()  # what start() started, released in reverse by close()
+        self.supervisor = Supervisor(on_failure=lambda task: self.metrics.task_failures.labels(task).inc())
         self._stop = asyncio.Event()
         self._closed = False
         self.redis: aioredis.Redis | None = None
@@ -78,10 +82,14 @@ class Worker:
         self.pulsar_url = ""
         self.redis_url = ""
         self.fleet: Fleet | None = None
-        self._backlog_task: asyncio.Task[None] | None = None
+        self.status: StatusServer | None = None
 
     async def __aenter__(self) -> Worker:
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:
+            await self.close()  # a failed start releases what it started, embedded processes included
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -90,20 +98,26 @@ class Worker:
     # -- start -----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Start everything, in order; each part's cleanup is registered as it starts, so `close()`
+        releases exactly what a start got to, in reverse. Waits (logging each retry) while Redis
+        does not answer; the status server is up first, so /healthz answers and /readyz says why."""
         s = self.settings
-        state_dir = Path(s.state_dir)
+        state_dir = s.state_dir
         self.pulsar_url = s.pulsar.service_url or ""
         self.redis_url = s.redis.url or ""
         metrics_url = s.pulsar.metrics_url
+        self.status = StatusServer(s.http.host, s.http.port, self.metrics, self.readiness, self.liveness)
+        await self.status.start()
+        self._cleanup("close the status server", self.status.close, 5)
         if not self.pulsar_url:
             service = await asyncio.to_thread(embedded.start_pulsar, state_dir)
-            self._services.append(service)
+            self._cleanup_service(service)
             self.pulsar_url = service.url
             metrics_url = metrics_url or service.metrics_url
             self.log.info("embedded broker started", url=service.url, state_dir=str(state_dir))
         if not self.redis_url:
             service = await asyncio.to_thread(embedded.start_redis, state_dir)
-            self._services.append(service)
+            self._cleanup_service(service)
             self.redis_url = service.url
             self.log.info("embedded redis started", port=service.port)
         if self._services:
@@ -112,24 +126,65 @@ class Worker:
             write_endpoints(state_dir, self.pulsar_url, self.redis_url)
         self.redis = aioredis.Redis.from_url(self.redis_url, socket_timeout=10, socket_connect_timeout=5,
                                              health_check_interval=15)
+        self._cleanup("close Redis", self.redis.aclose, 5)
         self.pipeliner = Pipeliner(self.redis, on_round_trip=self.metrics.round_trip)
+        self._cleanup("stop the Redis pipeliner", self.pipeliner.close, 5)
         self.attempts = AttemptStore(self.pipeliner, s.redis, on_error=self.metrics.redis_errors.inc)
         self.pulsar = pulsar_adapter.make_client(s.pulsar, self.pulsar_url)
+        # A subscribe still pending in the C++ client can hold close() for its operation timeout.
+        self._cleanup("close the Pulsar client", self.pulsar.close, 5)
         self.session = make_session()
+        self._cleanup("close the HTTP session", self.session.close, 5)
         self.deliverer = Deliverer(s.destinations)
+        self._cleanup("close the endpoint connections", self.deliverer.close, 5)
         self.dead_letters = DeadLetterPublisher(self.pulsar)
+        self._cleanup("close dead-letter producers", self.dead_letters.close, 10)
         self.delivery = DeliveryContext(self.deliverer, self.attempts, self.dead_letters, self.metrics, self.secrets,
-                                        self.worker_id)
+                                        self.worker_id, self.supervisor)
         self.expiry = ExpiryWatch(self.redis, s.fleet.expire_backlog, s.fleet.expire_after_seconds)
         self.backlog = BacklogReader(self.session, s.pulsar.admin_url, metrics_url)
-        self.status = StatusServer(s.http.host, s.http.port, self.metrics, self.readiness)
-        await self.status.start()
+        if not await self._wait_for_redis():
+            return  # stopped while waiting
         self.fleet = Fleet(self, self.redis, s.fleet, s.subscriptions)
         await self.fleet.start()
         if self.backlog.enabled:
-            self._backlog_task = asyncio.create_task(self._report_backlog(), name="backlog")
+            self.supervisor.spawn("backlog", self._report_backlog)
         self.log.info("worker started", fleet=s.fleet.name, members=len(self.fleet.members),
                       owned=len(self.fleet.leases), http_port=self.status.port)
+
+    def _cleanup(self, step: str, close: Callable[[], Awaitable[Any]], limit: float) -> None:
+        self._stack.push_async_callback(self._step, step, close, limit)
+
+    def _cleanup_service(self, service: embedded.Service) -> None:
+        self._services.append(service)
+        self._stack.push_async_callback(asyncio.to_thread, service.stop)
+
+    async def _wait_for_redis(self) -> bool:
+        """Until Redis answers a PING: one log line per retry, with backoff. A refusal that no retry
+        can mend (authentication) ends the start. False if a stop was asked for meanwhile."""
+        assert self.redis is not None
+        delay = 0.5
+        while not self._stop.is_set():
+            try:
+                await asyncio.wait_for(self.redis.ping(), timeout=5)
+                if delay > 0.5:
+                    self.log.info("redis answers")
+                return True
+            except AuthenticationError as e:
+                raise StartupError(f"redis refused the credentials of redis.url ({e}); check the password") from None
+            except ResponseError as e:
+                if "NOAUTH" in str(e) or "WRONGPASS" in str(e):
+                    raise StartupError(f"redis refused the credentials of redis.url ({e}); check the password") \
+                        from None
+                self.log.warning("redis not ready; retrying", error=str(e)[:200], in_seconds=delay)
+            except (RedisError, OSError, TimeoutError) as e:
+                self.metrics.redis_errors.inc()
+                self.log.warning("redis unreachable; retrying", error=f"{type(e).__name__}: {e}"[:200],
+                                 in_seconds=delay)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), delay)
+            delay = min(delay * 2, 10.0)
+        return False
 
     def add(self, sub: Subscription, may_deliver: Callable[[], bool] | None = None) -> None:
         """Start serving a subscription (subscribing retries until the broker answers)."""
@@ -138,6 +193,7 @@ class Worker:
         task = asyncio.create_task(self._subscribe_and_run(sub, may_deliver), name=f"subscribe {sub.key}")
         self._starting[sub.key] = task
         task.add_done_callback(functools.partial(self._forget_start, sub.key))
+        task.add_done_callback(log_task_failure(self.supervisor, "subscribe"))  # the fleet tries again
 
     async def _subscribe_and_run(self, sub: Subscription, may_deliver: Callable[[], bool] | None) -> None:
         delay = 0.5
@@ -202,7 +258,7 @@ class Worker:
         task.add_done_callback(self._orphans.discard)
 
     async def _report_backlog(self) -> None:
-        while True:
+        while True:  # read once at once, then every interval
             try:
                 owned = [d.sub for d in self.dispatchers.values()]
                 backlogs = await self.backlog.read(owned)
@@ -258,11 +314,19 @@ class Worker:
             return False, f"{len(self._starting)} subscription(s) not yet subscribed"
         if self.fleet is None or not self.fleet.members:
             return False, "not yet in the fleet"
+        failing = self.supervisor.unhealthy(READY_AFTER)
+        if failing:
+            return False, failing
         return True, "ok"
 
-    async def _step(self, name: str, work: Awaitable[Any], limit: float) -> None:
+    def liveness(self) -> tuple[bool, str]:
+        """Alive unless a background task has kept failing for LIVE_AFTER: then a restart may help."""
+        failing = self.supervisor.unhealthy(LIVE_AFTER)
+        return (False, failing) if failing else (True, "ok")
+
+    async def _step(self, name: str, work: Callable[[], Awaitable[Any]], limit: float) -> None:
         try:
-            await asyncio.wait_for(work, limit)
+            await asyncio.wait_for(work(), limit)
         except TimeoutError:
             self.log.warning("shutdown step timed out", step=name, seconds=limit)
         except Exception as e:
@@ -274,27 +338,17 @@ class Worker:
             return
         self._closed = True
         self._stop.set()
-        if self._backlog_task is not None:
-            self._backlog_task.cancel()
         grace = self.settings.shutdown_grace_seconds
         # Every step is bounded: a shutdown must end within the pod's grace period even when Redis,
         # the broker or a client library does not answer (and the log says which step did not).
         if self.fleet is not None:  # drains and releases leases so others take over at once
-            await self._step("leave the fleet", self.fleet.leave(), grace + 15)
+            await self._step("leave the fleet", self.fleet.leave, grace + 15)
+        await self._step("stop background tasks", self.supervisor.close, 10)
         keys = list(self._starting) + list(self.dispatchers)
-        await self._step("drain", asyncio.gather(*(self.remove(k, grace) for k in keys), return_exceptions=True),
-                         grace + 10)
+        await self._step("drain", lambda: asyncio.gather(*(self.remove(k, grace) for k in keys),
+                                                         return_exceptions=True), grace + 10)
         if self._orphans:
             await asyncio.wait(set(self._orphans), timeout=5)
         self.log.info("drained")
-        await self._step("close the status server", self.status.close(), 5)
-        await self._step("close dead-letter producers", self.dead_letters.close(), 10)
-        # A subscribe still pending in the C++ client can hold close() for its operation timeout.
-        await self._step("close the Pulsar client", self.pulsar.close(), 5)
-        await self._step("stop the Redis pipeliner", self.pipeliner.close(), 5)
-        await self._step("close Redis", self.redis.aclose(), 5)  # type: ignore[union-attr]
-        await self._step("close the endpoint connections", self.deliverer.close(), 5)
-        await self._step("close the HTTP session", self.session.close(), 5)
-        for service in reversed(self._services):
-            await asyncio.to_thread(service.stop)
+        await self._stack.aclose()  # what start() started, in reverse
         self.log.info("worker stopped")

@@ -7,12 +7,13 @@ from collections.abc import Awaitable, Callable
 import pulsar
 from aiohttp import web
 
+from worker.consumer import quiet_logger
 from worker.messages import format_message_id
 
 
 def publish(url: str, topic: str, data: bytes, attributes: dict[str, str], key: str | None = None) -> str:
     """Publish one message and return its id in the contract's format."""
-    client = pulsar.Client(url, operation_timeout_seconds=10, logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Warn))
+    client = pulsar.Client(url, operation_timeout_seconds=10, logger=quiet_logger())
     try:
         producer = client.create_producer(topic, batching_enabled=False)
         kwargs: dict[str, object] = {"properties": attributes}
