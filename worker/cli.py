@@ -49,10 +49,26 @@ async def _serve(config_path: str) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.request_stop)
+    loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)  # what a stuck worker is waiting on
     async with worker:
         await worker.run_until_stopped()
         logs.get().info("stop requested; draining", grace_seconds=settings.shutdown_grace_seconds)
     return 0
+
+
+def _dump_tasks() -> None:
+    """SIGUSR1: log every task of the event loop with where it waits (for a worker that hangs)."""
+    for task in asyncio.all_tasks():
+        frames: list[str] = []
+        awaited: Any = task.get_coro()
+        while awaited is not None and len(frames) < 20:  # the await chain, outermost first
+            frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
+            if frame is None:
+                frames.append(type(awaited).__name__)
+                break
+            frames.append(f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno} {frame.f_code.co_name}")
+            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+        logs.get().warning("task", name=task.get_name(), awaits=frames)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

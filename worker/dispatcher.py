@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from worker import logs
+from worker.aio import wait_event
 from worker.attempts import AttemptStore
 from worker.backoff import retry_delay
 from worker.deadletter import DeadLetterPublisher, dead_letter_properties
@@ -446,5 +447,4 @@ class Dispatcher:
 
     async def _pause(self, seconds: float) -> None:
         """Sleep, but wake at once when the dispatcher stops."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stopping.wait(), timeout=seconds)
+        await wait_event(self._stopping, seconds)

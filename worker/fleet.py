@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from worker import keys, lifecycle, logs
+from worker.aio import wait_event
 from worker.config import FleetSettings
 from worker.dispatcher import State
 from worker.registry import Registry, clear_state, fleet_key, safe_text
@@ -170,8 +171,7 @@ class Fleet:
 
     async def _loop(self) -> None:
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.settings.heartbeat_seconds)
+            await wait_event(self._wake, self.settings.heartbeat_seconds)
             self._wake.clear()
             await self._tick_safely()
 
@@ -420,9 +420,13 @@ class Fleet:
 
     async def leave(self) -> None:
         """Clean scale-down: drain and release every lease, leave the member set, tell the others."""
-        for task in [*self._tasks, *self._seeks]:
+        tasks = [*self._tasks, *self._seeks]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._seeks, return_exceptions=True)
+        if tasks:
+            _, stuck = await asyncio.wait(tasks, timeout=10)
+            for task in stuck:  # bounded: leaving must not wait on a task that did not end on cancel
+                self.log.warning("task did not stop when leaving the fleet", task=task.get_name())
         await asyncio.gather(*(self._hand_over(k) for k in list(self.leases)), return_exceptions=True)
         with contextlib.suppress(RedisError, OSError):
             await self.client.zrem(self.members_key, self.me)

@@ -18,6 +18,7 @@ from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
 from worker import consumer as pulsar_adapter
 from worker import embedded, lifecycle, logs
+from worker.aio import wait_event
 from worker.attempts import AttemptStore, Pipeliner
 from worker.backlog import BacklogReader, make_session
 from worker.config import Settings
@@ -32,7 +33,7 @@ from worker.lifecycle import ExpiryWatch, SeekTarget
 from worker.metrics import Metrics
 from worker.signing import SecretRef, SecretStore, SecretUnavailable
 from worker.subscriptions import Subscription
-from worker.supervisor import LIVE_AFTER, READY_AFTER, Supervisor, log_task_failure
+from worker.supervisor import Supervisor, log_task_failure
 
 
 def preflight(settings: Settings, secrets: SecretStore | None = None) -> None:
@@ -181,8 +182,7 @@ class Worker:
                 self.metrics.redis_errors.inc()
                 self.log.warning("redis unreachable; retrying", error=f"{type(e).__name__}: {e}"[:200],
                                  in_seconds=delay)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), delay)
+            await wait_event(self._stop, delay)
             delay = min(delay * 2, 10.0)
         return False
 
@@ -314,14 +314,14 @@ class Worker:
             return False, f"{len(self._starting)} subscription(s) not yet subscribed"
         if self.fleet is None or not self.fleet.members:
             return False, "not yet in the fleet"
-        failing = self.supervisor.unhealthy(READY_AFTER)
+        failing = self.supervisor.not_ready()
         if failing:
             return False, failing
         return True, "ok"
 
     def liveness(self) -> tuple[bool, str]:
-        """Alive unless a background task has kept failing for LIVE_AFTER: then a restart may help."""
-        failing = self.supervisor.unhealthy(LIVE_AFTER)
+        """Alive unless a background task has kept failing for a long time: then a restart may help."""
+        failing = self.supervisor.not_alive()
         return (False, failing) if failing else (True, "ok")
 
     async def _step(self, name: str, work: Callable[[], Awaitable[Any]], limit: float) -> None:

@@ -27,15 +27,17 @@ MAX_BACKOFF = 10.0
 @dataclass
 class _Streak:
     since: float  # when the current run of failures began
-    last: float  # the latest failure
+    resumed: float  # when the task runs again after its latest failure (its backoff ends)
     failures: int
 
 
 class Supervisor:
     """Starts named tasks and keeps them running; `unhealthy()` says which keep failing."""
 
-    def __init__(self, on_failure: Callable[[str], None] | None = None) -> None:
+    def __init__(self, on_failure: Callable[[str], None] | None = None, ready_after: float = READY_AFTER,
+                 live_after: float = LIVE_AFTER, stable_after: float = STABLE_AFTER) -> None:
         self._on_failure = on_failure or (lambda _: None)
+        self.ready_after, self.live_after, self.stable_after = ready_after, live_after, stable_after
         self._tasks: set[asyncio.Task[None]] = set()
         self._streaks: dict[str, _Streak] = {}
         self.log = logs.get()
@@ -64,11 +66,11 @@ class Supervisor:
         Also for one-shot work that is not restarted but must not fail unseen."""
         now = time.monotonic()
         streak = self._streaks.get(name)
-        if streak is None or now - streak.last > STABLE_AFTER:
-            streak = self._streaks[name] = _Streak(since=now, last=now, failures=0)
+        if streak is None or now - streak.resumed > self.stable_after:
+            streak = self._streaks[name] = _Streak(since=now, resumed=now, failures=0)
         streak.failures += 1
-        streak.last = now
         delay = float(min(MAX_BACKOFF, 0.5 * 2 ** min(streak.failures - 1, 16)))
+        streak.resumed = now + delay
         self._on_failure(name)
         self.log.error("background task failed; restarting", task=name, error=f"{type(error).__name__}: {error}",
                        failures_in_row=streak.failures, in_seconds=round(delay, 2),
@@ -78,13 +80,20 @@ class Supervisor:
     def failing_for(self) -> dict[str, float]:
         """Tasks in a failure streak, with how long it has lasted (seconds)."""
         now = time.monotonic()
-        for name in [n for n, s in self._streaks.items() if now - s.last > STABLE_AFTER]:
+        for name in [n for n, s in self._streaks.items() if now - s.resumed > self.stable_after]:
             del self._streaks[name]
         return {name: now - s.since for name, s in self._streaks.items()}
 
-    def unhealthy(self, after: float) -> str:
-        """A reason when some task has kept failing for longer than `after` seconds, else ''."""
-        worst = {name: t for name, t in self.failing_for().items() if t > after}
+    def not_ready(self) -> str:
+        """Why the worker should not be ready (a task failing longer than `ready_after`), or ''."""
+        return self._failing_longer_than(self.ready_after)
+
+    def not_alive(self) -> str:
+        """Why the worker should be restarted (a task failing longer than `live_after`), or ''."""
+        return self._failing_longer_than(self.live_after)
+
+    def _failing_longer_than(self, seconds: float) -> str:
+        worst = {name: t for name, t in self.failing_for().items() if t >= seconds}
         return ", ".join(f"task {name} failing for {t:.0f}s" for name, t in sorted(worst.items()))
 
     async def close(self) -> None:

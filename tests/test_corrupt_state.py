@@ -1,0 +1,194 @@
+"""Garbage in Redis: whatever a key the fleet reads holds (wrong type, invalid JSON or UTF-8, huge
+values, impossible numbers), a real worker process keeps delivering its valid subscriptions and
+logs what it ignored; attempt records that are corrupt start over instead of blocking delivery."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import redis as redis_sync
+import yaml
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import Client, wait_sync
+from worker import keys
+from worker.attempts import AttemptStore, Pipeliner
+from worker.config import RedisSettings
+from worker.embedded import terminate
+from worker.registry import fleet_key
+
+FLEET = "garbage"
+
+
+class Recorder(BaseHTTPRequestHandler):
+    """A real endpoint on a thread (the hypothesis test below is synchronous): records payloads."""
+
+    seen: set[bytes] = set()
+
+    def do_POST(self) -> None:
+        Recorder.seen.add(self.rfile.read(int(self.headers["Content-Length"])))
+        self.send_response(204)
+        self.end_headers()
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+
+def garbage_values() -> st.SearchStrategy[bytes]:
+    return st.one_of(
+        st.binary(max_size=64),  # mostly invalid UTF-8
+        st.text(max_size=64).map(str.encode),
+        st.sampled_from([b"not-a-number", b"-1", b"9" * 40, b"[1, 2]", b'{"name": "x"}', b"{", b"\xff\xfe",
+                         b"null", b'{"topic": 5}', b"1e309"]),
+        st.integers(min_value=100_000, max_value=1_000_000).map(lambda n: b"x" * n),  # huge
+    )
+
+
+# (what to corrupt, which Redis type to put there)
+TARGETS = ["members", "version", "registry", "registry-entry", "paused", "expired", "lease", "seek", "events",
+           "status"]
+TYPES = ["string", "hash", "list", "set", "zset"]
+
+
+def write(client: redis_sync.Redis, key: str, kind: str, value: bytes) -> None:
+    client.delete(key)
+    if kind == "string":
+        client.set(key, value)
+    elif kind == "hash":
+        client.hset(key, value or b"f", value)
+    elif kind == "list":
+        client.rpush(key, value)
+    elif kind == "set":
+        client.sadd(key, value)
+    else:
+        client.zadd(key, {value or b"m": 1e12})
+
+
+def test_garbage_in_every_key_the_fleet_reads_never_stops_valid_subscriptions(broker, redis_url, tmp_path: Path):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/push"
+    static_topic = f"persistent://p-test/main/g-{uuid.uuid4().hex[:8]}"
+    registry_topic = f"persistent://p-test/main/g-{uuid.uuid4().hex[:8]}"
+    push = {"mode": "push", "push": {"url": url, "content": "raw"}}
+    registered = {"name": "registered", "topic": registry_topic, "deliver": push, "ack_deadline_seconds": 5}
+    config = tmp_path / "w.yaml"
+    config.write_text(yaml.safe_dump({
+        "pulsar": {"service_url": broker.url}, "redis": {"url": redis_url}, "http": {"port": 0},
+        "destinations": {"allow_private": True}, "log": {"format": "json", "level": "info"},
+        "fleet": {"name": FLEET, "lease_seconds": 2}, "shutdown_grace_seconds": 30,
+        "subscriptions": [{"name": "static", "topic": static_topic, "deliver": push, "ack_deadline_seconds": 5}]}))
+    client = redis_sync.Redis.from_url(redis_url)
+    registry_key, version_key = fleet_key(FLEET, "registry"), fleet_key(FLEET, "version")
+
+    def restore() -> None:
+        for what in ("members", "paused", "expired"):
+            if client.type(fleet_key(FLEET, what)) not in (b"none", b"zset" if what == "members" else b"set"):
+                client.delete(fleet_key(FLEET, what))
+        client.delete(registry_key, version_key)
+        client.hset(registry_key, "p-test/registered", json.dumps(registered))
+        client.incr(version_key)
+        client.publish(fleet_key(FLEET, "events"), b"registry")
+
+    restore()
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "run", "--config", str(config)],
+                                stdout=out, stderr=out, env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+    publisher = Client(broker.url)
+    sent = 0
+
+    def delivered_through_both() -> None:
+        nonlocal sent
+        sent += 1
+        marks = [f"static-{sent}".encode(), f"registered-{sent}".encode()]
+        publisher.publish(static_topic, marks[:1])
+        publisher.publish(registry_topic, marks[1:])
+        wait_sync(lambda: set(marks) <= Recorder.seen, timeout=30, what=f"delivery after garbage ({marks})")
+        assert proc.poll() is None, "the worker died"
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(target=st.sampled_from(TARGETS), kind=st.sampled_from(TYPES), value=garbage_values())
+    @example(target="registry-entry", kind="string", value=b"\xff{")
+    @example(target="members", kind="zset", value=b"ghost")
+    def corrupt_then_deliver(target: str, kind: str, value: bytes) -> None:
+        if target == "registry-entry":  # an entry of its own, next to the valid one
+            client.hset(registry_key, b"p-test/" + value[:40], value)
+            client.incr(version_key)
+        elif target == "events":
+            client.publish(fleet_key(FLEET, "events"), b"seek " + value[:1000])
+            client.publish(fleet_key(FLEET, "events"), value[:1000])
+        elif target == "lease":
+            write(client, f"{keys.PREFIX}:{keys.tag('p-test/static')}:lease", kind, value)
+        elif target == "seek":
+            client.set(f"{keys.PREFIX}:{keys.tag('p-test/static')}:seek", value)
+            client.publish(fleet_key(FLEET, "events"), b"seek p-test/static")
+        elif target == "status":
+            write(client, f"{keys.PREFIX}:{keys.tag('p-test/static')}:status", kind, value)
+        else:
+            write(client, fleet_key(FLEET, target), kind, value)
+        client.publish(fleet_key(FLEET, "events"), b"registry")
+        try:
+            delivered_through_both()
+        finally:
+            restore()
+
+    try:
+        wait_sync(lambda: b"worker started" in log.read_bytes(), timeout=60, what="the worker")
+        delivered_through_both()
+        corrupt_then_deliver()
+    finally:
+        proc.send_signal(15)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(10)  # SIGUSR1: the worker logs what each task waits on
+            time.sleep(1)
+        assert terminate(proc, 1) == 0
+        publisher.close()
+        server.shutdown()
+        client.close()
+    events = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    ignored = [e for e in events if e["event"] == "ignored invalid state in Redis"]
+    assert {e["what"] for e in ignored} >= {"registry entry", "fleet members"}, {e["what"] for e in ignored}
+    failures = [e for e in events if e["event"] == "background task failed; restarting"]
+    assert not failures, failures[0]["traceback"]
+
+
+async def test_corrupt_attempt_records_start_over_instead_of_blocking(redis_url):
+    client = redis_sync.Redis.from_url(redis_url)
+    import redis.asyncio as aioredis
+
+    async_client = aioredis.Redis.from_url(redis_url)
+    store = AttemptStore(Pipeliner(async_client), RedisSettings(attempts_ttl_seconds=3600))
+    sub = "p-test/corrupt"
+    try:
+        client.set(keys.message_key(sub, "1:1:-1:-1"), b"\xff not a hash")  # wrong type
+        client.hset(keys.message_key(sub, "1:2:-1:-1"), "n", "not-a-number")
+        client.hset(keys.message_key(sub, "1:3:-1:-1"), mapping={"n": "9" * 30, "last": "x" * 10_000})
+        client.hset(keys.message_key(sub, "1:4:-1:-1"), "n", "-7")
+        client.hset(keys.message_key(sub, "1:5:-1:-1"), "n", "4")  # a healthy record in the same batch
+        client.set(keys.history_key(sub, "1:1:-1:-1"), "wrong type")
+        client.set(keys.settled_key(sub), "wrong type")
+        records = [await store.begin(sub, f"1:{i}:-1:-1") for i in range(1, 6)]
+        assert [(r.number, r.corrupt) for r in records] == [(1, True), (1, True), (1, True), (1, True), (5, False)]
+        assert all(len(r.last_status) <= 64 for r in records)
+        await store.record(sub, "1:1:-1:-1", [{"attempt": 1, "result": "ack"}], settled=True)
+        assert client.hget(keys.message_key(sub, "1:1:-1:-1"), "settled") == b"1"
+        assert client.llen(keys.history_key(sub, "1:1:-1:-1")) == 1
+        again = await store.begin(sub, "1:1:-1:-1")
+        assert again.settled  # a redelivered copy of a settled message: no new attempt
+    finally:
+        await store.pipeliner.close()
+        await async_client.aclose()
+        client.close()

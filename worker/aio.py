@@ -1,0 +1,19 @@
+"""Small asyncio helpers the worker's loops share."""
+
+from __future__ import annotations
+
+import asyncio
+
+
+async def wait_event(event: asyncio.Event, seconds: float) -> bool:
+    """Wait until `event` is set or `seconds` pass; True if it was set.
+
+    Not `asyncio.wait_for(event.wait(), ...)`: on Python 3.11 that swallows a cancellation that
+    arrives as the event fires (gh-86296), and a loop that misses its cancellation never stops (a
+    worker hung in shutdown this way while registry events were arriving)."""
+    try:
+        async with asyncio.timeout(seconds):
+            await event.wait()
+    except TimeoutError:
+        return False
+    return True
