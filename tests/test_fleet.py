@@ -302,5 +302,5 @@ async def test_live_edits_take_effect_immutable_edits_refused_delete_stops(
     client.publish(t, [b"after-delete"])
     await asyncio.sleep(2.0)  # nothing may arrive; a (wrong) delivery would within this time
     assert len(endpoint.requests) == before
-    assert fleet.cli("subs", "get", "edit-me").returncode == 2
+    assert fleet.cli("subs", "get", "edit-me").returncode == 3  # not found
     await runner.cleanup()

@@ -62,7 +62,7 @@ async def test_pause_stops_delivery_keeps_the_backlog_and_resume_delivers_it(
     assert all(len(endpoint.by_id()[m]) == 1 for m in paused_ids)
 
     code, _, err = await cli("subs", "pause", "no-such-sub", "--redis-url", redis_url)
-    assert code == 2 and "no-such-sub" in err and "no such subscription" in err
+    assert code == 3 and "no-such-sub" in err and "no such subscription" in err
 
 
 async def test_show_lists_each_attempt_with_status_latency_and_worker(

@@ -108,12 +108,35 @@ def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def _count(value: str | None) -> int:
-    """A counter of a status hash (written by a worker, but Redis may hold anything)."""
+def _count(value: str | bytes | None) -> int:
+    """A counter read from Redis (written by a worker, but Redis may hold anything)."""
     try:
         return int(value or 0)
     except ValueError:
         return 0
+
+
+def _time(entry: dict[str, Any]) -> str:
+    try:
+        return rfc3339(int(entry.get("at_ms", 0)))
+    except (ValueError, TypeError, OverflowError, OSError):
+        return "?"
+
+
+def _entries(raw: list[bytes | str]) -> list[dict[str, Any]]:
+    """History entries read from Redis; one that is not a JSON object shows as `unreadable`."""
+    out: list[dict[str, Any]] = []
+    for item in raw:
+        try:
+            entry = json.loads(item)
+        except ValueError:
+            entry = None
+        if not isinstance(entry, dict):
+            entry = {"event": "unreadable", "detail": safe_text(item)[:80]}
+        entry.setdefault("at_ms", 0)
+        entry.setdefault("message_id", "?")
+        out.append(entry)
+    return out
 
 
 def _what(entry: dict[str, Any]) -> str:
@@ -148,8 +171,8 @@ class Admin:
             return key
         if await self.client.exists(lease_key(key), status_key(key)):
             return key
-        raise ConfigError("registry", name, "no such subscription (not in the registry, the given config, "
-                          "or served by a worker)")
+        raise NotFound(f"{name}: no such subscription (not in the registry, the given config, "
+                       "or served by a worker)")
 
     async def definition(self, name: str) -> Subscription:
         """A subscription's definition, from the given config or the registry."""
@@ -207,12 +230,15 @@ class Admin:
         key = await self.existing(name)
         rows: list[dict[str, Any]] = []
         async for record_key in self.client.scan_iter(match=keys.message_key(key, "*"), count=1000):
-            record = {text_of(k): text_of(v) for k, v in (await self.client.hgetall(record_key)).items()}
+            try:
+                record = {safe_text(k): safe_text(v) for k, v in (await self.client.hgetall(record_key)).items()}
+            except ResponseError:  # not a hash: no attempt record (the worker starts such a record over)
+                continue
             retrying = bool(record.get("last"))
             if "discard" in record or "settled" in record or retrying != (state == "retrying"):
                 continue
             rows.append({"message_id": text_of(record_key).split(":m:", 1)[1],
-                         "attempts": int(record.get("n", 0)), "last_status": record.get("last", "")})
+                         "attempts": _count(record.get("n")), "last_status": record.get("last", "")})
             if len(rows) >= limit:
                 break
         rows.sort(key=lambda r: r["message_id"])
@@ -225,12 +251,12 @@ class Admin:
     async def history(self, name: str, limit: int) -> str:
         """Recently settled messages of one subscription, newest first: how each ended."""
         key = await self.existing(name)
-        entries = [json.loads(e) for e in await self.client.lrange(keys.settled_key(key), 0, limit - 1)]
+        entries = _entries(await self.client.lrange(keys.settled_key(key), 0, limit - 1))
         if self.as_json:
             return json.dumps({"subscription": key, "messages": entries})
         if not entries:
             return f"{key}: nothing settled recently"
-        rows = [{"time": rfc3339(e["at_ms"]), "message_id": e["message_id"],
+        rows = [{"time": _time(e), "message_id": e["message_id"],
                  "outcome": {"ack": "delivered"}.get(_what(e), _what(e)), "attempts": e.get("attempt", ""),
                  "status": _status(e), "worker": e.get("worker", "")} for e in entries]
         return table(rows, list(rows[0]))
@@ -290,19 +316,19 @@ class Admin:
         raw = await self.client.lrange(keys.history_key(key, message_id), 0, -1)
         counted, settled = await self.client.hmget(keys.message_key(key, message_id), ["n", "settled"])
         pending = None if settled is not None else counted
-        entries = [json.loads(e) for e in raw]
+        entries = _entries(raw)
         if not entries and pending is None:
             raise NotFound(f"no attempt history for message {message_id} in {key} (kept for "
                            "redis.history_ttl_seconds; ids look like ledger:entry:partition:batch)")
         if self.as_json:
             return json.dumps({"subscription": key, "message_id": message_id, "history": entries,
-                               "attempts_in_progress": int(pending) if pending is not None else None})
-        rows = [{"time": rfc3339(e["at_ms"]), "attempt": e.get("attempt", ""), "result": _what(e),
+                               "attempts_in_progress": _count(pending) if pending is not None else None})
+        rows = [{"time": _time(e), "attempt": e.get("attempt", ""), "result": _what(e),
                  "status": _status(e), "latency_ms": e.get("latency_ms", ""), "worker": e.get("worker", ""),
                  "detail": e.get("detail", "")} for e in entries]
         out = f"message {message_id} in {key}\n" + table(rows, list(rows[0]) if rows else ["time"])
         if pending is not None:
-            out += f"\nnot settled yet: {int(pending)} attempt(s) counted so far"
+            out += f"\nnot settled yet: {_count(pending)} attempt(s) counted so far"
         return out
 
     async def close(self) -> None:
@@ -325,7 +351,7 @@ class Admin:
             assert name is not None
             key = await self.registry.resolve(name)
             if not await self.registry.delete(key):
-                raise ConfigError("registry", name, "no such subscription")
+                raise NotFound(f"{name}: no such subscription")
             deleted = [key]
         for key in deleted:  # the owner clears it too; this covers subscriptions no worker held
             await clear_state(self.client, key)
@@ -381,7 +407,7 @@ class Admin:
         key = await self.registry.resolve(name)
         definitions = await self.registry.definitions()
         if key not in definitions:
-            raise ConfigError("registry", name, "no such subscription")
+            raise NotFound(f"{name}: no such subscription")
         out = {"definition": definitions[key], "status": await self._row(key, definitions[key],
                                                                          await self._held_back())}
         return json.dumps(out) if self.as_json else yaml.safe_dump(out, sort_keys=False).rstrip()

@@ -101,7 +101,8 @@ def _cmd_publish(args: argparse.Namespace) -> int:
             raise ConfigError("publish", "--attr", f"must be NAME=VALUE (got {item!r})")
         attrs[name] = value
     target = locate(args.config, pulsar_url=args.service_url)
-    message_id = publish(target.pulsar("publish"), args.topic, args.data.encode(), attrs, args.key)
+    message_id = publish(target.pulsar("publish"), args.topic, args.data.encode(), attrs, args.key,
+                         min(10, target.settings.pulsar.operation_timeout_seconds))
     print(message_id)
     return 0
 
@@ -413,6 +414,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 def explain(error: BaseException) -> tuple[int, str]:
     """The exit code and the one line an operator sees for `error`: what failed and what to check."""
     import pulsar
+    import pulsar.asyncio as pulsar_async
     from redis import exceptions as redis_errors
 
     text = " ".join(str(error).split())[:300] or type(error).__name__
@@ -429,9 +431,9 @@ def explain(error: BaseException) -> tuple[int, str]:
                    "and that Redis is running")
     if isinstance(error, redis_errors.RedisError):
         return 1, f"redis answered with an error ({text}); its data may be damaged"
-    if isinstance(error, pulsar.PulsarException):
-        return 1, (f"the broker failed: {type(error).__name__} ({text}); check --service-url, pulsar.service_url "
-                   "or $PUSH_WORKER_PULSAR_URL, and that the broker is running")
+    if isinstance(error, (pulsar.PulsarException, pulsar_async.PulsarException)):
+        return 1, (f"the broker failed ({text}); check --service-url, pulsar.service_url or "
+                   "$PUSH_WORKER_PULSAR_URL, and that the broker is running")
     if isinstance(error, OSError):
         return 1, f"{text}"
     return 1, f"unexpected error: {type(error).__name__}: {text} (a bug: PUSH_WORKER_DEBUG=1 shows where)"

@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
 from worker import keys
-from worker.errors import ConfigError
+from worker.errors import ConfigError, NotFound
 from worker.subscriptions import Subscription, is_push, parse_subscription
 
 IMMUTABLE = ("topic", "type", "start_from")
@@ -242,7 +242,7 @@ class Registry:
         keys = {text_of(k) for k in await self.client.hkeys(self.hash)} | set(also)
         matches = [k for k in keys if k.split("/", 1)[1] == name]
         if not matches:
-            raise ConfigError("registry", name, "no such subscription")
+            raise NotFound(f"{name}: no such subscription")
         if len(matches) > 1:
             raise ConfigError("registry", name, f"is ambiguous; name the project: {', '.join(sorted(matches))}")
         return matches[0]

@@ -11,9 +11,10 @@ from worker.consumer import quiet_logger
 from worker.messages import format_message_id
 
 
-def publish(url: str, topic: str, data: bytes, attributes: dict[str, str], key: str | None = None) -> str:
+def publish(url: str, topic: str, data: bytes, attributes: dict[str, str], key: str | None = None,
+            timeout_seconds: int = 10) -> str:
     """Publish one message and return its id in the contract's format."""
-    client = pulsar.Client(url, operation_timeout_seconds=10, logger=quiet_logger())
+    client = pulsar.Client(url, operation_timeout_seconds=timeout_seconds, logger=quiet_logger())
     try:
         producer = client.create_producer(topic, batching_enabled=False)
         kwargs: dict[str, object] = {"properties": attributes}
