@@ -362,7 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=60.0)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--rate", type=float, default=40.0, help="messages a second")
-    p.add_argument("--hard-kills", action="store_true", help="restart workers with SIGKILL instead of SIGTERM")
+    p.add_argument("--hard-kills", action="store_true",
+                   help="restart workers with SIGKILL only (default: SIGTERM and SIGKILL in turn)")
     p.set_defaults(func=_cmd_soak)
 
     p = cmds.add_parser("publish", help="publish one message (for trying things out)")

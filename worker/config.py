@@ -55,7 +55,7 @@ class RedisSettings:
     acked_history_ttl_seconds: int = 3600
     # How long a settled message's counter stays as a marker: a copy the broker redelivers within
     # this (its ack was lost to a crash or a broker outage) is acked without a request.
-    settled_ttl_seconds: int = 3600
+    settled_ttl_seconds: int = 600
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
                           attempts_ttl_seconds=rd.integer("attempts_ttl_seconds", 7 * 24 * 3600, 60, 10**8),
                           history_ttl_seconds=rd.integer("history_ttl_seconds", 3 * 24 * 3600, 60, 10**8),
                           acked_history_ttl_seconds=rd.integer("acked_history_ttl_seconds", 3600, 0, 10**8),
-                          settled_ttl_seconds=rd.integer("settled_ttl_seconds", 3600, 60, 10**8))
+                          settled_ttl_seconds=rd.integer("settled_ttl_seconds", 600, 60, 10**8))
 
     h = r.sub("http")
     h.reject_unknown({"host", "port"})
