@@ -93,8 +93,17 @@ async def test_kill_9_right_after_2xx_answers_never_repeats_an_attempt_number(
         for life in range(5):
             worker["proc"] = spawn(config, tmp_path / f"w{life}.log")
             acked_before = sum(1 for r in endpoint.requests if r.acked)
-            await eventually(lambda n=acked_before: sum(1 for r in endpoint.requests if r.acked) >= n + 20,
-                             timeout=30, what=f"deliveries in life {life}")
+
+            def delivering(n: int = acked_before) -> bool:
+                return sum(1 for r in endpoint.requests if r.acked) >= n + 20
+
+            try:
+                await eventually(delivering, timeout=15, what=f"deliveries in life {life}")
+            except AssertionError:
+                # pulsar-lite may refuse the new consumer while it keeps the killed one (Apache
+                # Pulsar drops a dead connection's consumers): a broker restart clears them.
+                own_broker.restart()
+                await eventually(delivering, timeout=30, what=f"deliveries in life {life}")
             killed.clear()
             kill_after_next_2xx.set()
             await eventually(killed.is_set, timeout=10, what="the kill")
@@ -124,8 +133,10 @@ async def test_kill_9_right_after_2xx_answers_never_repeats_an_attempt_number(
     went_back = {mid: n for mid, n in numbering.items() if n != sorted(set(n))}
     assert not went_back, f"attempt numbers repeated or went back: {dict(list(went_back.items())[:5])}"
     assert set(numbering) == set(published)
-    redelivered = sum(len(n) - 1 for mid, n in numbering.items() if int(endpoint.by_id()[mid][0].body_payload) % 7)
-    print(f"\n{len(published)} published over 5 kills; {redelivered} sent again after a kill (with a higher number)")
+    by_id = endpoint.by_id()
+    resent = {mid for mid, rs in by_id.items() if any(r.acked for r in rs[:-1])}
+    print(f"\n{len(published)} published over 5 kills; {len(resent)} sent again after an acked attempt "
+          f"(each with a higher number)")
 
 
 async def test_broker_outage_at_exhaustion_dead_letters_each_message_once(
@@ -243,7 +254,7 @@ async def test_start_that_fails_for_good_exits_in_one_line_and_leaves_no_process
     last = result.stderr.decode().strip().splitlines()[-1]
     assert result.returncode == 1, result.stderr.decode()[-2000:]
     assert last.startswith("push-worker: ") and "credentials" in last, last
-    assert "Traceback" not in result.stderr.decode()
+    assert "Traceback" not in result.stderr.decode() and "Unclosed" not in result.stderr.decode()
     leftovers = [p for p in psutil.process_iter(["cmdline"]) if p.pid not in before
                  and any("pulsar-lite" in part for part in (p.info["cmdline"] or []))]
     assert not leftovers, f"orphaned: {[p.info['cmdline'] for p in leftovers]}"

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 # Members whose expiry lies further ahead than any heartbeat sets (3 TTLs) are garbage, not workers:
 # left in place they would be assigned subscriptions nobody serves. A members key of the wrong type
-# is corrupt state and starts over. Returns the live members, then how many entries were dropped.
+# is corrupt state and starts over. Returns the live members, then how many garbage entries went.
 _HEARTBEAT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -44,7 +44,7 @@ if kind ~= 'zset' and kind ~= 'none' then
   redis.call('DEL', KEYS[1]); dropped = 1
 end
 redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
-dropped = dropped + redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 dropped = dropped + redis.call('ZREMRANGEBYSCORE', KEYS[1], '(' .. (now + 3 * ttl), '+inf')
 local members = redis.call('ZRANGE', KEYS[1], 0, -1)
 members[#members + 1] = dropped

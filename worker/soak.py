@@ -182,13 +182,16 @@ async def run_soak(seconds: float = 60.0, workers: int = 2, rate: float = 40.0, 
         producer.flush()
         print(f"  published {published}; waiting for every message to settle")
         tally = DeadLetterTally(client, dlq)
-        settle_deadline = time.monotonic() + 90
-        broker_restart_at = time.monotonic() + 30
+        settle_deadline = time.monotonic() + 180
+        progress, progress_at, broker_restarted = -1, time.monotonic(), False
         while time.monotonic() < settle_deadline and not _settled(endpoint, published, tally.read()):
-            if time.monotonic() > broker_restart_at:  # stranded by pulsar-lite after SIGKILLs (see above)
-                broker_restart_at = float("inf")
-                print("  messages still unsettled after 30 s: restarting the broker (pulsar-lite keeps a killed "
-                      "worker's consumers)")
+            done = _count_settled(endpoint, published, tally.seen)
+            if done != progress:
+                progress, progress_at = done, time.monotonic()
+            elif not broker_restarted and time.monotonic() - progress_at > 10:  # stranded (see above)
+                broker_restarted = True
+                print(f"  no progress for 10 s with {2 * published - done} unsettled: restarting the broker "
+                      "(pulsar-lite keeps a killed worker's consumers)")
                 await asyncio.to_thread(broker.restart)
             await asyncio.sleep(1.0)
         return _report(endpoint, published, tally.seen)
@@ -217,7 +220,11 @@ class DeadLetterTally:
 
 
 def _settled(endpoint: ChaosEndpoint, published: int, dead: dict[str, Counter[int]]) -> bool:
-    return all(n in endpoint.acked[sub] or n in dead[sub] for sub in SUBSCRIPTIONS for n in range(published))
+    return _count_settled(endpoint, published, dead) == len(SUBSCRIPTIONS) * published
+
+
+def _count_settled(endpoint: ChaosEndpoint, published: int, dead: dict[str, Counter[int]]) -> int:
+    return sum(1 for sub in SUBSCRIPTIONS for n in range(published) if n in endpoint.acked[sub] or n in dead[sub])
 
 
 def _report(endpoint: ChaosEndpoint, published: int, dead_letters: dict[str, Counter[int]]) -> int:
