@@ -116,6 +116,7 @@ def _spawn(argv: list[str], cwd: Path | None, log_path: Path | None) -> subproce
 def start_pulsar(state_dir: Path, port: int | None = None, default_partitions: int = 0) -> Service:
     """pulsar-lite; its metrics listener on a free loopback port (its default is 0.0.0.0:8080).
     `default_partitions` > 0 makes topics it creates on first use partitioned (for tests)."""
+    state_dir = state_dir.absolute()  # it runs with state_dir as its working directory: no relative paths
     state_dir.mkdir(parents=True, exist_ok=True)
     conf = state_dir / "pulsar-lite.toml"
     metrics_port = free_port()
