@@ -15,7 +15,7 @@ import redis as redis_sync
 import yaml
 
 from worker.embedded import free_port, terminate
-from worker.fleet import lease_key
+from worker.keys import lease_key
 
 
 class WorkerProcess:

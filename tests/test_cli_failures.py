@@ -15,7 +15,7 @@ import redis as redis_sync
 
 from worker import keys
 from worker.embedded import free_port
-from worker.registry import fleet_key
+from worker.keys import fleet_key
 
 SUB = "p-cli/valid"
 

@@ -25,7 +25,7 @@ from worker import keys
 from worker.attempts import AttemptStore, Pipeliner
 from worker.config import RedisSettings
 from worker.embedded import terminate
-from worker.registry import fleet_key
+from worker.keys import fleet_key
 
 FLEET = "garbage"
 

@@ -22,8 +22,8 @@ from worker.config import parse_settings
 from worker.delivery import RESPONSE_BODY_CAP, Deliverer, Result
 from worker.destinations import DestinationPolicy
 from worker.errors import ConfigError
+from worker.fleet.registry import Registry
 from worker.messages import PushRequest
-from worker.registry import Registry
 from worker.subscriptions import RetryPolicy, parse_subscription
 
 Behaviour = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -213,8 +213,8 @@ def test_fuzzed_registry_input_is_all_or_nothing(redis_url, definitions):
         try:
             registry = Registry(client, "fuzz")
             before = await client.hgetall(registry.hash)
-            from worker.admin import Admin, Target
             from worker.config import Settings
+            from worker.ops.admin import Admin, Target
 
             admin = Admin(Target(Settings(), redis_url=redis_url), as_json=True)
             admin.registry = registry
@@ -256,8 +256,8 @@ def _parses(d: dict[str, Any]) -> bool:
 
 
 async def test_registry_refuses_a_batch_with_one_bad_definition_and_writes_none(redis_url, tmp_path):
-    from worker.admin import Admin, Target
     from worker.config import Settings
+    from worker.ops.admin import Admin, Target
 
     good = {"name": "good", "topic": "persistent://p-a/main/t",
             "deliver": {"mode": "push", "push": {"url": "http://e.com/h"}}}

@@ -136,6 +136,16 @@ async def test_an_answer_without_framing_ends_with_the_connection():
     b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
     b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
     b"HTTP/1.1 200 OK\r\nX: " + b"h" * (http1.HEAD_LIMIT + 10),
+    # Smuggling-style framing and the leniencies a hand parser had (int(size, 16), isdigit()):
+    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nab",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1_0\r\n" + b"a" * 16 + b"\r\n0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x10\r\n" + b"a" * 16 + b"\r\n0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nContent-Length: \xc2\xb2\r\n\r\nab",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 1_0\r\n\r\n" + b"a" * 10,
+    b"HTTP/1.1 200 OK\r\nX-Folded: a\r\n b\r\nContent-Length: 0\r\n\r\n",  # obs-fold
+    b"HTTP/1.1 200 OK\r\nContent-Length : 0\r\n\r\n",
 ])
 async def test_protocol_violations_fail_the_exchange(answer):
     async with serving([answer]) as (_, url):

@@ -15,7 +15,7 @@ from aiohttp import web
 from tests.conftest import Client, Endpoint, eventually, make_sub
 from tests.test_operations import cli, push_sub, worker_yaml
 from worker.config import FleetSettings, PulsarSettings
-from worker.registry import Registry
+from worker.fleet.registry import Registry
 from worker.subscriptions import RetryPolicy
 
 

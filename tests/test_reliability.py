@@ -5,12 +5,14 @@ start-up while Redis or the broker is down, and a start-up that fails for good."
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +171,9 @@ async def test_broker_outage_at_exhaustion_dead_letters_each_message_once(
     assert len(twice) <= len(ids) * 0.05, f"{len(twice)} of {len(ids)} dead-lettered twice"
     numbering = attempts_by_id(endpoint)
     assert all(n == sorted(set(n)) for n in numbering.values()), "numbering started again"
+    events = [json.loads(line) for line in (tmp_path / "w.log").read_text().splitlines() if line.startswith("{")]
+    by_worker = Counter(e["message_id"] for e in events if e["event"] == "dead-lettered")
+    assert set(by_worker) == ids and set(by_worker.values()) == {1}, "the worker dead-lettered a message twice"
 
 
 def _drain_dead_letters(url: str, dlq: str, ids: set[str], timeout: float = 60.0) -> list[str]:

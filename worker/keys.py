@@ -29,3 +29,34 @@ def pattern(subscription_key: str) -> str:
 def settled_key(subscription_key: str) -> str:
     """The subscription's recently settled messages (newest first, capped): `push-worker history`."""
     return f"{PREFIX}:{tag(subscription_key)}:settled"
+
+
+def lease_key(subscription_key: str) -> str:
+    """Who serves the subscription: the owner's worker id, with the lease's expiry."""
+    return f"{PREFIX}:{tag(subscription_key)}:lease"
+
+
+def status_key(subscription_key: str) -> str:
+    """The owner's status report for `subs list`: a hash (state, counters), expiring."""
+    return f"{PREFIX}:{tag(subscription_key)}:status"
+
+
+def seek_key(subscription_key: str) -> str:
+    """A pending seek request (JSON), taken by the worker holding the lease."""
+    return f"{PREFIX}:{tag(subscription_key)}:seek"
+
+
+def seek_result_key(subscription_key: str) -> str:
+    """How the last seek ended (JSON), for the operator's command."""
+    return f"{PREFIX}:{tag(subscription_key)}:seek-result"
+
+
+def over_since_key(subscription_key: str) -> str:
+    """Since when (ms) the backlog has stayed over the expiry threshold."""
+    return f"{PREFIX}:{tag(subscription_key)}:backlog-over-since"
+
+
+def fleet_key(fleet: str, what: str) -> str:
+    """A fleet-wide key (`members`, `registry`, `version`, `events`, `paused`, `expired`): all share
+    the fleet's hash tag, so the fleet's multi-key operations stay in one Cluster slot."""
+    return f"{PREFIX}:{tag('fleet/' + fleet)}:{what}"

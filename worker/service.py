@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
 from worker import consumer as pulsar_adapter
-from worker import embedded, lifecycle, logs
+from worker import embedded, logs
 from worker.aio import wait_event
 from worker.attempts import AttemptStore, Pipeliner
 from worker.backlog import BacklogReader, make_session
@@ -25,14 +25,14 @@ from worker.config import Settings
 from worker.deadletter import DeadLetterPublisher
 from worker.delivery import Deliverer
 from worker.destinations import check_host
-from worker.dispatcher import DeliveryContext, Dispatcher, State
+from worker.dispatcher import DeliveryContext, Dispatcher
 from worker.errors import ConfigError, DestinationRefused, PushWorkerError, StartupError
-from worker.fleet import Fleet
+from worker.fleet import Fleet, lifecycle
+from worker.fleet.lifecycle import ExpiryWatch, SeekTarget
 from worker.http_server import StatusServer
-from worker.lifecycle import ExpiryWatch, SeekTarget
 from worker.metrics import Metrics
 from worker.signing import SecretRef, SecretStore, SecretUnavailable
-from worker.subscriptions import Subscription
+from worker.subscriptions import State, Subscription
 from worker.supervisor import Supervisor, log_task_failure
 
 
@@ -122,9 +122,7 @@ class Worker:
             self.redis_url = service.url
             self.log.info("embedded redis started", port=service.port)
         if self._services:
-            from worker.admin import write_endpoints
-
-            write_endpoints(state_dir, self.pulsar_url, self.redis_url)
+            embedded.record_endpoints(state_dir, self.pulsar_url, self.redis_url)
         self.redis = aioredis.Redis.from_url(self.redis_url, socket_timeout=10, socket_connect_timeout=5,
                                              health_check_interval=15)
         self._cleanup("close Redis", self.redis.aclose, 5)

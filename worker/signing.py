@@ -94,7 +94,7 @@ def webhook_headers(secrets: list[bytes], webhook_id: str, body: bytes, timestam
 
 def verify(secret: bytes, headers: Mapping[str, str], body: bytes, tolerance: int = 300,
            now: float | None = None) -> bool:
-    """What an endpoint does (the README shows the same steps): recompute, compare in constant time,
+    """What an endpoint does (docs/delivery-contract.md shows the same steps): recompute, compare in constant time,
     and refuse timestamps more than `tolerance` seconds away (replays)."""
     try:
         webhook_id = headers["webhook-id"]

@@ -6,6 +6,7 @@ mappings (config file, registry) into one, or raises `ConfigError` naming subscr
 
 from __future__ import annotations
 
+import enum
 import functools
 import re
 from dataclasses import dataclass, field
@@ -25,6 +26,16 @@ TYPES = ("shared", "key-shared", "exclusive", "failover")
 START_FROM = ("all", "new")
 CONTENT_MODES = ("wrapped", "raw")
 MODES = ("push", "pull")
+
+
+class State(enum.StrEnum):
+    """Subscription states as the platform docs name them (Paused and Expired are the fleet's)."""
+
+    ACTIVE = "Active"
+    ERROR = "Error"
+    SEEKING = "Seeking"
+    PAUSED = "Paused"
+    EXPIRED = "Expired"
 
 
 @dataclass(frozen=True)

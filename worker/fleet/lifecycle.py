@@ -25,23 +25,11 @@ import pulsar.asyncio as pulsar_async
 import redis.asyncio as aioredis
 
 from worker import keys
-from worker.registry import delete_matching
+from worker.fleet.registry import delete_matching
 from worker.subscriptions import Subscription
 
 SEEK_TTL_SECONDS = 300
 DRAIN_QUIET_SECONDS = 1.0  # no message for this long: the backlog is drained
-
-
-def seek_key(sub_key: str) -> str:
-    return f"{keys.PREFIX}:{keys.tag(sub_key)}:seek"
-
-
-def seek_result_key(sub_key: str) -> str:
-    return f"{keys.PREFIX}:{keys.tag(sub_key)}:seek-result"
-
-
-def over_since_key(sub_key: str) -> str:
-    return f"{keys.PREFIX}:{keys.tag(sub_key)}:backlog-over-since"
 
 
 @dataclass(frozen=True)
@@ -102,14 +90,14 @@ async def forget_attempts(client: aioredis.Redis, sub_key: str) -> int:
 
 
 async def request_seek(client: aioredis.Redis, channel: str, sub_key: str, target: SeekTarget, request_id: str) -> None:
-    await client.set(seek_key(sub_key), orjson.dumps({"id": request_id, "to": target.to}), ex=SEEK_TTL_SECONDS)
-    await client.delete(seek_result_key(sub_key))
+    await client.set(keys.seek_key(sub_key), orjson.dumps({"id": request_id, "to": target.to}), ex=SEEK_TTL_SECONDS)
+    await client.delete(keys.seek_result_key(sub_key))
     await client.publish(channel, b"seek " + sub_key.encode())
 
 
 async def take_seek_request(client: aioredis.Redis, sub_key: str) -> tuple[str, SeekTarget] | None:
     """The pending request for this subscription, removed so that it runs once."""
-    raw = await client.getdel(seek_key(sub_key))
+    raw = await client.getdel(keys.seek_key(sub_key))
     if raw is None:
         return None
     data = orjson.loads(raw)
@@ -117,11 +105,11 @@ async def take_seek_request(client: aioredis.Redis, sub_key: str) -> tuple[str, 
 
 
 async def write_seek_result(client: aioredis.Redis, sub_key: str, request_id: str, **fields: Any) -> None:
-    await client.set(seek_result_key(sub_key), orjson.dumps({"id": request_id, **fields}), ex=SEEK_TTL_SECONDS)
+    await client.set(keys.seek_result_key(sub_key), orjson.dumps({"id": request_id, **fields}), ex=SEEK_TTL_SECONDS)
 
 
 async def seek_result(client: aioredis.Redis, sub_key: str, request_id: str) -> dict[str, Any] | None:
-    raw = await client.get(seek_result_key(sub_key))
+    raw = await client.get(keys.seek_result_key(sub_key))
     if raw is None:
         return None
     data: dict[str, Any] = orjson.loads(raw)
@@ -144,10 +132,10 @@ class ExpiryWatch:
         async with self.client.pipeline(transaction=False) as pipe:
             for key, value in backlogs.items():
                 if value < self.expire_backlog:
-                    pipe.delete(over_since_key(key))
+                    pipe.delete(keys.over_since_key(key))
             for key in over:
-                pipe.set(over_since_key(key), now, nx=True, ex=max(60, self.expire_after_ms // 1000 * 2))
-                pipe.get(over_since_key(key))
+                pipe.set(keys.over_since_key(key), now, nx=True, ex=max(60, self.expire_after_ms // 1000 * 2))
+                pipe.get(keys.over_since_key(key))
             results = await pipe.execute()
         since = results[len(backlogs) - len(over):][1::2]
         return [k for k, s in zip(over, since, strict=True) if now - int(s or now) >= self.expire_after_ms]

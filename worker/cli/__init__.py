@@ -85,14 +85,14 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from worker.demo import run_demo
+    from worker.devtools.demo import run_demo
 
     return _run_loop(run_demo(messages=args.messages))
 
 
 def _cmd_publish(args: argparse.Namespace) -> int:
-    from worker.admin import locate
-    from worker.tools import publish
+    from worker.ops.admin import locate
+    from worker.ops.publish import publish
 
     attrs = {}
     for item in args.attr or []:
@@ -108,13 +108,13 @@ def _cmd_publish(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from worker.bench import run_bench
+    from worker.devtools.bench import run_bench
 
     return _run_loop(run_bench(messages=args.messages, concurrency=args.concurrency))
 
 
 def _cmd_subs(args: argparse.Namespace) -> int:
-    from worker.admin import Admin, locate
+    from worker.ops.admin import Admin, locate
 
     target = locate(args.config, redis_url=args.redis_url, pulsar_url=getattr(args, "service_url", None))
 
@@ -144,7 +144,7 @@ def _cmd_subs(args: argparse.Namespace) -> int:
 
 
 def _seek_target(args: argparse.Namespace) -> Any:
-    from worker.lifecycle import SeekTarget
+    from worker.fleet.lifecycle import SeekTarget
 
     if args.to_earliest:
         return SeekTarget("earliest")
@@ -165,7 +165,7 @@ def _seek_target(args: argparse.Namespace) -> Any:
 
 def _cmd_messages(args: argparse.Namespace) -> int:
     """queue, history, discard, purge."""
-    from worker.admin import Admin, locate
+    from worker.ops.admin import Admin, locate
 
     if args.command == "queue" and args.state == "dead":
         args.action, args.limit = "list", args.limit
@@ -198,7 +198,7 @@ def _cmd_messages(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from worker.admin import Admin, locate
+    from worker.ops.admin import Admin, locate
 
     target = locate(args.config, redis_url=args.redis_url)
 
@@ -214,8 +214,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_dlq(args: argparse.Namespace) -> int:
-    from worker import dlq
-    from worker.admin import locate
+    from worker.ops import dlq
+    from worker.ops.admin import locate
 
     if args.action == "redrive" and not (args.rate > 0):
         raise ConfigError("dlq redrive", "--rate", "must be > 0 messages a second")
@@ -237,13 +237,13 @@ def _connection_args(p: argparse.ArgumentParser, broker: bool = False) -> None:
 
 
 def _cmd_soak(args: argparse.Namespace) -> int:
-    from worker.soak import run_soak
+    from worker.devtools.soak import run_soak
 
     return _run_loop(run_soak(args.seconds, args.workers, args.rate, args.hard_kills))
 
 
 def _cmd_bench_fleet(args: argparse.Namespace) -> int:
-    from worker.fleet_bench import run
+    from worker.devtools.fleet_bench import run
 
     return _run_loop(run(args.subscriptions, args.workers, args.lease_seconds))
 

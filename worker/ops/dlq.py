@@ -31,7 +31,6 @@ import pulsar.asyncio as pulsar_async
 
 from worker import consumer as pulsar_adapter
 from worker import keys, logs
-from worker.admin import Admin, Target, table
 from worker.attempts import AttemptStore, Pipeliner
 from worker.config import PulsarSettings
 from worker.deadletter import DeadLetterPublisher, subscribe_cursor
@@ -40,6 +39,8 @@ from worker.dispatcher import DeliveryContext, Dispatcher
 from worker.errors import ConfigError, NotFound
 from worker.messages import Envelope, rfc3339
 from worker.metrics import Metrics
+from worker.ops.admin import Admin, Target
+from worker.ops.render import table
 from worker.subscriptions import Subscription
 
 QUIET_SECONDS = 2.0  # no message for this long: the cursor holds nothing more for us

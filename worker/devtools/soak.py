@@ -38,8 +38,8 @@ import yaml
 from aiohttp import web
 
 from worker import embedded
+from worker.devtools.endpoints import serve_local
 from worker.embedded import free_port, terminate
-from worker.tools import serve_local
 
 TOPIC = "persistent://p-soak/main/events"
 SUBSCRIPTIONS = ("soak-shared", "soak-keyed")

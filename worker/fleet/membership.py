@@ -1,31 +1,29 @@
-"""The fleet: membership, balanced ownership with fenced leases, and the live registry.
+"""The fleet's ownership loop: membership, balanced ownership, handover, and the live registry.
 
 Each worker heartbeats into a sorted set scored by Redis server time (no cross-host clock skew),
 computes the owner of every subscription by rendezvous hashing over the live members (a join or
 leave moves about 1/N of them), and serves a subscription only while it holds that
-subscription's lease. The lease is fenced on the worker's own monotonic clock: it stops
-delivering `margin` before the lease could have expired in Redis, so a paused or partitioned
-worker has stopped before anyone else can start.
+subscription's lease (see `leases`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import time
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from worker import keys, lifecycle, logs
+from worker import keys, logs
 from worker.aio import wait_event
 from worker.config import FleetSettings
-from worker.dispatcher import State
-from worker.registry import Registry, clear_state, fleet_key, safe_text
-from worker.subscriptions import Subscription
+from worker.fleet import lifecycle
+from worker.fleet.leases import ACQUIRE, RELEASE, RENEW, Lease, assign
+from worker.fleet.registry import Registry, clear_state, safe_text
+from worker.fleet.status import StatusReports
+from worker.subscriptions import State, Subscription
 from worker.supervisor import log_task_failure
 
 if TYPE_CHECKING:
@@ -51,79 +49,7 @@ members[#members + 1] = dropped
 return members
 """
 DELETE_GRACE = 1.0  # seconds requests under way get when their subscription is deleted
-STATUS_EVERY = 5.0  # seconds between status refreshes for `subs list`
-STATUS_REFRESH = 30.0  # an unchanged status is rewritten this often (it expires after 3x this)
 # GET of a key that is not a string fails: a lease key holding a hash (corrupt) is simply not ours.
-_RENEW = """
-local holder = redis.pcall('GET', KEYS[1])
-if holder == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return 0
-"""
-_RELEASE = """
-if redis.pcall('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-# Every lease carries an expiry. A lease key without one is garbage that would block the
-# subscription forever: it gets the lease TTL, so it lapses like a dead owner's.
-_ACQUIRE = """
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
-if redis.call('PTTL', KEYS[1]) == -1 then redis.call('PEXPIRE', KEYS[1], ARGV[2]); return -1 end
-return 0
-"""
-
-
-def lease_key(sub_key: str) -> str:
-    return f"{keys.PREFIX}:{keys.tag(sub_key)}:lease"
-
-
-def status_key(sub_key: str) -> str:
-    return f"{keys.PREFIX}:{keys.tag(sub_key)}:status"
-
-
-def _weight(member: str, sub_key: str) -> int:
-    return int.from_bytes(hashlib.blake2b(f"{member}\0{sub_key}".encode(), digest_size=8).digest(), "big")
-
-
-def assign(sub_keys: Iterable[str], members: Iterable[str]) -> dict[str, str]:
-    """Rendezvous hashing with bounded loads: each subscription goes to its highest-ranked member
-    that has fewer than ceil(S/M). Every worker computes the same answer; spread is even (within
-    one); a join or leave moves about 1/N of the subscriptions."""
-    ranked_members = sorted(set(members))
-    keys_sorted = sorted(set(sub_keys))
-    if not ranked_members:
-        return {}
-    cap = -(-len(keys_sorted) // len(ranked_members))
-    load = dict.fromkeys(ranked_members, 0)
-    out: dict[str, str] = {}
-    for key in keys_sorted:
-        for member in sorted(ranked_members, key=lambda m: _weight(m, key), reverse=True):
-            if load[member] < cap:
-                out[key] = member
-                load[member] += 1
-                break
-    return out
-
-
-class Lease:
-    """A held lease; `valid()` is the fencing check made before every delivery attempt."""
-
-    def __init__(self, ttl: float, margin: float) -> None:
-        self.ttl, self.margin = ttl, margin
-        self.valid_until = 0.0
-
-    def renewed(self, sent_at: float) -> None:
-        # Counted from when the renew was *sent*: Redis set its expiry later than that.
-        self.valid_until = sent_at + self.ttl - self.margin
-
-    def valid(self) -> bool:
-        return time.monotonic() < self.valid_until
-
-    def due(self, now: float) -> bool:
-        """Renew once less than half the lease is left: every ~ttl/3 instead of every heartbeat
-        (with a thousand subscriptions, renewing each second was most of an idle worker's CPU)."""
-        return self.valid_until - now < self.ttl / 2
-
-
 class Fleet:
     """Runs the ownership loop of one worker."""
 
@@ -134,7 +60,7 @@ class Fleet:
         self.settings = settings
         self.static = {s.key: s for s in static}
         self.registry = Registry(client, settings.name)
-        self.members_key = fleet_key(settings.name, "members")
+        self.members_key = keys.fleet_key(settings.name, "members")
         self.leases: dict[str, Lease] = {}
         self.members: list[str] = []
         self.subscriptions: dict[str, Subscription] = dict(self.static)
@@ -144,9 +70,6 @@ class Fleet:
         self._seeks: set[asyncio.Task[None]] = set()
         self._registry_version: object = None  # as read from Redis (compared, never parsed)
         self._ignored: set[tuple[str, str]] = set()  # what was logged as ignored (once each)
-        self._status_held: frozenset[str] = frozenset()
-        self._status_at = 0.0
-        self._status_sent: dict[str, tuple[float, dict[str, str | int]]] = {}
         self._assignment: dict[str, str] = {}
         self._assignment_basis: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
         self._wake = asyncio.Event()
@@ -154,9 +77,10 @@ class Fleet:
         self.log = logs.get(worker=worker.worker_id, fleet=settings.name)
         # Registered scripts go as EVALSHA (a pipeline loads them if Redis lost them): renewing a
         # thousand leases a second then sends 40-byte hashes, not the script text each time.
-        self._renew = client.register_script(_RENEW)
+        self._renew = client.register_script(RENEW)
         self.ttl_ms = int(settings.lease_seconds * 1000)
         self.member_ttl_ms = self.ttl_ms
+        self.status = StatusReports(worker, client, self.ttl_ms)
 
     @property
     def me(self) -> str:
@@ -222,7 +146,7 @@ class Fleet:
             pipe.eval(_HEARTBEAT, 1, self.members_key, self.me, self.member_ttl_ms)
             pipe.get(self.registry.version_key)
             for key in held:
-                await self._renew(keys=[lease_key(key)], args=[self.me, self.ttl_ms], client=pipe)  # queued
+                await self._renew(keys=[keys.lease_key(key)], args=[self.me, self.ttl_ms], client=pipe)  # queued
             results = await pipe.execute(raise_on_error=False)
         for result in results:
             if isinstance(result, (RedisError, OSError)) and not isinstance(result, ResponseError):
@@ -297,11 +221,11 @@ class Fleet:
             if dispatcher is not None and dispatcher.sub != sub:
                 dispatcher.update(sub)
                 self.log.info("subscription updated", subscription=key)
-        await self._publish_status()
+        await self.status.publish(self.leases)
 
     async def _try_acquire(self, key: str) -> None:
         sent_at = time.monotonic()
-        acquired = await self.client.eval(_ACQUIRE, 1, lease_key(key), self.me, self.ttl_ms)
+        acquired = await self.client.eval(ACQUIRE, 1, keys.lease_key(key), self.me, self.ttl_ms)
         if acquired == -1:
             self._ignore("lease", f"{key}: a lease without an expiry; it now lapses in {self.settings.lease_seconds}s")
         if acquired != 1:
@@ -324,13 +248,13 @@ class Fleet:
         lease = self.leases.pop(key, None)
         if lease is not None:
             with contextlib.suppress(RedisError, OSError):
-                await self.client.eval(_RELEASE, 1, lease_key(key), self.me)
+                await self.client.eval(RELEASE, 1, keys.lease_key(key), self.me)
         if deleted or expired:
             with contextlib.suppress(RedisError, OSError):
                 await clear_state(self.client, key)
         elif key in self.paused:
             with contextlib.suppress(RedisError, OSError):
-                await self.client.delete(status_key(key))
+                await self.client.delete(keys.status_key(key))
         self.log.info("subscription paused" if key in self.paused else "subscription released", subscription=key)
 
     async def _lost(self, key: str) -> None:
@@ -384,39 +308,6 @@ class Fleet:
         await lifecycle.write_seek_result(self.client, key, request_id, status="done", worker=self.me,
                                           forgotten_attempts=forgotten)
         self.log.info("seek done", subscription=key, to=target.describe())
-
-    async def _publish_status(self) -> None:
-        """Status for `subs list`: on ownership changes, else every STATUS_EVERY seconds, and then
-        only for subscriptions whose status changed (or every STATUS_REFRESH, before it expires):
-        with a thousand idle subscriptions, rewriting every status was most of the idle CPU."""
-        held = frozenset(self.leases)
-        now = time.monotonic()
-        if not held or (held == self._status_held and now - self._status_at < STATUS_EVERY):
-            return
-        self._status_held, self._status_at = held, now
-        async with self.client.pipeline(transaction=False) as pipe:
-            await self._write_status(pipe, held, now)
-
-    async def _write_status(self, pipe: Any, held: frozenset[str], now: float) -> None:
-        for key in self.leases:
-            dispatcher = self.worker.dispatchers.get(key)
-            fields: dict[str, str | int] = {"owner": self.me, "state": "Starting"}
-            if dispatcher is not None:
-                s = dispatcher.stats
-                fields.update(state=str(dispatcher.state), reason=dispatcher.state_reason, acked=s.acked,
-                              retried=s.retried, dead_lettered=s.dead_lettered, dropped=s.dropped,
-                              unsettled=dispatcher.unsettled)
-            sent = self._status_sent.get(key)
-            if sent is not None and sent[1] == fields and now - sent[0] < STATUS_REFRESH:
-                continue
-            self._status_sent[key] = (now, fields)
-            pipe.delete(status_key(key))  # stale fields go, and so does a key of the wrong type
-            pipe.hset(status_key(key), mapping={**fields, "updated_ms": int(time.time() * 1000)})
-            pipe.pexpire(status_key(key), int(max(self.ttl_ms * 3, STATUS_REFRESH * 3000)))
-        for key in [k for k in self._status_sent if k not in held]:
-            del self._status_sent[key]
-        if len(pipe):
-            await pipe.execute()
 
     async def leave(self) -> None:
         """Clean scale-down: drain and release every lease, leave the member set, tell the others."""

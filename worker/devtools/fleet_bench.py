@@ -17,8 +17,9 @@ import redis
 import yaml
 
 from worker import embedded
-from worker.fleet import assign, lease_key
-from worker.registry import text_of
+from worker.fleet import assign
+from worker.fleet.registry import text_of
+from worker.keys import lease_key
 
 
 def run_fleet_bench(subscriptions: int = 60, workers: int = 3, lease_seconds: float = 5.0) -> int:

@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 import yaml
 from redis.exceptions import ResponseError
 
-from worker import keys, lifecycle
+from worker import keys
 from worker.config import (
     PULSAR_SCHEMES,
     REDIS_SCHEMES,
@@ -32,21 +32,14 @@ from worker.config import (
     load_settings,
     parse_settings,
 )
-from worker.dispatcher import State
+from worker.embedded import recorded_endpoints
 from worker.errors import ConfigError, NotFound, PushWorkerError
-from worker.fleet import lease_key, status_key
-from worker.lifecycle import SeekTarget
+from worker.fleet import lifecycle
+from worker.fleet.lifecycle import SeekTarget
+from worker.fleet.registry import Registry, clear_state, safe_text, text_of
 from worker.messages import rfc3339
-from worker.registry import Registry, clear_state, safe_text, text_of
-from worker.subscriptions import Subscription, is_push, parse_subscription
-
-ENDPOINTS_FILE = "endpoints.json"
-
-
-def write_endpoints(state_dir: Path, pulsar_url: str, redis_url: str) -> None:
-    """Record where the embedded services listen, for the operator commands (no secrets: loopback)."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    (state_dir / ENDPOINTS_FILE).write_text(json.dumps({"pulsar_url": pulsar_url, "redis_url": redis_url}))
+from worker.ops.render import table
+from worker.subscriptions import State, Subscription, is_push, parse_subscription
 
 
 @dataclass(frozen=True)
@@ -79,9 +72,8 @@ def locate(config: str | None, redis_url: str | None = None, pulsar_url: str | N
     settings = load_settings(config) if config else parse_settings({})
     redis_url = redis_url or settings.redis.url
     pulsar_url = pulsar_url or settings.pulsar.service_url
-    recorded = Path(settings.state_dir) / ENDPOINTS_FILE
-    if (not redis_url or not pulsar_url) and recorded.exists():
-        endpoints = json.loads(recorded.read_text())
+    if not redis_url or not pulsar_url:
+        endpoints = recorded_endpoints(Path(settings.state_dir))
         redis_url = redis_url or endpoints.get("redis_url")
         pulsar_url = pulsar_url or endpoints.get("pulsar_url")
     return Target(settings, redis_url, pulsar_url)
@@ -99,13 +91,6 @@ def _load_definitions(path: str) -> list[Any]:
     if isinstance(data, dict) and "subscriptions" in data:
         data = data["subscriptions"]
     return data if isinstance(data, list) else [data]
-
-
-def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    widths = {c: max([len(c)] + [len(str(r.get(c, ""))) for r in rows]) for c in columns}
-    lines = ["  ".join(c.upper().ljust(widths[c]) for c in columns)]
-    lines += ["  ".join(str(r.get(c, "")).ljust(widths[c]) for c in columns) for r in rows]
-    return "\n".join(line.rstrip() for line in lines)
 
 
 def _count(value: str | bytes | None) -> int:
@@ -163,13 +148,13 @@ class Admin:
         subscription from a worker's own config file); or a clear error."""
         served: set[str] = set()
         if "/" not in name:  # a bare name may be a config subscription a worker serves: find its key
-            async for lease in self.client.scan_iter(match=lease_key("*"), count=1000):
+            async for lease in self.client.scan_iter(match=keys.lease_key("*"), count=1000):
                 served.add(text_of(lease).split("{", 1)[1].rsplit("}", 1)[0])
         paused = await self.registry.paused()
         key = await self.registry.resolve(name, also=set(self.static) | served | paused)
         if key in self.static or key in paused or await self.client.hexists(self.registry.hash, key):
             return key
-        if await self.client.exists(lease_key(key), status_key(key)):
+        if await self.client.exists(keys.lease_key(key), keys.status_key(key)):
             return key
         raise NotFound(f"{name}: no such subscription (not in the registry, the given config, "
                        "or served by a worker)")
@@ -194,7 +179,7 @@ class Admin:
         key = await self.existing(name)
         await self.registry.refuse_if_expired(key, "seek")
         request_id = uuid.uuid4().hex
-        owner = await self.client.get(lease_key(key))
+        owner = await self.client.get(keys.lease_key(key))
         if owner:
             await lifecycle.request_seek(self.client, self.registry.channel, key, target, request_id)
             deadline = time.monotonic() + wait
@@ -302,7 +287,7 @@ class Admin:
         owner = None
         if paused:
             deadline = time.monotonic() + wait
-            while (owner := await self.client.get(lease_key(key))) and time.monotonic() < deadline:  # noqa: ASYNC110
+            while (owner := await self.client.get(keys.lease_key(key))) and time.monotonic() < deadline:  # noqa: ASYNC110
                 await asyncio.sleep(0.2)  # the owner drains in-flight requests, then releases its lease
         result = {"subscription": key, "result": what, "still_draining": text_of(owner) if owner else None}
         if self.as_json:
@@ -360,9 +345,9 @@ class Admin:
         return "\n".join(f"{k}: deleted" for k in deleted) or f"no subscriptions of {topic}"
 
     async def _row(self, key: str, definition: dict[str, Any], held_back: dict[str, str]) -> dict[str, Any]:
-        owner = await self.client.get(lease_key(key))
+        owner = await self.client.get(keys.lease_key(key))
         try:
-            status = {safe_text(k): safe_text(v) for k, v in (await self.client.hgetall(status_key(key))).items()}
+            status = {safe_text(k): safe_text(v) for k, v in (await self.client.hgetall(keys.status_key(key))).items()}
         except ResponseError:  # a status key of the wrong type: no status to show
             status = {}
         project, _, name = key.partition("/")

@@ -214,13 +214,13 @@ class Bench:
 
     def sink(self, fail_rate: float = 0.0) -> str:
         port = embedded.free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "worker.bench", "sink", str(port), str(fail_rate)])
+        proc = subprocess.Popen([sys.executable, "-m", "worker.devtools.bench", "sink", str(port), str(fail_rate)])
         self.sinks.append(proc)
         embedded.wait_for_port(port, proc, "sink")
         return f"http://127.0.0.1:{port}"
 
     def reference(self, sink: str) -> float:
-        out = subprocess.run([sys.executable, "-m", "worker.bench", "reference", sink + "/push",
+        out = subprocess.run([sys.executable, "-m", "worker.devtools.bench", "reference", sink + "/push",
                               str(self.messages), str(self.concurrency)], capture_output=True, text=True, check=True)
         return self.messages / float(json.loads(out.stdout)["elapsed"])
 

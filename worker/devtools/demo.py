@@ -20,9 +20,9 @@ from aiohttp import web
 from worker import logs
 from worker.config import HttpSettings, Settings
 from worker.destinations import DestinationPolicy
+from worker.devtools.endpoints import serve_local
 from worker.service import Worker
 from worker.subscriptions import RetryPolicy, Subscription
-from worker.tools import serve_local
 
 TOPIC = "persistent://p-demo/main/orders"
 DLQ = "persistent://p-demo/main/orders-dlq"

@@ -32,10 +32,6 @@ def safe_text(value: bytes | str) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
-def fleet_key(fleet: str, what: str) -> str:
-    return f"pw:{{fleet/{fleet}}}:{what}"
-
-
 def _defaults(data: dict[str, Any]) -> dict[str, Any]:
     return {"type": data.get("type", "shared"), "start_from": data.get("start_from", "all"), "topic": data.get("topic")}
 
@@ -88,11 +84,11 @@ class Registry:
     def __init__(self, client: aioredis.Redis, fleet: str) -> None:
         self.client = client
         self.fleet = fleet
-        self.hash = fleet_key(fleet, "registry")
-        self.version_key = fleet_key(fleet, "version")
-        self.channel = fleet_key(fleet, "events")
-        self.paused_key = fleet_key(fleet, "paused")
-        self.expired_key = fleet_key(fleet, "expired")
+        self.hash = keys.fleet_key(fleet, "registry")
+        self.version_key = keys.fleet_key(fleet, "version")
+        self.channel = keys.fleet_key(fleet, "events")
+        self.paused_key = keys.fleet_key(fleet, "paused")
+        self.expired_key = keys.fleet_key(fleet, "expired")
 
     async def version(self) -> int:
         return int(await self.client.get(self.version_key) or 0)
