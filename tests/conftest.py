@@ -20,6 +20,7 @@ import pytest
 import redis
 from aiohttp import web
 
+from tests.helpers import eventually
 from worker import embedded
 from worker.config import HttpSettings, PulsarSettings, RedisSettings, Settings
 from worker.destinations import DestinationPolicy
@@ -44,25 +45,6 @@ def _collect_garbage_between_tests() -> Iterator[None]:
     `SystemError: AST constructor recursion depth mismatch`."""
     yield
     gc.collect()
-
-
-# -- polling helper ---------------------------------------------------------------------------
-
-async def eventually(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
-    """Poll with a deadline (no sleeps as synchronisation)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
-def wait_sync(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
 
 
 # -- services ---------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Any
 import redis as redis_sync
 import yaml
 
+from tests.helpers import spawn_worker
 from worker.embedded import free_port, terminate
 from worker.keys import lease_key
 
@@ -22,11 +23,7 @@ class WorkerProcess:
     def __init__(self, worker_id: str, config: Path, log: Path) -> None:
         self.id = worker_id
         self.port = free_port()
-        env = {**os.environ, "PYTHONPATH": str(Path.cwd()), "PUSH_WORKER_ID": worker_id,
-               "PUSH_WORKER_HTTP_PORT": str(self.port)}
-        self.log = open(log, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "run", "--config", str(config)],
-                                     stdout=self.log, stderr=self.log, env=env)
+        self.proc = spawn_worker(config, log, PUSH_WORKER_ID=worker_id, PUSH_WORKER_HTTP_PORT=str(self.port))
 
     def metrics(self) -> dict[str, float]:
         """Samples of /metrics as {'name{labels}': value}."""
@@ -50,9 +47,7 @@ class WorkerProcess:
         self.proc.send_signal(sig)
 
     def stop(self, timeout: float = 30) -> int:
-        code = terminate(self.proc, timeout)  # type: ignore[arg-type]
-        self.log.close()
-        return code
+        return terminate(self.proc, timeout)
 
 
 class FleetHarness:
@@ -97,11 +92,3 @@ class FleetHarness:
                 w.proc.send_signal(signal.SIGCONT)
             w.stop()
         self.redis.close()
-
-
-def push_sub(name: str, topic: str, url: str, **extra: Any) -> dict[str, Any]:
-    d: dict[str, Any] = {"name": name, "topic": topic, "ack_deadline_seconds": 5, "max_deliver": 1000,
-                         "retry": {"min_backoff_seconds": 0.2, "max_backoff_seconds": 0.5},
-                         "deliver": {"mode": "push", "push": {"url": url}}}
-    d.update(extra)
-    return d

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from tests.conftest import eventually, make_sub
+from tests.conftest import make_sub
+from tests.helpers import eventually
 from worker.backlog import parse_backlog_metrics
 from worker.config import PulsarSettings
 from worker.subscriptions import RetryPolicy

@@ -5,9 +5,7 @@ logs what it ignored; attempt records that are corrupt start over instead of blo
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -20,7 +18,8 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import Client, wait_sync
+from tests.conftest import Client
+from tests.helpers import spawn_worker, wait_sync
 from worker import keys
 from worker.attempts import AttemptStore, Pipeliner
 from worker.config import RedisSettings
@@ -112,9 +111,7 @@ def test_garbage_in_every_key_the_fleet_reads_never_stops_valid_subscriptions(br
 
     restore()
     log = tmp_path / "worker.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "run", "--config", str(config)],
-                                stdout=out, stderr=out, env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+    proc = spawn_worker(config, log)
     publisher = Client(broker.url)
     sent = 0
 

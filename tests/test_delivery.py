@@ -11,7 +11,8 @@ from datetime import datetime
 import pytest
 from aiohttp import web
 
-from tests.conftest import Client, Endpoint, eventually, make_sub
+from tests.conftest import Client, Endpoint, make_sub
+from tests.helpers import assert_stays, eventually
 
 CONTRACT_HEADERS = ("Pubsub-Subscription", "Pubsub-Topic", "Pubsub-Message-Id", "Pubsub-Delivery-Attempt",
                     "Pubsub-Publish-Time")
@@ -87,9 +88,8 @@ async def test_each_ack_status_acks_once(start_worker, endpoint, client, topic, 
     # start a second one; it must receive nothing.
     await w.close()
     w2 = await start_worker(sub)
-    await asyncio.sleep(0.5)
-    assert len(endpoint.requests) == 3
-    assert w2.dispatchers[sub.key].stats.acked == 0
+    await assert_stays(lambda: len(endpoint.requests) == 3 and w2.dispatchers[sub.key].stats.acked == 0, 0.5,
+                       "no redelivery to the second worker")
 
 
 async def test_interim_102_is_an_ack(start_worker, client, topic):

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import yaml
 
-from tests.conftest import wait_sync
-from tests.test_health_and_logs import get
+from tests.helpers import http_get, spawn_worker, wait_sync
 from worker.embedded import free_port, terminate
 
 
@@ -22,12 +18,10 @@ def test_run_with_the_default_relative_state_dir_reads_its_backlog(tmp_path: Pat
         "http": {"port": port}, "destinations": {"allow_private": True}, "log": {"format": "json"},
         "subscriptions": [{"name": "local", "topic": "persistent://p-local/main/t",
                            "deliver": {"mode": "push", "push": {"url": "http://127.0.0.1:9/push"}}}]}))
-    with open(tmp_path / "w.log", "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "run", "--config", "worker.yaml"], cwd=tmp_path,
-                                stdout=out, stderr=out, env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+    proc = spawn_worker("worker.yaml", tmp_path / "w.log", cwd=tmp_path)
     try:
         def backlog_reported() -> bool:
-            code, _ = get(f"http://127.0.0.1:{port}/healthz")
+            code, _ = http_get(f"http://127.0.0.1:{port}/healthz")
             if code != 200:
                 return False
             import urllib.request

@@ -6,7 +6,8 @@ import asyncio
 
 import redis.asyncio as aioredis
 
-from tests.conftest import Endpoint, eventually, make_sub
+from tests.conftest import Endpoint, make_sub
+from tests.helpers import assert_stays, eventually
 from worker.attempts import AttemptStore, Pipeliner
 from worker.config import RedisSettings
 from worker.deadletter import DeadLetterPublisher
@@ -60,7 +61,7 @@ async def test_lease_lost_before_the_request_sends_and_settles_nothing(redis_url
     try:
         dispatcher.start()
         await eventually(lambda: consumer.given and dispatcher.unsettled >= 1, what="message taken")
-        await asyncio.sleep(0.3)  # time for a (wrong) request or settle to happen
+        await assert_stays(lambda: not endpoint.requests and not consumer.acked, 0.3, "nothing sent or settled")
         await dispatcher.stop(grace=1)
         assert endpoint.requests == []
         assert consumer.acked == []  # left to the broker for the next owner

@@ -3,29 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import redis as redis_sync
 import yaml
 from aiohttp import web
 
-from tests.conftest import Client, eventually
+from tests.conftest import Client
+from tests.helpers import eventually, http_get, spawn_worker
 from worker.embedded import free_port, start_redis, terminate
-
-
-def get(url: str) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-    except OSError:
-        return 0, {}
 
 
 async def test_probes_and_json_logs_without_secrets(broker, endpoint, client: Client, topic, tmp_path: Path):
@@ -43,20 +29,17 @@ async def test_probes_and_json_logs_without_secrets(broker, endpoint, client: Cl
                            "retry": {"min_backoff_seconds": 0.05, "max_backoff_seconds": 0.1},
                            "deliver": {"mode": "push", "push": {"url": endpoint.url}}}]}))
     log = tmp_path / "worker.log"
-    env = {**os.environ, "PYTHONPATH": str(Path.cwd()), "PUSH_WORKER_REDIS_URL": url_with_password}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "run", "--config", str(config)],
-                                stdout=out, stderr=out, env=env)
+    proc = spawn_worker(config, log, PUSH_WORKER_REDIS_URL=url_with_password)
     try:
-        await eventually(lambda: get(f"http://127.0.0.1:{port}/healthz")[0] == 200, what="alive")
-        await eventually(lambda: get(f"http://127.0.0.1:{port}/readyz") == (200, {"ready": True, "reason": "ok"}),
+        await eventually(lambda: http_get(f"http://127.0.0.1:{port}/healthz")[0] == 200, what="alive")
+        await eventually(lambda: http_get(f"http://127.0.0.1:{port}/readyz") == (200, {"ready": True, "reason": "ok"}),
                          what="ready")
         client.publish(topic, [b"good", b"bad"])
         await eventually(lambda: "dropped after last attempt" in log.read_text(), what="the bad message settled")
         secret_redis.stop()  # Redis gone: not ready any more
-        await eventually(lambda: get(f"http://127.0.0.1:{port}/readyz")[0] == 503, what="not ready without Redis")
-        assert get(f"http://127.0.0.1:{port}/readyz")[1]["reason"] == "redis unreachable"
-        assert get(f"http://127.0.0.1:{port}/healthz")[0] == 200
+        await eventually(lambda: http_get(f"http://127.0.0.1:{port}/readyz")[0] == 503, what="not ready without Redis")
+        assert http_get(f"http://127.0.0.1:{port}/readyz")[1]["reason"] == "redis unreachable"
+        assert http_get(f"http://127.0.0.1:{port}/healthz")[0] == 200
     finally:
         assert terminate(proc, 30) == 0
     text = log.read_text()

@@ -17,7 +17,8 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import Client, Endpoint, eventually, make_sub
+from tests.conftest import Client, Endpoint, make_sub
+from tests.helpers import eventually
 from worker.config import parse_settings
 from worker.delivery import RESPONSE_BODY_CAP, Deliverer, Result
 from worker.destinations import DestinationPolicy

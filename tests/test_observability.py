@@ -18,7 +18,8 @@ import pytest
 import yaml
 from aiohttp import web
 
-from tests.conftest import Client, make_sub, wait_sync
+from tests.conftest import Client, make_sub
+from tests.helpers import wait_sync
 from worker.config import PulsarSettings
 from worker.embedded import free_port, wait_for_port
 from worker.subscriptions import RetryPolicy

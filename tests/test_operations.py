@@ -3,37 +3,17 @@ Redis and workers: pause/resume, attempt history, dead-letter list/show/redrive.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import sys
-from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
-import yaml
 from aiohttp import web
 
-from tests.conftest import Client, Endpoint, eventually, make_sub
+from tests.conftest import Client, Endpoint, make_sub
+from tests.helpers import cli, eventually, push_sub, worker_yaml
 from worker import keys
-from worker.config import RedisSettings, Settings, load_settings
+from worker.config import RedisSettings
 from worker.subscriptions import RetryPolicy
-
-
-async def cli(*args: str, stdin: str | None = None) -> tuple[int, str, str]:
-    """`push-worker ARGS` as a separate process; (exit code, stdout, stderr)."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "worker.cli", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        stdin=asyncio.subprocess.PIPE, env={k: v for k, v in os.environ.items() if not k.startswith("PUSH_WORKER_")})
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(stdin.encode() if stdin else b""), timeout=60)
-    except TimeoutError:
-        proc.kill()
-        out, err = await proc.communicate()
-        raise AssertionError(f"push-worker {' '.join(args)} did not end:\n{err.decode()[-3000:]}") from None
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
 
 
 async def test_pause_stops_delivery_keeps_the_backlog_and_resume_delivers_it(
@@ -112,21 +92,6 @@ async def test_a_message_acked_first_time_keeps_its_history_briefly_and_a_retrie
             retried, first]  # both listed among the settled either way (`push-worker history`)
     finally:
         r.close()
-
-
-def worker_yaml(tmp_path: Path, broker_url: str, redis_url: str, *subs: dict[str, Any]) -> tuple[str, Settings]:
-    """A worker.yaml an operator would pass with --config, and the settings a worker loads from it."""
-    doc = {"pulsar": {"service_url": broker_url}, "redis": {"url": redis_url},
-           "destinations": {"allow_private": True}, "subscriptions": list(subs)}
-    path = tmp_path / "worker.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return str(path), load_settings(path)
-
-
-def push_sub(name: str, topic: str, url: str, **extra: Any) -> dict[str, Any]:
-    return {"name": name, "topic": topic, "max_deliver": 2, "ack_deadline_seconds": 5,
-            "retry": {"min_backoff_seconds": 0.05, "max_backoff_seconds": 0.05},
-            "deliver": {"mode": "push", "push": {"url": url}}, **extra}
 
 
 async def test_dead_letters_are_listed_shown_and_redriven_to_their_subscription_only(

@@ -10,7 +10,8 @@ from collections import defaultdict
 import pytest
 from aiohttp import web
 
-from tests.conftest import Client, Endpoint, eventually, make_sub, serve
+from tests.conftest import Client, Endpoint, make_sub, serve
+from tests.helpers import assert_stays, eventually
 from worker.delivery import Outcome, Result
 from worker.flow import AdaptiveLimit
 from worker.subscriptions import RetryPolicy
@@ -226,5 +227,5 @@ async def test_ordered_types_deliver_each_message_once_on_the_happy_path(start_w
     await eventually(lambda: w.dispatchers[sub.key].stats.acked == 300, what="all acked")
     await w.close()  # releases anything the broker still thinks is unacked...
     w2 = await start_worker(sub)  # ...to a second worker, which must get nothing
-    await asyncio.sleep(1.0)
-    assert len(endpoint.requests) == 300 and w2.dispatchers[sub.key].stats.acked == 0
+    await assert_stays(lambda: len(endpoint.requests) == 300 and w2.dispatchers[sub.key].stats.acked == 0, 1.0,
+                       "no redelivery to the second worker")

@@ -12,8 +12,8 @@ import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from tests.conftest import Client, Endpoint, eventually, make_sub
-from tests.test_operations import cli, push_sub, worker_yaml
+from tests.conftest import Client, Endpoint, make_sub
+from tests.helpers import cli, eventually, push_sub, worker_yaml
 from worker.config import FleetSettings, PulsarSettings
 from worker.fleet.registry import Registry
 from worker.subscriptions import RetryPolicy

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import yaml
 from aiohttp import web
 
-from tests.conftest import Client, Endpoint, eventually, make_sub
+from tests.conftest import Client, Endpoint, make_sub
+from tests.helpers import assert_stays, eventually, spawn_worker
 from worker.destinations import DestinationPolicy
 from worker.subscriptions import RetryPolicy
 
@@ -31,12 +29,6 @@ def worker_config(path: Path, broker_url: str, redis_url: str, topic: str, url: 
     }
     path.write_text(yaml.safe_dump(doc))
     return path
-
-
-def spawn_worker(config: Path, log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "worker.cli", "run", "--config", str(config)],
-                                stdout=out, stderr=out, env={**os.environ, "PYTHONPATH": str(Path.cwd())})
 
 
 async def test_kill_9_then_restart_continues_attempt_numbers_and_loses_nothing(
@@ -101,7 +93,7 @@ async def test_sigterm_lets_in_flight_deliveries_finish_then_exits(
     endpoint.behaviour = None
     proc = spawn_worker(config, tmp_path / "w2.log")
     try:
-        await asyncio.sleep(2.0)  # give a (wrong) redelivery the chance to show up
+        await assert_stays(lambda: len(endpoint.requests) == 3, 2.0, "no redelivery of acked messages")
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(20)

@@ -20,8 +20,8 @@ import psutil
 import yaml
 from aiohttp import web
 
-from tests.conftest import Client, Endpoint, eventually
-from tests.test_health_and_logs import get
+from tests.conftest import Client, Endpoint
+from tests.helpers import eventually, http_get, spawn_worker
 from worker import embedded
 from worker.embedded import free_port, terminate
 
@@ -44,12 +44,6 @@ def config_file(path: Path, broker_url: str | None, redis_url: str | None, topic
         doc["redis"] = {"url": redis_url}
     path.write_text(yaml.safe_dump(doc))
     return path
-
-
-def spawn(config: Path, log: Path, **env: str) -> subprocess.Popen[bytes]:
-    with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "worker.cli", "run", "--config", str(config)],
-                                stdout=out, stderr=out, env={**os.environ, "PYTHONPATH": str(Path.cwd()), **env})
 
 
 def attempts_by_id(endpoint: Endpoint) -> dict[str, list[int]]:
@@ -93,7 +87,7 @@ async def test_kill_9_right_after_2xx_answers_never_repeats_an_attempt_number(
     feeder.start()
     try:
         for life in range(5):
-            worker["proc"] = spawn(config, tmp_path / f"w{life}.log")
+            worker["proc"] = spawn_worker(config, tmp_path / f"w{life}.log")
             acked_before = sum(1 for r in endpoint.requests if r.acked)
 
             def delivering(n: int = acked_before) -> bool:
@@ -112,7 +106,7 @@ async def test_kill_9_right_after_2xx_answers_never_repeats_an_attempt_number(
             await asyncio.to_thread(worker["proc"].wait, 10)
         stop_publishing.set()
         feeder.join()
-        worker["proc"] = spawn(config, tmp_path / "final.log")
+        worker["proc"] = spawn_worker(config, tmp_path / "final.log")
         everything = set(published)
 
         def acked_ids() -> set[str]:
@@ -151,7 +145,7 @@ async def test_broker_outage_at_exhaustion_dead_letters_each_message_once(
     client = Client(own_broker.url)
     ids = set(client.publish(topic, [f"m{i}".encode() for i in range(60)]))
     client.close()
-    proc = spawn(config, tmp_path / "w.log")
+    proc = spawn_worker(config, tmp_path / "w.log")
     try:
         # The first exhaustions: second attempts are being answered.
         await eventually(lambda: sum(1 for r in endpoint.requests if r.headers["Pubsub-Delivery-Attempt"] == "2") >= 5,
@@ -212,20 +206,20 @@ async def test_redis_and_broker_down_at_start_then_up(endpoint: Endpoint, topic,
     redis_url, broker_url = f"redis://127.0.0.1:{redis_port}", f"pulsar://127.0.0.1:{broker_port}"
     config = config_file(tmp_path / "w.yaml", broker_url, redis_url, topic, endpoint.url, http_port=http_port)
     log = tmp_path / "w.log"
-    proc = spawn(config, log)
+    proc = spawn_worker(config, log)
     redis_service = broker = None
     try:
-        await eventually(lambda: get(f"http://127.0.0.1:{http_port}/healthz")[0] == 200, what="alive")
+        await eventually(lambda: http_get(f"http://127.0.0.1:{http_port}/healthz")[0] == 200, what="alive")
         await eventually(lambda: log.read_text().count("redis unreachable; retrying") >= 2, what="retries logged")
-        status, body = get(f"http://127.0.0.1:{http_port}/readyz")
+        status, body = http_get(f"http://127.0.0.1:{http_port}/readyz")
         assert status == 503 and body["reason"] == "redis unreachable"
         assert proc.poll() is None
         redis_service = embedded.start_redis(tmp_path / "redis", port=redis_port)
         await eventually(lambda: "subscribe failed; retrying" in log.read_text(), timeout=60,
                          what="the broker's absence noticed")
-        assert get(f"http://127.0.0.1:{http_port}/readyz")[0] == 503
+        assert http_get(f"http://127.0.0.1:{http_port}/readyz")[0] == 503
         broker = embedded.start_pulsar(tmp_path / "pulsar", port=broker_port)
-        await eventually(lambda: get(f"http://127.0.0.1:{http_port}/readyz")[0] == 200, timeout=90, what="ready")
+        await eventually(lambda: http_get(f"http://127.0.0.1:{http_port}/readyz")[0] == 200, timeout=90, what="ready")
         client = Client(broker.url)
         [mid] = client.publish(topic, [b"after the outage"])
         client.close()

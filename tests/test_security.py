@@ -8,7 +8,8 @@ import hashlib
 import hmac
 import time
 
-from tests.conftest import Client, Endpoint, eventually, make_sub
+from tests.conftest import Client, Endpoint, make_sub
+from tests.helpers import eventually
 from worker.destinations import DestinationPolicy
 from worker.signing import SecretRef, verify
 

@@ -7,8 +7,8 @@ import asyncio
 
 from structlog.testing import capture_logs
 
-from tests.conftest import eventually, make_sub
-from tests.test_health_and_logs import get
+from tests.conftest import make_sub
+from tests.helpers import eventually, http_get, metrics_text
 from worker.supervisor import Supervisor
 
 
@@ -72,7 +72,7 @@ async def test_a_worker_whose_fleet_loop_keeps_failing_reports_it(start_worker, 
 
     async def probe(path: str, status: int) -> dict:
         for _ in range(200):
-            code, body = await asyncio.to_thread(get, f"http://127.0.0.1:{port}{path}")
+            code, body = await asyncio.to_thread(http_get, f"http://127.0.0.1:{port}{path}")
             if code == status:
                 return body
             await asyncio.sleep(0.05)
@@ -80,11 +80,4 @@ async def test_a_worker_whose_fleet_loop_keeps_failing_reports_it(start_worker, 
 
     assert "task fleet failing" in (await probe("/readyz", 503))["reason"]
     assert "task fleet failing" in (await probe("/healthz", 503))["reason"]
-    assert 'pushworker_task_failures_total{task="fleet"}' in await asyncio.to_thread(_metrics, port)
-
-
-def _metrics(port: int) -> str:
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        return str(r.read().decode())
+    assert 'pushworker_task_failures_total{task="fleet"}' in await asyncio.to_thread(metrics_text, port)

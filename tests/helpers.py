@@ -1,0 +1,127 @@
+"""Helpers every test module shares (fixtures live in conftest.py): polling with a deadline, "nothing
+happens" windows, worker processes, the command line, HTTP probes, subscription definitions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from worker.config import Settings, load_settings
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# -- waiting ----------------------------------------------------------------------------------
+
+async def eventually(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
+    """Poll with a deadline (no sleeps as synchronisation)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def wait_sync(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+async def assert_stays(predicate: Callable[[], bool], seconds: float, what: str = "condition") -> None:
+    """For "nothing happens" windows: `predicate` holds now and through `seconds` (checked as it
+    goes, so a violation fails at once instead of after the window)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        if not predicate():
+            raise AssertionError(f"{what} stopped holding")
+        if time.monotonic() >= deadline:
+            return
+        await asyncio.sleep(0.02)
+
+
+# -- processes and the command line -----------------------------------------------------------
+
+def env(**extra: str) -> dict[str, str]:
+    """The environment for a `push-worker` process run from the checkout."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), **extra}
+
+
+def spawn_worker(config: Path | str, log: Path, cwd: Path | None = None, **extra_env: str) -> subprocess.Popen[bytes]:
+    """`push-worker run --config CONFIG` as its own process, its output appended to `log`."""
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "worker.cli", "run", "--config", str(config)],
+                                stdout=out, stderr=out, env=env(**extra_env), cwd=cwd)
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 120,
+            environment: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`push-worker ARGS` as a separate process, to its end (no standard input)."""
+    return subprocess.run([sys.executable, "-m", "worker.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout, env=environment or env(), stdin=subprocess.DEVNULL)
+
+
+async def cli(*args: str, stdin: str | None = None) -> tuple[int, str, str]:
+    """`push-worker ARGS` as a separate process, awaited; (exit code, stdout, stderr). The test
+    environment's PUSH_WORKER_* variables are left out, so only the arguments choose the target."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "worker.cli", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        stdin=asyncio.subprocess.PIPE, env={k: v for k, v in env().items() if not k.startswith("PUSH_WORKER_")})
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(stdin.encode() if stdin else b""), timeout=60)
+    except TimeoutError:
+        proc.kill()
+        out, err = await proc.communicate()
+        raise AssertionError(f"push-worker {' '.join(args)} did not end:\n{err.decode()[-3000:]}") from None
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+# -- HTTP probes ------------------------------------------------------------------------------
+
+def http_get(url: str) -> tuple[int, dict[str, Any]]:
+    """(status, JSON body) of a GET; (0, {}) when nothing answers. Blocking: from a test that runs
+    a worker in its own event loop, call it through asyncio.to_thread."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+    except OSError:
+        return 0, {}
+
+
+def metrics_text(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        return str(r.read().decode())
+
+
+# -- definitions ------------------------------------------------------------------------------
+
+def push_sub(name: str, topic: str, url: str, **extra: Any) -> dict[str, Any]:
+    """A push subscription definition as a user writes it (YAML/JSON); `extra` overrides."""
+    return {"name": name, "topic": topic, "ack_deadline_seconds": 5, "max_deliver": 2,
+            "retry": {"min_backoff_seconds": 0.05, "max_backoff_seconds": 0.05},
+            "deliver": {"mode": "push", "push": {"url": url}}, **extra}
+
+
+def worker_yaml(tmp_path: Path, broker_url: str, redis_url: str, *subs: dict[str, Any]) -> tuple[str, Settings]:
+    """A worker.yaml an operator would pass with --config, and the settings a worker loads from it."""
+    doc = {"pulsar": {"service_url": broker_url}, "redis": {"url": redis_url},
+           "destinations": {"allow_private": True}, "subscriptions": list(subs)}
+    path = tmp_path / "worker.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return str(path), load_settings(path)
