@@ -217,7 +217,7 @@ def test_fuzzed_registry_input_is_all_or_nothing(redis_url, definitions):
             from worker.config import Settings
             from worker.ops.admin import Admin, Target
 
-            admin = Admin(Target(Settings(), redis_url=redis_url), as_json=True)
+            admin = Admin(Target(Settings(), redis_url=redis_url))
             admin.registry = registry
             path = f"/tmp/fuzz-{id(definitions)}.yaml"
             with open(path, "w") as f:

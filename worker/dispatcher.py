@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -23,7 +22,9 @@ from worker.attempts import AttemptStore
 from worker.backoff import retry_delay
 from worker.deadletter import DeadLetterPublisher, dead_letter_properties
 from worker.delivery import Deliverer, Outcome, Result
+from worker.endpoint_health import EndpointHealth
 from worker.flow import AdaptiveLimit, Window
+from worker.history import attempt_entry, event_entry
 from worker.messages import Envelope, PushRequest, build_request, format_message_id
 from worker.metrics import Metrics
 from worker.signing import SecretStore, SecretUnavailable, auth_headers
@@ -32,8 +33,6 @@ from worker.supervisor import Supervisor
 
 _SINGLE_LANE = "\x00total-order"
 CLOSE_TIMEOUT = 5.0  # seconds a broker close may take before shutdown goes on without it
-ERROR_AFTER_SECONDS = 300.0  # an endpoint failing every attempt for this long puts the subscription in Error
-ERROR_MIN_FAILURES = 3
 
 
 class ConsumerLike(Protocol):
@@ -79,20 +78,6 @@ class DeliveryContext:
     supervisor: Supervisor = field(default_factory=Supervisor)
 
 
-def history_entry(attempt: int, outcome: Outcome, worker_id: str) -> dict[str, Any]:
-    """One line of `push-worker show`: when, which attempt, how it ended, how long it took, who sent it."""
-    entry: dict[str, Any] = {"at_ms": int(time.time() * 1000), "attempt": attempt, "result": outcome.result.value,
-                             "status": outcome.last_status, "latency_ms": round(outcome.latency * 1000, 1),
-                             "worker": worker_id}
-    if outcome.detail:
-        entry["detail"] = outcome.detail
-    return entry
-
-
-def event_entry(event: str, worker_id: str, **fields: Any) -> dict[str, Any]:
-    return {"at_ms": int(time.time() * 1000), "event": event, "worker": worker_id, **fields}
-
-
 def _raw_id(message: Any) -> str:
     try:
         mid = message.message_id()
@@ -122,10 +107,7 @@ class Dispatcher:
         self.sub = sub
         self.ctx = ctx
         self.may_deliver = may_deliver or (lambda: True)
-        self.error_after = ERROR_AFTER_SECONDS
-        self._failures_in_row = 0
-        self._failing_since = 0.0
-        self._last_failure = ""
+        self.health = EndpointHealth()
         self._reported_state = State.ACTIVE
         self.consumer = consumer
         self.to_envelope = to_envelope
@@ -189,19 +171,12 @@ class Dispatcher:
 
     @property
     def state(self) -> State:
-        if (self._failures_in_row >= ERROR_MIN_FAILURES
-                and time.monotonic() - self._failing_since >= self.error_after):
-            return State.ERROR
-        return State.ACTIVE
+        return self.health.state
 
     @property
     def state_reason(self) -> str:
         """Why the state is what it is (for `subs list`); empty when Active."""
-        if self.state is State.ERROR:
-            minutes = (time.monotonic() - self._failing_since) / 60
-            return (f"endpoint failing for {minutes:.0f} min ({self._failures_in_row} attempts in a row, "
-                    f"last: {self._last_failure})")
-        return ""
+        return self.health.reason
 
     async def _fenced(self) -> bool:
         """False once this worker may no longer deliver (lease lost): then wait to be stopped."""
@@ -329,7 +304,7 @@ class Dispatcher:
             if outcome is None:  # lease lost before sending: not an attempt; the next owner gets it
                 await self._stopping.wait()
                 return None
-            entry = history_entry(record.number, outcome, self.ctx.worker_id)
+            entry = attempt_entry(record.number, outcome, self.ctx.worker_id)
             if outcome.acked:
                 settled = await self._ack(message, env, sub, [entry], acked_first_time=record.number == 1)
                 self.stats.acked += 1
@@ -365,13 +340,7 @@ class Dispatcher:
             outcome = await self._send(sub, env, request)
         finally:
             self.endpoint_limit.release(outcome)
-        if outcome.acked:
-            self._failures_in_row = 0
-        else:
-            if self._failures_in_row == 0:
-                self._failing_since = time.monotonic()
-            self._failures_in_row += 1
-            self._last_failure = outcome.last_status
+        self.health.record(outcome.acked, outcome.last_status)
         if self.state is not self._reported_state:  # Error comes with time, so compare with what was reported
             self._reported_state = self.state
             self.metrics.set_state(sub.tenant, sub.name, self.state)

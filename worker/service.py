@@ -211,7 +211,7 @@ class Worker:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
         dispatcher = Dispatcher(sub, consumer, pulsar_adapter.to_envelope, self.delivery, may_deliver)
-        dispatcher.error_after = self.settings.fleet.error_after_seconds
+        dispatcher.health.error_after = self.settings.fleet.error_after_seconds
         self.dispatchers[sub.key] = dispatcher
         dispatcher.start()
 

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from worker import logs
 from worker.config import load_settings
 from worker.errors import ConfigError, NotFound, PushWorkerError
+from worker.ops.render import Output, render
 
 
 def _run_loop(main: Coroutine[Any, Any, T]) -> T:
@@ -119,23 +120,23 @@ def _cmd_subs(args: argparse.Namespace) -> int:
     target = locate(args.config, redis_url=args.redis_url, pulsar_url=getattr(args, "service_url", None))
 
     async def go() -> int:
-        admin = Admin(target, as_json=args.json)
+        admin = Admin(target)
         try:
             if args.action == "apply":
-                print(await admin.apply(args.file))
+                print(render(await admin.apply(args.file), args.json))
             elif args.action == "delete":
                 if (args.name is None) == (args.topic is None):
                     raise ConfigError("subs delete", "NAME", "give a subscription NAME or --topic TOPIC (not both)")
-                print(await admin.delete(args.name, args.topic))
+                print(render(await admin.delete(args.name, args.topic), args.json))
             elif args.action == "list":
-                print(await admin.list())
+                print(render(await admin.list(), args.json))
             elif args.action in ("pause", "resume"):
-                print(await admin.pause(args.name, args.action == "pause", args.wait))
+                print(render(await admin.pause(args.name, args.action == "pause", args.wait), args.json))
             elif args.action == "seek":
                 pulsar = dataclasses.replace(target.settings.pulsar, service_url=target.pulsar("subs seek"))
-                print(await admin.seek(args.name, _seek_target(args), pulsar))
+                print(render(await admin.seek(args.name, _seek_target(args), pulsar), args.json))
             else:
-                print(await admin.get(args.name))
+                print(render(await admin.get(args.name), args.json))
         finally:
             await admin.close()
         return 0
@@ -179,8 +180,8 @@ def _cmd_messages(args: argparse.Namespace) -> int:
             return 1
     target = locate(args.config, redis_url=args.redis_url, pulsar_url=getattr(args, "service_url", None))
 
-    async def go() -> str:
-        admin = Admin(target, as_json=args.json)
+    async def go() -> Output:
+        admin = Admin(target)
         try:
             if args.command == "queue":
                 return await admin.queue(args.subscription, args.state, args.limit)
@@ -193,7 +194,7 @@ def _cmd_messages(args: argparse.Namespace) -> int:
         finally:
             await admin.close()
 
-    print(asyncio.run(go()))
+    print(render(asyncio.run(go()), args.json))
     return 0
 
 
@@ -203,9 +204,9 @@ def _cmd_show(args: argparse.Namespace) -> int:
     target = locate(args.config, redis_url=args.redis_url)
 
     async def go() -> int:
-        admin = Admin(target, as_json=args.json)
+        admin = Admin(target)
         try:
-            print(await admin.show(args.message_id, args.subscription))
+            print(render(await admin.show(args.message_id, args.subscription), args.json))
         finally:
             await admin.close()
         return 0
@@ -223,7 +224,7 @@ def _cmd_dlq(args: argparse.Namespace) -> int:
     options = {"limit": getattr(args, "limit", 1000), "message_id": getattr(args, "message_id", None),
                "rate": getattr(args, "rate", 10.0), "max_messages": getattr(args, "max_messages", None),
                "concurrency": getattr(args, "concurrency", 8)}
-    print(_run_loop(dlq.run(target, args.action, args.subscription, args.json, **options)))
+    print(render(_run_loop(dlq.run(target, args.action, args.subscription, **options)), args.json))
     return 0
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +94,36 @@ async def request_seek(client: aioredis.Redis, channel: str, sub_key: str, targe
     await client.set(keys.seek_key(sub_key), orjson.dumps({"id": request_id, "to": target.to}), ex=SEEK_TTL_SECONDS)
     await client.delete(keys.seek_result_key(sub_key))
     await client.publish(channel, b"seek " + sub_key.encode())
+
+
+class UnreadableSeekRequest(ValueError):
+    """The pending seek request is not one a command wrote (it was removed all the same)."""
+
+
+async def run_seek_request(client: aioredis.Redis, sub_key: str, worker_id: str,
+                           seek: Callable[[str, SeekTarget], Awaitable[int]], log: Any) -> None:
+    """Carry out the subscription's pending seek request, if any, with `seek` (the worker's: it
+    stops the dispatcher, moves the cursor, forgets the counts, serves again), and write the result
+    for the operator's command."""
+    try:
+        request = await take_seek_request(client, sub_key)
+    except (ValueError, TypeError, KeyError) as e:
+        raise UnreadableSeekRequest(f"{type(e).__name__}: {e}") from None
+    if request is None:
+        return
+    request_id, target = request
+    log.info("seeking", subscription=sub_key, to=target.describe())
+    try:
+        async with asyncio.timeout(60):
+            forgotten = await seek(sub_key, target)
+    except Exception as e:
+        log.warning("seek failed", subscription=sub_key, error=str(e))
+        await write_seek_result(client, sub_key, request_id, status="failed", worker=worker_id,
+                                error=str(e) or type(e).__name__)
+        return
+    await write_seek_result(client, sub_key, request_id, status="done", worker=worker_id,
+                            forgotten_attempts=forgotten)
+    log.info("seek done", subscription=sub_key, to=target.describe())
 
 
 async def take_seek_request(client: aioredis.Redis, sub_key: str) -> tuple[str, SeekTarget] | None:

@@ -289,25 +289,9 @@ class Fleet:
 
     async def _seek(self, key: str) -> None:
         try:
-            request = await lifecycle.take_seek_request(self.client, key)
-        except (ValueError, TypeError, KeyError) as e:  # an unreadable request: removed, and said
-            self._ignore("seek request", f"{key}: {type(e).__name__}: {e}")
-            return
-        if request is None:
-            return
-        request_id, target = request
-        self.log.info("seeking", subscription=key, to=target.describe())
-        try:
-            async with asyncio.timeout(60):
-                forgotten = await self.worker.seek(key, target)
-        except Exception as e:
-            self.log.warning("seek failed", subscription=key, error=str(e))
-            await lifecycle.write_seek_result(self.client, key, request_id, status="failed", worker=self.me,
-                                              error=str(e) or type(e).__name__)
-            return
-        await lifecycle.write_seek_result(self.client, key, request_id, status="done", worker=self.me,
-                                          forgotten_attempts=forgotten)
-        self.log.info("seek done", subscription=key, to=target.describe())
+            await lifecycle.run_seek_request(self.client, key, self.me, self.worker.seek, self.log)
+        except lifecycle.UnreadableSeekRequest as e:
+            self._ignore("seek request", f"{key}: {e}")
 
     async def leave(self) -> None:
         """Clean scale-down: drain and release every lease, leave the member set, tell the others."""

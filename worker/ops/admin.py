@@ -38,7 +38,7 @@ from worker.fleet import lifecycle
 from worker.fleet.lifecycle import SeekTarget
 from worker.fleet.registry import Registry, clear_state, safe_text, text_of
 from worker.messages import rfc3339
-from worker.ops.render import table
+from worker.ops.render import Output, table
 from worker.subscriptions import State, Subscription, is_push, parse_subscription
 
 
@@ -137,11 +137,10 @@ def _status(entry: dict[str, Any]) -> str:
 class Admin:
     """The `subs` and `show` commands; each returns the text to print."""
 
-    def __init__(self, target: Target, as_json: bool = False) -> None:
+    def __init__(self, target: Target) -> None:
         self.client = aioredis.Redis.from_url(target.redis("subs"), socket_connect_timeout=5, socket_timeout=10)
         self.registry = Registry(self.client, target.fleet)
         self.static = {s.key: s for s in target.settings.subscriptions}
-        self.as_json = as_json
 
     async def existing(self, name: str) -> str:
         """The key of a subscription in the registry, the given config, or served by a worker (a
@@ -173,7 +172,7 @@ class Admin:
             raise ConfigError("registry", name, "is not a push subscription")
         return parse_subscription(definitions[key])
 
-    async def seek(self, name: str, target: SeekTarget, pulsar: PulsarSettings, wait: float = 60.0) -> str:
+    async def seek(self, name: str, target: SeekTarget, pulsar: PulsarSettings, wait: float = 60.0) -> Output:
         """Move the subscription's cursor (through the worker serving it, or directly when none does)
         and reset its attempt counts."""
         key = await self.existing(name)
@@ -197,10 +196,8 @@ class Admin:
             raise PushWorkerError(f"{key}: seek failed on {result.get('worker')}: {result.get('error')}")
         out = {"subscription": key, "result": "sought", "to": target.describe(), "by": result["worker"],
                "attempt_counters_reset": result.get("forgotten_attempts", 0)}
-        if self.as_json:
-            return json.dumps(out)
-        return (f"{key}: sought to {target.describe()} by {out['by']}; "
-                f"{out['attempt_counters_reset']} attempt counter(s) reset")
+        return Output(out, f"{key}: sought to {target.describe()} by {out['by']}; "
+                           f"{out['attempt_counters_reset']} attempt counter(s) reset")
 
     @staticmethod
     async def _seek_directly(sub: Subscription, target: SeekTarget, settings: PulsarSettings) -> None:
@@ -209,7 +206,7 @@ class Admin:
         async with open_client(settings) as client:
             await lifecycle.seek_with_own_consumer(client, sub, target)
 
-    async def queue(self, name: str, state: str, limit: int) -> str:
+    async def queue(self, name: str, state: str, limit: int) -> Output:
         """Messages of one subscription in flight (first attempt under way) or retrying (failed at
         least once, waiting or being retried), from their attempt records. (`dead`: see dlq.)"""
         key = await self.existing(name)
@@ -227,26 +224,24 @@ class Admin:
             if len(rows) >= limit:
                 break
         rows.sort(key=lambda r: r["message_id"])
-        if self.as_json:
-            return json.dumps({"subscription": key, "state": state, "messages": rows})
+        data = {"subscription": key, "state": state, "messages": rows}
         if not rows:
-            return f"{key}: no {state} messages"
-        return f"{key}: {len(rows)} {state} message(s)\n" + table(rows, list(rows[0]))
+            return Output(data, f"{key}: no {state} messages")
+        return Output(data, f"{key}: {len(rows)} {state} message(s)\n" + table(rows, list(rows[0])))
 
-    async def history(self, name: str, limit: int) -> str:
+    async def history(self, name: str, limit: int) -> Output:
         """Recently settled messages of one subscription, newest first: how each ended."""
         key = await self.existing(name)
         entries = _entries(await self.client.lrange(keys.settled_key(key), 0, limit - 1))
-        if self.as_json:
-            return json.dumps({"subscription": key, "messages": entries})
+        data = {"subscription": key, "messages": entries}
         if not entries:
-            return f"{key}: nothing settled recently"
+            return Output(data, f"{key}: nothing settled recently")
         rows = [{"time": _time(e), "message_id": e["message_id"],
                  "outcome": {"ack": "delivered"}.get(_what(e), _what(e)), "attempts": e.get("attempt", ""),
                  "status": _status(e), "worker": e.get("worker", "")} for e in entries]
-        return table(rows, list(rows[0]))
+        return Output(data, table(rows, list(rows[0])))
 
-    async def discard(self, message_id: str, name: str, wait: float) -> str:
+    async def discard(self, message_id: str, name: str, wait: float) -> Output:
         """Settle one message without delivering it: the worker holding it acks it at its next
         attempt (or when it arrives) and records `discarded` in its history."""
         key = await self.existing(name)
@@ -264,21 +259,19 @@ class Admin:
             if not done:
                 await asyncio.sleep(0.2)
         result = {"subscription": key, "message_id": message_id, "result": "discarded" if done else "pending"}
-        if self.as_json:
-            return json.dumps(result)
         if done:
-            return f"{key}: {message_id} discarded"
-        return (f"{key}: {message_id} will be discarded when a worker next tries it (it is waiting for a retry, "
-                "or not yet received)")
+            return Output(result, f"{key}: {message_id} discarded")
+        return Output(result, f"{key}: {message_id} will be discarded when a worker next tries it (it is waiting "
+                              "for a retry, or not yet received)")
 
-    async def purge(self, name: str, pulsar: PulsarSettings) -> str:
+    async def purge(self, name: str, pulsar: PulsarSettings) -> Output:
         """Skip the whole backlog: the cursor moves to the latest message; attempt counts reset."""
-        out = await self.seek(name, SeekTarget("latest"), pulsar)
-        if self.as_json:
-            return json.dumps({**json.loads(out), "result": "purged"})
-        return out.replace("sought to latest", "purged (backlog skipped)")
+        sought = (await self.seek(name, SeekTarget("latest"), pulsar)).data
+        return Output({**sought, "result": "purged"},
+                      f"{sought['subscription']}: purged (backlog skipped) by {sought['by']}; "
+                      f"{sought['attempt_counters_reset']} attempt counter(s) reset")
 
-    async def pause(self, name: str, paused: bool, wait: float) -> str:
+    async def pause(self, name: str, paused: bool, wait: float) -> Output:
         """Pause or resume; a pause returns once no worker delivers for it any more (up to `wait` s)."""
         key = await self.existing(name)
         await self.registry.refuse_if_expired(key, "pause" if paused else "resume")
@@ -290,12 +283,10 @@ class Admin:
             while (owner := await self.client.get(keys.lease_key(key))) and time.monotonic() < deadline:  # noqa: ASYNC110
                 await asyncio.sleep(0.2)  # the owner drains in-flight requests, then releases its lease
         result = {"subscription": key, "result": what, "still_draining": text_of(owner) if owner else None}
-        if self.as_json:
-            return json.dumps(result)
         tail = f" (worker {result['still_draining']} is still draining)" if owner else ""
-        return f"{key}: {what}{tail}"
+        return Output(result, f"{key}: {what}{tail}")
 
-    async def show(self, message_id: str, name: str) -> str:
+    async def show(self, message_id: str, name: str) -> Output:
         """A message's delivery attempts in one subscription, oldest first."""
         key = await self.existing(name)
         raw = await self.client.lrange(keys.history_key(key, message_id), 0, -1)
@@ -305,29 +296,26 @@ class Admin:
         if not entries and pending is None:
             raise NotFound(f"no attempt history for message {message_id} in {key} (kept for "
                            "redis.history_ttl_seconds; ids look like ledger:entry:partition:batch)")
-        if self.as_json:
-            return json.dumps({"subscription": key, "message_id": message_id, "history": entries,
-                               "attempts_in_progress": _count(pending) if pending is not None else None})
+        data = {"subscription": key, "message_id": message_id, "history": entries,
+                "attempts_in_progress": _count(pending) if pending is not None else None}
         rows = [{"time": _time(e), "attempt": e.get("attempt", ""), "result": _what(e),
                  "status": _status(e), "latency_ms": e.get("latency_ms", ""), "worker": e.get("worker", ""),
                  "detail": e.get("detail", "")} for e in entries]
         out = f"message {message_id} in {key}\n" + table(rows, list(rows[0]) if rows else ["time"])
         if pending is not None:
             out += f"\nnot settled yet: {_count(pending)} attempt(s) counted so far"
-        return out
+        return Output(data, out)
 
     async def close(self) -> None:
         await self.client.aclose()
 
-    async def apply(self, path: str) -> str:
+    async def apply(self, path: str) -> Output:
         """Validate everything before writing anything, and write atomically: a bad file changes nothing."""
         results = [{"subscription": sub.key, "result": what}
                    for sub, what in await self.registry.apply_all(_load_definitions(path))]
-        if self.as_json:
-            return json.dumps(results)
-        return "\n".join(f"{r['subscription']}: {r['result']}" for r in results)
+        return Output(results, "\n".join(f"{r['subscription']}: {r['result']}" for r in results))
 
-    async def delete(self, name: str | None, topic: str | None = None) -> str:
+    async def delete(self, name: str | None, topic: str | None = None) -> Output:
         """Delete one subscription, or (`topic`) every subscription of a deleted topic; their owners
         stop within a second or two and their Redis state is cleared."""
         if topic is not None:
@@ -340,9 +328,8 @@ class Admin:
             deleted = [key]
         for key in deleted:  # the owner clears it too; this covers subscriptions no worker held
             await clear_state(self.client, key)
-        if self.as_json:
-            return json.dumps([{"subscription": k, "result": "deleted"} for k in deleted])
-        return "\n".join(f"{k}: deleted" for k in deleted) or f"no subscriptions of {topic}"
+        return Output([{"subscription": k, "result": "deleted"} for k in deleted],
+                      "\n".join(f"{k}: deleted" for k in deleted) or f"no subscriptions of {topic}")
 
     async def _row(self, key: str, definition: dict[str, Any], held_back: dict[str, str]) -> dict[str, Any]:
         owner = await self.client.get(keys.lease_key(key))
@@ -365,7 +352,7 @@ class Admin:
         out.update(dict.fromkeys(await self.registry.expired(), str(State.EXPIRED)))
         return out
 
-    async def list(self) -> str:
+    async def list(self) -> Output:
         """Every subscription of the registry and the given config (`source`), with its status; an
         invalid registry entry is a row in state `invalid` with the reason."""
         entries: dict[str, Any] = {k: ({"type": s.type}, "config") for k, s in self.static.items()}
@@ -381,18 +368,16 @@ class Admin:
                              "source": source})
             else:
                 rows.append({**await self._row(key, entry, held_back), "source": source})
-        if self.as_json:
-            return json.dumps(rows)
         if not rows:
-            return "no subscriptions in the registry"
-        return table(rows, ["project", "name", "type", "owner", "state", "reason", "acked", "retried", "dead_lettered",
-                             "unsettled", "source"])
+            return Output(rows, "no subscriptions in the registry or the given config")
+        return Output(rows, table(rows, ["project", "name", "type", "owner", "state", "reason", "acked", "retried",
+                                         "dead_lettered", "unsettled", "source"]))
 
-    async def get(self, name: str) -> str:
+    async def get(self, name: str) -> Output:
         key = await self.registry.resolve(name)
         definitions = await self.registry.definitions()
         if key not in definitions:
             raise NotFound(f"{name}: no such subscription")
         out = {"definition": definitions[key], "status": await self._row(key, definitions[key],
                                                                          await self._held_back())}
-        return json.dumps(out) if self.as_json else yaml.safe_dump(out, sort_keys=False).rstrip()
+        return Output(out, yaml.safe_dump(out, sort_keys=False).rstrip())

@@ -40,7 +40,7 @@ from worker.errors import ConfigError, NotFound
 from worker.messages import Envelope, rfc3339
 from worker.metrics import Metrics
 from worker.ops.admin import Admin, Target
-from worker.ops.render import table
+from worker.ops.render import Output, table
 from worker.subscriptions import Subscription
 
 QUIET_SECONDS = 2.0  # no message for this long: the cursor holds nothing more for us
@@ -133,11 +133,10 @@ class DeadLetterSource:
 
 
 class DeadLetters:
-    """The `dlq` commands for one fleet; each returns the text to print."""
+    """The `dlq` commands for one fleet; each returns its Output."""
 
-    def __init__(self, target: Target, as_json: bool = False) -> None:
+    def __init__(self, target: Target) -> None:
         self.target = target
-        self.as_json = as_json
         self.pulsar_settings = PulsarSettings(service_url=target.pulsar("dlq"),
                                               auth_token=target.settings.pulsar.auth_token,
                                               tls_trust_certs_file=target.settings.pulsar.tls_trust_certs_file,
@@ -181,17 +180,17 @@ class DeadLetters:
                 "attempts": props.get("pubsub.delivery_attempts", ""),
                 "last_status": props.get("pubsub.last_status", ""), "bytes": len(message.data() or b"")}
 
-    async def list(self, admin: Admin, name: str, limit: int) -> str:
+    async def list(self, admin: Admin, name: str, limit: int) -> Output:
         sub = await self.subscription(admin, name)
         rows = [self._summary(m) for m in await self._peek(sub, limit)]
-        if self.as_json:
-            return json.dumps({"subscription": sub.key, "dead_letter_topic": sub.dead_letter_topic, "messages": rows})
+        data = {"subscription": sub.key, "dead_letter_topic": sub.dead_letter_topic, "messages": rows}
         if not rows:
-            return f"{sub.key}: no dead letters in {sub.dead_letter_topic}"
+            return Output(data, f"{sub.key}: no dead letters in {sub.dead_letter_topic}")
         more = f"\n(first {limit} shown; --limit for more)" if len(rows) >= limit else ""
-        return f"{sub.key}: {len(rows)} dead letter(s) in {sub.dead_letter_topic}\n" + table(rows, list(rows[0])) + more
+        return Output(data, f"{sub.key}: {len(rows)} dead letter(s) in {sub.dead_letter_topic}\n"
+                            + table(rows, list(rows[0])) + more)
 
-    async def show(self, admin: Admin, name: str, message_id: str, limit: int) -> str:
+    async def show(self, admin: Admin, name: str, message_id: str, limit: int) -> Output:
         """One dead letter (by its own id or its original id), with payload and attempt history."""
         sub = await self.subscription(admin, name)
         for message in await self._peek(sub, limit):
@@ -205,17 +204,17 @@ class DeadLetters:
                 out = {**summary, "attributes": dict(message.properties()), "data": text, "data_encoding": encoding,
                        "ordering_key": message.partition_key() or None}
                 try:
-                    history = await admin.show(summary["message_id"], sub.key)
+                    history: Output | None = await admin.show(summary["message_id"], sub.key)
                 except NotFound:
-                    history = ""
-                if self.as_json:
-                    return json.dumps({**out, "history": json.loads(history)["history"] if history else []})
-                lines = [f"{k}: {v}" for k, v in out.items()]
-                return "\n".join(lines) + ("\n\nattempts:\n" + history if history else "")
+                    history = None
+                lines = [f"{k}: {json.dumps(v) if isinstance(v, dict) else v}" for k, v in out.items()
+                         if v is not None]
+                return Output({**out, "history": history.data["history"] if history else []},
+                              "\n".join(lines) + ("\n\nattempts:\n" + history.text if history else ""))
         raise NotFound(f"no dead letter {message_id} for {sub.key} among the first {limit} (--limit to look further)")
 
     async def redrive(self, admin: Admin, name: str, rate: float, limit: int | None, concurrency: int,
-                      progress: Callable[[str], None]) -> str:
+                      progress: Callable[[str], None]) -> Output:
         sub = await self.subscription(admin, name)
         # Redelivery ignores the original ordering (the messages failed out of order already).
         sub = dataclasses.replace(sub, type="shared", max_ack_pending=concurrency)
@@ -253,10 +252,8 @@ class DeadLetters:
             await asyncio.wait_for(client.close(), timeout=5.0)
             await pipeliner.close()
             await ctx.deliverer.close()
-        if self.as_json:
-            return json.dumps(result)
-        return (f"{sub.key}: redrive done: {result['redriven']} delivered, {result['dead_lettered_again']} "
-                f"dead-lettered again, in {result['seconds']}s")
+        return Output(result, f"{sub.key}: redrive done: {result['redriven']} delivered, "
+                              f"{result['dead_lettered_again']} dead-lettered again, in {result['seconds']}s")
 
 
 def _settled(d: Dispatcher) -> int:
@@ -273,10 +270,10 @@ def stderr_progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-async def run(target: Target, action: str, name: str, as_json: bool, **options: Any) -> str:
+async def run(target: Target, action: str, name: str, **options: Any) -> Output:
     logs.configure("auto", "warning")  # stdout carries the result (JSON with --json); logs go to stderr
-    admin = Admin(target, as_json=as_json)
-    dlq = DeadLetters(target, as_json=as_json)
+    admin = Admin(target)
+    dlq = DeadLetters(target)
     try:
         if action == "list":
             return await dlq.list(admin, name, options["limit"])

@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class Output:
+    """What an operator command produced: `data` for --json, `text` for a person."""
+
+    data: Any
+    text: str
+
+
+def render(output: Output, as_json: bool) -> str:
+    return json.dumps(output.data) if as_json else output.text
 
 
 def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
