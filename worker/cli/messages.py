@@ -1,0 +1,98 @@
+"""`show`, `queue`, `history`, `discard`, `purge`: one subscription's messages."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import sys
+from typing import Any
+
+from worker.cli import dlq
+from worker.cli.common import connection_args
+from worker.errors import ConfigError
+from worker.ops.render import Output, render
+
+
+def _cmd_messages(args: argparse.Namespace) -> int:
+    """queue, history, discard, purge."""
+    from worker.ops.admin import Admin, locate
+
+    if args.command == "queue" and args.state == "dead":
+        args.action, args.limit = "list", args.limit
+        return dlq.dlq_command(args)
+    if args.command == "purge" and not args.yes:
+        if not sys.stdin.isatty():
+            raise ConfigError("purge", "--yes", "is required when not on a terminal (it skips the whole backlog)")
+        answer = input(f"Skip the whole backlog of {args.subscription}? Type its name to confirm: ")
+        if answer.strip() != args.subscription:
+            print("not purged")
+            return 1
+    target = locate(args.config, redis_url=args.redis_url, pulsar_url=getattr(args, "service_url", None))
+
+    async def go() -> Output:
+        admin = Admin(target)
+        try:
+            if args.command == "queue":
+                return await admin.queue(args.subscription, args.state, args.limit)
+            if args.command == "history":
+                return await admin.history(args.subscription, args.limit)
+            if args.command == "discard":
+                return await admin.discard(args.message_id, args.subscription, args.wait)
+            pulsar = dataclasses.replace(target.settings.pulsar, service_url=target.pulsar("purge"))
+            return await admin.purge(args.subscription, pulsar)
+        finally:
+            await admin.close()
+
+    print(render(asyncio.run(go()), args.json))
+    return 0
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from worker.ops.admin import Admin, locate
+
+    target = locate(args.config, redis_url=args.redis_url)
+
+    async def go() -> int:
+        admin = Admin(target)
+        try:
+            print(render(await admin.show(args.message_id, args.subscription), args.json))
+        finally:
+            await admin.close()
+        return 0
+
+    return asyncio.run(go())
+
+
+def register(cmds: Any) -> None:
+    p = cmds.add_parser("show", help="a message's delivery attempts in one subscription")
+    p.add_argument("message_id", help="as in Pubsub-Message-Id: ledger:entry:partition:batch")
+    p.add_argument("--subscription", "-s", required=True, help="NAME or PROJECT/NAME")
+    connection_args(p)
+    p.set_defaults(func=_cmd_show)
+
+    p = cmds.add_parser("queue", help="a subscription's messages by state: inflight, retrying or dead")
+    p.add_argument("subscription", help="NAME or PROJECT/NAME")
+    p.add_argument("--state", choices=("inflight", "retrying", "dead"), required=True)
+    p.add_argument("--limit", type=int, default=100)
+    connection_args(p, broker=True)
+    p.set_defaults(func=_cmd_messages)
+
+    p = cmds.add_parser("history", help="a subscription's recently settled messages and how each ended")
+    p.add_argument("subscription", help="NAME or PROJECT/NAME")
+    p.add_argument("--limit", type=int, default=50)
+    connection_args(p)
+    p.set_defaults(func=_cmd_messages)
+
+    p = cmds.add_parser("discard", help="settle one message without delivering it (recorded in its history)")
+    p.add_argument("message_id")
+    p.add_argument("--subscription", "-s", required=True, help="NAME or PROJECT/NAME")
+    p.add_argument("--wait", type=float, default=10.0, help="seconds to wait for a worker to settle it")
+    connection_args(p)
+    p.set_defaults(func=_cmd_messages)
+
+    p = cmds.add_parser("purge", help="skip a subscription's whole backlog (asks for confirmation)")
+    p.add_argument("subscription", help="NAME or PROJECT/NAME")
+    p.add_argument("--yes", action="store_true", help="do not ask")
+    connection_args(p, broker=True)
+    p.set_defaults(func=_cmd_messages)

@@ -1,0 +1,95 @@
+"""`subs apply|delete|list|get|pause|resume|seek`: the live subscription registry."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+from datetime import datetime
+from typing import Any
+
+from worker.cli.common import connection_args
+from worker.errors import ConfigError
+from worker.ops.render import render
+
+
+def _cmd_subs(args: argparse.Namespace) -> int:
+    from worker.ops.admin import Admin, locate
+
+    target = locate(args.config, redis_url=args.redis_url, pulsar_url=getattr(args, "service_url", None))
+
+    async def go() -> int:
+        admin = Admin(target)
+        try:
+            if args.action == "apply":
+                print(render(await admin.apply(args.file), args.json))
+            elif args.action == "delete":
+                if (args.name is None) == (args.topic is None):
+                    raise ConfigError("subs delete", "NAME", "give a subscription NAME or --topic TOPIC (not both)")
+                print(render(await admin.delete(args.name, args.topic), args.json))
+            elif args.action == "list":
+                print(render(await admin.list(), args.json))
+            elif args.action in ("pause", "resume"):
+                print(render(await admin.pause(args.name, args.action == "pause", args.wait), args.json))
+            elif args.action == "seek":
+                pulsar = dataclasses.replace(target.settings.pulsar, service_url=target.pulsar("subs seek"))
+                print(render(await admin.seek(args.name, _seek_target(args), pulsar), args.json))
+            else:
+                print(render(await admin.get(args.name), args.json))
+        finally:
+            await admin.close()
+        return 0
+
+    return asyncio.run(go())
+
+
+def _seek_target(args: argparse.Namespace) -> Any:
+    from worker.fleet.lifecycle import SeekTarget
+
+    if args.to_earliest:
+        return SeekTarget("earliest")
+    if args.to_latest:
+        return SeekTarget("latest")
+    value = args.to
+    if value.isdigit():
+        return SeekTarget(int(value))
+    try:
+        when = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise ConfigError("subs seek", "--to", f"must be an RFC 3339 time or ms since the epoch (got {value!r})") \
+            from None
+    if when.tzinfo is None:
+        raise ConfigError("subs seek", "--to", "must carry a time zone, e.g. 2026-11-30T08:00:00Z")
+    return SeekTarget(int(when.timestamp() * 1000))
+
+
+def register(cmds: Any) -> None:
+    subs = cmds.add_parser("subs", help="the live subscription registry").add_subparsers(dest="action", required=True)
+    for action, help_text in (("apply", "create or edit subscriptions from a YAML file"),
+                              ("delete", "delete a subscription, or --topic T: every subscription of a deleted topic"),
+                              ("list", "subscriptions with owner, state, counters"),
+                              ("get", "one subscription's definition and status"),
+                              ("pause", "stop delivery for one subscription; its backlog waits in the broker"),
+                              ("resume", "restart delivery of a paused subscription"),
+                              ("seek", "rewind or fast-forward the subscription's cursor; attempt counts reset")):
+        p = subs.add_parser(action, help=help_text)
+        if action == "apply":
+            p.add_argument("-f", "--file", required=True,
+                           help="YAML: one subscription, a list, or {subscriptions: [...]}; - for stdin")
+        elif action == "delete":
+            p.add_argument("name", nargs="?", help="NAME or PROJECT/NAME")
+            p.add_argument("--topic", help="delete every subscription of this topic (the topic was deleted)")
+        elif action != "list":
+            p.add_argument("name", help="NAME or PROJECT/NAME")
+        if action == "pause":
+            p.add_argument("--wait", type=float, default=60.0,
+                           help="seconds to wait for the owner to finish requests under way (default 60)")
+        else:
+            p.set_defaults(wait=0.0)
+        if action == "seek":
+            where = p.add_mutually_exclusive_group(required=True)
+            where.add_argument("--to", help="RFC 3339 time (2026-11-30T08:00:00Z) or ms since the epoch")
+            where.add_argument("--to-earliest", action="store_true", help="the oldest message kept")
+            where.add_argument("--to-latest", action="store_true", help="skip everything published so far")
+        connection_args(p, broker=action == "seek")
+        p.set_defaults(func=_cmd_subs)

@@ -1,0 +1,95 @@
+"""`run`, `check` and `publish`: a worker process, its config, one message."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+from typing import Any
+
+from worker import logs
+from worker.cli.common import KEEP_UNTIL_EXIT, run_loop
+from worker.config import load_settings
+from worker.errors import ConfigError
+
+
+async def _serve(config_path: str) -> int:
+    from worker.service import Worker, preflight
+
+    settings = load_settings(config_path)
+    preflight(settings)
+    logs.configure(settings.log_format, settings.log_level)
+    worker = Worker(settings)
+    KEEP_UNTIL_EXIT.append(worker)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.request_stop)
+    loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)  # what a stuck worker is waiting on
+    async with worker:
+        await worker.run_until_stopped()
+        logs.get().info("stop requested; draining", grace_seconds=settings.shutdown_grace_seconds)
+    return 0
+
+
+def _dump_tasks() -> None:
+    """SIGUSR1: log every task of the event loop with where it waits (for a worker that hangs)."""
+    for task in asyncio.all_tasks():
+        frames: list[str] = []
+        awaited: Any = task.get_coro()
+        while awaited is not None and len(frames) < 20:  # the await chain, outermost first
+            frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
+            if frame is None:
+                frames.append(type(awaited).__name__)
+                break
+            frames.append(f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno} {frame.f_code.co_name}")
+            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+        logs.get().warning("task", name=task.get_name(), awaits=frames)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    return run_loop(_serve(args.config))
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from worker.service import preflight
+
+    settings = load_settings(args.config)
+    preflight(settings)
+    print(f"ok: {len(settings.subscriptions)} push subscription(s)")
+    return 0
+
+
+def _cmd_publish(args: argparse.Namespace) -> int:
+    from worker.ops.admin import locate
+    from worker.ops.publish import publish
+
+    attrs = {}
+    for item in args.attr or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ConfigError("publish", "--attr", f"must be NAME=VALUE (got {item!r})")
+        attrs[name] = value
+    target = locate(args.config, pulsar_url=args.service_url)
+    message_id = publish(target.pulsar("publish"), args.topic, args.data.encode(), attrs, args.key,
+                         min(10, target.settings.pulsar.operation_timeout_seconds))
+    print(message_id)
+    return 0
+
+
+def register(cmds: Any) -> None:
+    p = cmds.add_parser("run", help="run a worker")
+    p.add_argument("--config", "-c", required=True, help="worker.yaml")
+    p.set_defaults(func=_cmd_run)
+
+    p = cmds.add_parser("check", help="validate a config file and exit")
+    p.add_argument("--config", "-c", required=True, help="the worker.yaml to validate")
+    p.set_defaults(func=_cmd_check)
+    p = cmds.add_parser("publish", help="publish one message (for trying things out)")
+    p.add_argument("topic", help="persistent://TENANT/NAMESPACE/TOPIC")
+    p.add_argument("data", help="the payload (UTF-8 text)")
+    p.add_argument("--attr", action="append", metavar="K=V", help="an attribute (repeatable)")
+    p.add_argument("--key", help="the ordering key")
+    p.add_argument("--service-url", default=None,
+                   help="default: $PUSH_WORKER_PULSAR_URL, the config, or a local embedded worker")
+    p.add_argument("--config", "-c", help="worker.yaml (for pulsar.service_url)")
+    p.set_defaults(func=_cmd_publish)
