@@ -17,12 +17,12 @@ def test_demo_delivers_retries_and_dead_letters_and_loses_nothing(tmp_path: Path
     elapsed = time.monotonic() - started
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
-    numbers = {k: int(v) for k, v in re.findall(r"^\s+(published|delivered|retried|dead-lettered|lost)\s+(\d+)",
+    numbers = {k: int(v) for k, v in re.findall(r"^\s+(published|delivered|retries|dead-lettered|lost)\s+(\d+)",
                                                  out, re.M)}
     assert numbers["published"] == 300
     assert numbers["lost"] == 0
     assert numbers["delivered"] + numbers["dead-lettered"] == 300
-    assert numbers["retried"] > 0 and numbers["dead-lettered"] >= 15  # every 20th payload always fails
-    assert re.search(r"found on \S+: (\d+)\)", out).group(1) == str(numbers["dead-lettered"])
-    assert "settled" in out  # the live progress line
+    assert numbers["retries"] > 0 and numbers["dead-lettered"] >= 15  # every 20th payload always fails
+    progress = [line for line in out.splitlines() if "settled" in line and "unsettled=" in line]
+    assert progress and "\r" not in out  # not a terminal: whole lines of progress, no carriage returns
     assert elapsed < 60

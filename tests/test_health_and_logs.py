@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pulsar
 import redis as redis_sync
 import yaml
 from aiohttp import web
@@ -51,3 +52,34 @@ async def test_probes_and_json_logs_without_secrets(broker, endpoint, client: Cl
     for e in delivered + failed:
         assert {"subscription", "project", "message_id", "attempt", "status", "latency", "level", "timestamp"} <= set(e)
     assert delivered[0]["level"] == "debug" and failed[0]["level"] == "info"
+
+
+async def test_readiness_judges_the_worker_not_a_subscription_that_cannot_subscribe(
+        broker, redis_url, endpoint, client: Client, topic):
+    """A rolling update must not wait forever on one subscription the broker keeps refusing (here:
+    an exclusive subscription another consumer holds); the broker answered, so the worker is ready."""
+    import asyncio
+
+    from tests.conftest import make_settings, make_sub
+    from worker.config import PulsarSettings
+    from worker.service import Worker
+
+    blocked = make_sub(topic, endpoint.url, type="exclusive")
+    holder = client.client.subscribe(topic, blocked.pulsar_subscription, consumer_type=pulsar.ConsumerType.Exclusive)
+    worker = Worker(make_settings(broker.url, redis_url, (blocked,),
+                                  pulsar=PulsarSettings(service_url=broker.url, operation_timeout_seconds=2)),
+                    worker_id="ready-test")
+    try:
+        await worker.start()
+        assert worker.status is not None
+        url = f"http://127.0.0.1:{worker.status.port}/readyz"
+        for _ in range(300):
+            code, body = await asyncio.to_thread(http_get, url)
+            if code == 200:
+                break
+            await asyncio.sleep(0.05)
+        assert (code, body) == (200, {"ready": True, "reason": "ok"})
+        assert blocked.key not in worker.dispatchers  # still refused: served by nobody, but not blocking
+    finally:
+        await worker.close()
+        holder.close()

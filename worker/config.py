@@ -155,6 +155,9 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
     env = os.environ if env is None else env
     if data is None:
         data = {}
+    if not isinstance(data, dict):
+        raise ConfigError("", "config", f"must be a mapping of settings (pulsar, redis, subscriptions, ...), "
+                                        f"not a {type(data).__name__}")
     r = FieldReader("config", data)
     r.reject_unknown({"pulsar", "redis", "state_dir", "http", "destinations", "subscriptions",
                       "shutdown_grace_seconds", "log", "fleet"})

@@ -151,6 +151,18 @@ class PulsarConsumer:
         await self._consumer.close()
 
 
+# Results that mean the broker did not answer (rather than refused): it is down or unreachable.
+_UNREACHABLE = {pulsar.Result.Timeout, pulsar.Result.ConnectError, pulsar.Result.ServiceUnitNotReady,
+                pulsar.Result.AlreadyClosed, pulsar.Result.NotConnected}
+
+
+def answered_by_broker(error: BaseException) -> bool:
+    """Whether a failed broker call got an answer from the broker (a refusal such as an unknown
+    topic or missing permission) rather than no answer (timeout, connection refused)."""
+    result = getattr(error, "error", None)
+    return callable(result) and result() not in _UNREACHABLE
+
+
 async def subscribe(client: pulsar_async.Client, sub: Subscription, consumer_name: str,
                     receiver_queue_size: int | None = None, fast_path: bool = True) -> PulsarConsumer:
     """The subscription's one consumer. The prefetch queue is bounded by `max_ack_pending`."""

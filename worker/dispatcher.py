@@ -395,12 +395,14 @@ class Dispatcher:
             self.stats.dead_lettered += 1
             self.m.dead_lettered.inc()
             log.warning("dead-lettered", dead_letter_topic=sub.dead_letter_topic)
-            history = [*history, event_entry("dead-lettered", self.ctx.worker_id, topic=sub.dead_letter_topic)]
+            # attempt and status too: `push-worker history` shows the settled summary (this entry) in columns
+            history = [*history, event_entry("dead-lettered", self.ctx.worker_id, topic=sub.dead_letter_topic,
+                                             attempt=attempts, status=last_status)]
         else:
             self.stats.dropped += 1
             self.m.dropped.inc()
             log.warning("dropped after last attempt")
-            history = [*history, event_entry("dropped", self.ctx.worker_id)]
+            history = [*history, event_entry("dropped", self.ctx.worker_id, attempt=attempts, status=last_status)]
         return await self._ack(message, env, sub, history, record_first=True)
 
     async def _pause(self, seconds: float) -> None:

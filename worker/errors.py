@@ -18,6 +18,10 @@ class ConfigError(PushWorkerError):
         super().__init__(f"{location}{field}: {rule}")
 
 
+class UsageError(ConfigError):
+    """A command's argument breaks a rule (exit code 2, like a bad configuration, but said as such)."""
+
+
 class DestinationRefused(PushWorkerError, OSError):
     """A push URL points at an address the destination policy does not allow."""
 

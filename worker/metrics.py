@@ -53,6 +53,8 @@ class Metrics:
                                      "Adaptive concurrency window of the subscription's endpoint", SUB, registry=r)
         self.backlog = Gauge("pushworker_subscription_backlog", "Messages the broker holds for the subscription "
                              "(msgBacklog), reported by its owner", SUB, registry=r)
+        self.backlog_source = Gauge("pushworker_backlog_source_configured", "1 when the worker has a backlog "
+                                    "source (pulsar.admin_url or pulsar.metrics_url), else 0", registry=r)
         self.fleet_size = Gauge("pushworker_fleet_size", "Live workers this worker sees in its fleet", registry=r)
         self.owned = Gauge("pushworker_subscription_owned", "1 for each subscription this worker serves",
                            SUB, registry=r)

@@ -31,7 +31,7 @@ from worker.fleet import Fleet, lifecycle
 from worker.fleet.lifecycle import ExpiryWatch, SeekTarget
 from worker.http_server import StatusServer
 from worker.metrics import Metrics
-from worker.signing import SecretRef, SecretStore, SecretUnavailable
+from worker.signing import SecretStore, SecretUnavailable
 from worker.subscriptions import State, Subscription
 from worker.supervisor import Supervisor, log_task_failure
 
@@ -48,17 +48,19 @@ def preflight(settings: Settings, secrets: SecretStore | None = None) -> None:
             check_host(urlsplit(sub.url).hostname or "", settings.destinations)
         except DestinationRefused as e:
             raise ConfigError(where, "deliver.push.url", str(e)) from None
-        for i, ref in enumerate(sub.signing_secrets):
-            _check_secret(secrets, ref, where, f"deliver.push.signing_secrets[{i}]")
-        if sub.bearer_token is not None:
-            _check_secret(secrets, sub.bearer_token, where, "deliver.push.bearer_token")
+        check_secrets(sub, secrets)
 
 
-def _check_secret(secrets: SecretStore, ref: SecretRef, where: str, field: str) -> None:
-    try:
-        secrets.read(ref)
-    except SecretUnavailable as e:
-        raise ConfigError(where, field, str(e)) from None
+def check_secrets(sub: Subscription, secrets: SecretStore) -> None:
+    """Every signing secret and bearer token of `sub` can be read, else a ConfigError naming it."""
+    refs = [(f"deliver.push.signing_secrets[{i}]", ref) for i, ref in enumerate(sub.signing_secrets)]
+    if sub.bearer_token is not None:
+        refs.append(("deliver.push.bearer_token", sub.bearer_token))
+    for field, ref in refs:
+        try:
+            secrets.read(ref)
+        except SecretUnavailable as e:
+            raise ConfigError(f"subscription {sub.name!r}", field, str(e)) from None
 
 
 class Worker:
@@ -72,11 +74,14 @@ class Worker:
         self.log = logs.get(worker=self.worker_id)
         self.dispatchers: dict[str, Dispatcher] = {}
         self._starting: dict[str, asyncio.Task[None]] = {}
+        self._starting_subs: dict[str, Subscription] = {}
         self._orphans: set[asyncio.Future[None]] = set()
         self._services: list[embedded.Service] = []
         self._stack = contextlib.AsyncExitStack()  # what start() started, released in reverse by close()
         self.supervisor = Supervisor(on_failure=lambda task: self.metrics.task_failures.labels(task).inc())
         self._stop = asyncio.Event()
+        self._newly_served = asyncio.Event()  # a dispatcher started: read its backlog now
+        self.broker_answered = False  # a subscribe succeeded, or the broker refused one (it is reachable)
         self._closed = False
         self.redis: aioredis.Redis | None = None
         self.pulsar: Any = None
@@ -146,8 +151,12 @@ class Worker:
             return  # stopped while waiting
         self.fleet = Fleet(self, self.redis, s.fleet, s.subscriptions)
         await self.fleet.start()
+        self.metrics.backlog_source.set(1 if self.backlog.enabled else 0)
         if self.backlog.enabled:
             self.supervisor.spawn("backlog", self._report_backlog)
+        else:
+            self.log.warning("no backlog source: set pulsar.admin_url (or pulsar.metrics_url); without it there is "
+                             "no pushworker_subscription_backlog, no expiry, and nothing for the HPA to scale on")
         self.log.info("worker started", fleet=s.fleet.name, members=len(self.fleet.members),
                       owned=len(self.fleet.leases), http_port=self.status.port)
 
@@ -190,6 +199,7 @@ class Worker:
             return
         task = asyncio.create_task(self._subscribe_and_run(sub, may_deliver), name=f"subscribe {sub.key}")
         self._starting[sub.key] = task
+        self._starting_subs[sub.key] = sub
         task.add_done_callback(functools.partial(self._forget_start, sub.key))
         task.add_done_callback(log_task_failure(self.supervisor, "subscribe"))  # the fleet tries again
 
@@ -199,6 +209,7 @@ class Worker:
             subscribing = asyncio.ensure_future(pulsar_adapter.subscribe(self.pulsar, sub, self.worker_id))
             try:
                 consumer = await asyncio.shield(subscribing)
+                self.broker_answered = True
                 break
             except asyncio.CancelledError:
                 # Cancelling does not stop the subscribe inside the client: close the consumer it
@@ -206,6 +217,7 @@ class Worker:
                 subscribing.add_done_callback(self._close_orphan)
                 raise
             except Exception as e:
+                self.broker_answered = self.broker_answered or pulsar_adapter.answered_by_broker(e)
                 self.metrics.broker_errors.labels("subscribe").inc()
                 self.log.warning("subscribe failed; retrying", subscription=sub.key, error=str(e), in_seconds=delay)
                 await asyncio.sleep(delay)
@@ -214,6 +226,7 @@ class Worker:
         dispatcher.health.error_after = self.settings.fleet.error_after_seconds
         self.dispatchers[sub.key] = dispatcher
         dispatcher.start()
+        self._newly_served.set()
 
     async def seek(self, key: str, target: SeekTarget) -> int:
         """Rewind or fast-forward a served subscription: stop its dispatcher (what it held goes back to
@@ -242,6 +255,7 @@ class Worker:
     def _forget_start(self, key: str, task: asyncio.Task[None]) -> None:
         if self._starting.get(key) is task:  # a newer start of the same key is not ours to forget
             del self._starting[key]
+            self._starting_subs.pop(key, None)
 
     @property
     def serving(self) -> set[str]:
@@ -256,7 +270,10 @@ class Worker:
         task.add_done_callback(self._orphans.discard)
 
     async def _report_backlog(self) -> None:
-        while True:  # read once at once, then every interval
+        """Read the backlog of every owned subscription every interval; a subscription newly served
+        is read within a second (not only at the next interval), so it has a figure from its start."""
+        while True:
+            self._newly_served.clear()
             try:
                 owned = [d.sub for d in self.dispatchers.values()]
                 backlogs = await self.backlog.read(owned)
@@ -271,7 +288,8 @@ class Worker:
             except Exception as e:  # the backlog is a report: its failure never stops delivery
                 self.metrics.broker_errors.labels("backlog").inc()
                 self.log.warning("backlog read failed", error=type(e).__name__)
-            await asyncio.sleep(self.settings.pulsar.backlog_interval_seconds)
+            if await wait_event(self._newly_served, self.settings.pulsar.backlog_interval_seconds):
+                await asyncio.sleep(1.0)  # starts come in bursts (a fleet change): one read for the burst
 
     async def remove(self, key: str, grace: float | None = None, unsubscribe: bool = False) -> None:
         """Stop serving a subscription; its unsettled messages go back to the broker (or, with
@@ -308,14 +326,34 @@ class Worker:
             await asyncio.wait_for(self.redis.ping(), timeout=2)
         except Exception:
             return False, "redis unreachable"
-        if self._starting:
-            return False, f"{len(self._starting)} subscription(s) not yet subscribed"
+        # The worker is judged, not each subscription: one that can never subscribe (a topic the
+        # broker refuses) must not hold a rolling update forever. Until the broker has answered at
+        # all, though, nothing can be delivered.
+        if self._starting and not self.broker_answered and not await self._broker_answers():
+            return False, "broker unreachable"
         if self.fleet is None or not self.fleet.members:
             return False, "not yet in the fleet"
         failing = self.supervisor.not_ready()
         if failing:
             return False, failing
         return True, "ok"
+
+    async def _broker_answers(self) -> bool:
+        """A topic lookup of a subscription still subscribing: the client retries a refused subscribe
+        until it times out, so the subscribe's error cannot tell a refusing broker from a dead one."""
+        topic = next((sub.topic for sub in self._pending_subs()), None)
+        if topic is None or self.pulsar is None:
+            return False
+        try:
+            await asyncio.wait_for(self.pulsar.get_topic_partitions(topic), timeout=2)
+        except Exception as e:
+            self.broker_answered = pulsar_adapter.answered_by_broker(e)
+        else:
+            self.broker_answered = True
+        return self.broker_answered
+
+    def _pending_subs(self) -> list[Subscription]:
+        return [self._starting_subs[k] for k in self._starting if k in self._starting_subs]
 
     def liveness(self) -> tuple[bool, str]:
         """Alive unless a background task has kept failing for a long time: then a restart may help."""

@@ -91,6 +91,9 @@ class Subscription:
         return self.name
 
 
+TOPIC_RULE = "must be a full topic name like persistent://p-<project>/main/<topic>"
+
+
 def topic_parts(topic: str) -> tuple[str, str, str, str]:
     """Split `persistent://tenant/ns/name` into its four parts (domain, tenant, namespace, name)."""
     m = _TOPIC_RE.match(topic)
@@ -157,9 +160,12 @@ class FieldReader:
 
 def _check_topic(r: FieldReader, name: str, value: str) -> tuple[str, str, str, str]:
     try:
-        return topic_parts(value)
+        parts = topic_parts(value)
     except ValueError:
-        raise r.fail(name, "must be a full topic name like persistent://p-<project>/main/<topic>") from None
+        raise r.fail(name, TOPIC_RULE) from None
+    if parts[0] != "persistent":  # a non-persistent topic drops what no consumer holds: push must not lose messages
+        raise r.fail(name, "must be persistent:// (a non-persistent topic loses messages no consumer holds)")
+    return parts
 
 
 def _check_url(r: FieldReader, value: str) -> str:

@@ -14,13 +14,14 @@ from collections.abc import Sequence
 
 from worker.cli import devtools, dlq, messages, subs
 from worker.cli import worker as worker_commands
-from worker.errors import ConfigError, NotFound, PushWorkerError
+from worker.cli.common import Parser
+from worker.errors import ConfigError, NotFound, PushWorkerError, UsageError
 
 
 def build_parser() -> argparse.ArgumentParser:
     from importlib.metadata import version
 
-    parser = argparse.ArgumentParser(prog="push-worker", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = Parser(prog="push-worker", description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--version", action="version", version=f"push-worker {version('push-worker')}")
     cmds = parser.add_subparsers(dest="command", required=True)
     for group in (worker_commands, devtools, subs, messages, dlq):
@@ -69,6 +70,8 @@ def explain(error: BaseException) -> tuple[int, str]:
     from redis import exceptions as redis_errors
 
     text = " ".join(str(error).split())[:300] or type(error).__name__
+    if isinstance(error, UsageError):
+        return 2, f"invalid argument: {text}"
     if isinstance(error, ConfigError):
         return 2, f"invalid configuration: {text}"
     if isinstance(error, NotFound):

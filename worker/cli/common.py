@@ -5,9 +5,38 @@ from __future__ import annotations
 import argparse
 import asyncio
 from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 T = TypeVar("T")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (exit code 2), like every other failure."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"push-worker: invalid argument: {message} (see: {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    """An argument that must be a whole number above 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number (got {text!r})") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (got {value})")
+    return value
+
+
+def positive_number(text: str) -> float:
+    """An argument that must be a number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number (got {text!r})") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0 (got {text})")
+    return value
 
 # Objects holding Pulsar clients stay referenced until the process exits through os._exit: their
 # C++ destructors can block at interpreter teardown.

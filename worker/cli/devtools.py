@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from worker.cli.common import run_loop
+from worker.cli.common import positive_int, positive_number, run_loop
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -34,24 +34,24 @@ def _cmd_soak(args: argparse.Namespace) -> int:
 
 def register(cmds: Any) -> None:
     p = cmds.add_parser("demo", help="embedded broker, Redis and a flaky endpoint: watch delivery live")
-    p.add_argument("--messages", type=int, default=300, help="how many to publish (default 300)")
+    p.add_argument("--messages", type=positive_int, default=300, help="how many to publish (default 300)")
     p.set_defaults(func=_cmd_demo)
 
     p = cmds.add_parser("bench", help="measure delivery throughput against a bare aiohttp loop")
-    p.add_argument("--messages", type=int, default=20000, help="messages per case (default 20000)")
-    p.add_argument("--concurrency", type=int, default=64, help="requests at once (default 64)")
+    p.add_argument("--messages", type=positive_int, default=20000, help="messages per case (default 20000)")
+    p.add_argument("--concurrency", type=positive_int, default=64, help="requests at once (default 64)")
     p.set_defaults(func=_cmd_bench)
     p = cmds.add_parser("bench-fleet", help="ownership convergence after a kill, movement on a join")
-    p.add_argument("--subscriptions", type=int, default=60, help="subscriptions to spread (default 60)")
-    p.add_argument("--workers", type=int, default=3, help="simulated workers (default 3)")
-    p.add_argument("--lease-seconds", type=float, default=5.0, help="lease length (default 5)")
+    p.add_argument("--subscriptions", type=positive_int, default=60, help="subscriptions to spread (default 60)")
+    p.add_argument("--workers", type=positive_int, default=3, help="simulated workers (default 3)")
+    p.add_argument("--lease-seconds", type=positive_number, default=5.0, help="lease length (default 5)")
     p.set_defaults(func=_cmd_bench_fleet)
 
     p = cmds.add_parser("soak", help="a bounded run under mixed failures; reports delivered, duplicated, "
                         "dead-lettered and lost (exit 1 if any was lost)")
-    p.add_argument("--seconds", type=float, default=60.0, help="how long to publish (default 60)")
-    p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
-    p.add_argument("--rate", type=float, default=40.0, help="messages a second")
+    p.add_argument("--seconds", type=positive_number, default=60.0, help="how long to publish (default 60)")
+    p.add_argument("--workers", type=positive_int, default=2, help="worker processes (default 2)")
+    p.add_argument("--rate", type=positive_number, default=40.0, help="messages a second")
     p.add_argument("--hard-kills", action="store_true",
                    help="restart workers with SIGKILL only (default: SIGTERM and SIGKILL in turn)")
     p.set_defaults(func=_cmd_soak)

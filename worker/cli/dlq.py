@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from worker.cli.common import connection_args, run_loop
-from worker.errors import ConfigError
+from worker.cli.common import connection_args, positive_int, positive_number, run_loop
+from worker.errors import UsageError
 from worker.ops.render import render
 
 
@@ -15,7 +15,7 @@ def dlq_command(args: argparse.Namespace) -> int:
     from worker.ops.admin import locate
 
     if args.action == "redrive" and not (args.rate > 0):
-        raise ConfigError("dlq redrive", "--rate", "must be > 0 messages a second")
+        raise UsageError("dlq redrive", "--rate", "must be > 0 messages a second")
     target = locate(args.config, redis_url=args.redis_url, pulsar_url=args.service_url)
     options = {"limit": getattr(args, "limit", 1000), "message_id": getattr(args, "message_id", None),
                "rate": getattr(args, "rate", 10.0), "max_messages": getattr(args, "max_messages", None),
@@ -28,19 +28,19 @@ def register(cmds: Any) -> None:
     dlq = cmds.add_parser("dlq", help="dead letters of one subscription").add_subparsers(dest="action", required=True)
     p = dlq.add_parser("list", help="dead letters waiting (nothing is moved)")
     p.add_argument("subscription", help="NAME or PROJECT/NAME")
-    p.add_argument("--limit", type=int, default=100)
+    p.add_argument("--limit", type=positive_int, default=100, help="at most this many (default 100)")
     connection_args(p, broker=True)
     p.set_defaults(func=dlq_command)
     p = dlq.add_parser("show", help="one dead letter: payload, attributes, attempt history")
     p.add_argument("subscription", help="NAME or PROJECT/NAME")
     p.add_argument("message_id", help="the dead letter's id or the original message id")
-    p.add_argument("--limit", type=int, default=10000, help="how many dead letters to look through")
+    p.add_argument("--limit", type=positive_int, default=10000, help="how many dead letters to look through")
     connection_args(p, broker=True)
     p.set_defaults(func=dlq_command)
     p = dlq.add_parser("redrive", help="deliver dead letters to this subscription's endpoint again (resumable)")
     p.add_argument("subscription", help="NAME or PROJECT/NAME")
-    p.add_argument("--rate", type=float, default=10.0, help="messages a second (default 10)")
-    p.add_argument("--concurrency", type=int, default=8, help="requests at once (default 8)")
-    p.add_argument("--max-messages", type=int, default=None, help="stop after this many")
+    p.add_argument("--rate", type=positive_number, default=10.0, help="messages a second (default 10)")
+    p.add_argument("--concurrency", type=positive_int, default=8, help="requests at once (default 8)")
+    p.add_argument("--max-messages", type=positive_int, default=None, help="stop after this many")
     connection_args(p, broker=True)
     p.set_defaults(func=dlq_command)

@@ -9,8 +9,8 @@ import sys
 from typing import Any
 
 from worker.cli import dlq
-from worker.cli.common import connection_args
-from worker.errors import ConfigError
+from worker.cli.common import connection_args, positive_int
+from worker.errors import UsageError
 from worker.ops.render import Output, render
 
 
@@ -23,7 +23,7 @@ def _cmd_messages(args: argparse.Namespace) -> int:
         return dlq.dlq_command(args)
     if args.command == "purge" and not args.yes:
         if not sys.stdin.isatty():
-            raise ConfigError("purge", "--yes", "is required when not on a terminal (it skips the whole backlog)")
+            raise UsageError("purge", "--yes", "is required when not on a terminal (it skips the whole backlog)")
         answer = input(f"Skip the whole backlog of {args.subscription}? Type its name to confirm: ")
         if answer.strip() != args.subscription:
             print("not purged")
@@ -73,19 +73,20 @@ def register(cmds: Any) -> None:
 
     p = cmds.add_parser("queue", help="a subscription's messages by state: inflight, retrying or dead")
     p.add_argument("subscription", help="NAME or PROJECT/NAME")
-    p.add_argument("--state", choices=("inflight", "retrying", "dead"), required=True)
-    p.add_argument("--limit", type=int, default=100)
+    p.add_argument("--state", choices=("inflight", "retrying", "dead"), required=True,
+                   help="inflight: first attempt under way; retrying: failed at least once; dead: dead letters")
+    p.add_argument("--limit", type=positive_int, default=100, help="at most this many (default 100)")
     connection_args(p, broker=True)
     p.set_defaults(func=_cmd_messages)
 
     p = cmds.add_parser("history", help="a subscription's recently settled messages and how each ended")
     p.add_argument("subscription", help="NAME or PROJECT/NAME")
-    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--limit", type=positive_int, default=50, help="the newest this many (default 50)")
     connection_args(p)
     p.set_defaults(func=_cmd_messages)
 
     p = cmds.add_parser("discard", help="settle one message without delivering it (recorded in its history)")
-    p.add_argument("message_id")
+    p.add_argument("message_id", help="as in Pubsub-Message-Id: ledger:entry:partition:batch")
     p.add_argument("--subscription", "-s", required=True, help="NAME or PROJECT/NAME")
     p.add_argument("--wait", type=float, default=10.0, help="seconds to wait for a worker to settle it")
     connection_args(p)

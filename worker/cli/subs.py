@@ -9,13 +9,14 @@ from datetime import datetime
 from typing import Any
 
 from worker.cli.common import connection_args
-from worker.errors import ConfigError
+from worker.errors import UsageError
 from worker.ops.render import render
 
 
 def _cmd_subs(args: argparse.Namespace) -> int:
     from worker.ops.admin import Admin, locate
 
+    seek_to = _seek_target(args) if args.action == "seek" else None  # a bad argument fails before connecting
     target = locate(args.config, redis_url=args.redis_url, pulsar_url=getattr(args, "service_url", None))
 
     async def go() -> int:
@@ -25,7 +26,7 @@ def _cmd_subs(args: argparse.Namespace) -> int:
                 print(render(await admin.apply(args.file), args.json))
             elif args.action == "delete":
                 if (args.name is None) == (args.topic is None):
-                    raise ConfigError("subs delete", "NAME", "give a subscription NAME or --topic TOPIC (not both)")
+                    raise UsageError("subs delete", "NAME", "give a subscription NAME or --topic TOPIC (not both)")
                 print(render(await admin.delete(args.name, args.topic), args.json))
             elif args.action == "list":
                 print(render(await admin.list(), args.json))
@@ -33,7 +34,8 @@ def _cmd_subs(args: argparse.Namespace) -> int:
                 print(render(await admin.pause(args.name, args.action == "pause", args.wait), args.json))
             elif args.action == "seek":
                 pulsar = dataclasses.replace(target.settings.pulsar, service_url=target.pulsar("subs seek"))
-                print(render(await admin.seek(args.name, _seek_target(args), pulsar), args.json))
+                assert seek_to is not None
+                print(render(await admin.seek(args.name, seek_to, pulsar), args.json))
             else:
                 print(render(await admin.get(args.name), args.json))
         finally:
@@ -56,10 +58,10 @@ def _seek_target(args: argparse.Namespace) -> Any:
     try:
         when = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
-        raise ConfigError("subs seek", "--to", f"must be an RFC 3339 time or ms since the epoch (got {value!r})") \
+        raise UsageError("subs seek", "--to", f"must be an RFC 3339 time or ms since the epoch (got {value!r})") \
             from None
     if when.tzinfo is None:
-        raise ConfigError("subs seek", "--to", "must carry a time zone, e.g. 2026-11-30T08:00:00Z")
+        raise UsageError("subs seek", "--to", "must carry a time zone, e.g. 2026-11-30T08:00:00Z")
     return SeekTarget(int(when.timestamp() * 1000))
 
 

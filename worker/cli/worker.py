@@ -10,7 +10,8 @@ from typing import Any
 from worker import logs
 from worker.cli.common import KEEP_UNTIL_EXIT, run_loop
 from worker.config import load_settings
-from worker.errors import ConfigError
+from worker.errors import UsageError
+from worker.subscriptions import TOPIC_RULE, topic_parts
 
 
 async def _serve(config_path: str) -> int:
@@ -67,8 +68,12 @@ def _cmd_publish(args: argparse.Namespace) -> int:
     for item in args.attr or []:
         name, sep, value = item.partition("=")
         if not sep or not name:
-            raise ConfigError("publish", "--attr", f"must be NAME=VALUE (got {item!r})")
+            raise UsageError("publish", "--attr", f"must be NAME=VALUE (got {item!r})")
         attrs[name] = value
+    try:
+        topic_parts(args.topic)
+    except ValueError:
+        raise UsageError("publish", "TOPIC", f"{TOPIC_RULE} (got {args.topic!r})") from None
     target = locate(args.config, pulsar_url=args.service_url)
     message_id = publish(target.pulsar("publish"), args.topic, args.data.encode(), attrs, args.key,
                          min(10, target.settings.pulsar.operation_timeout_seconds))

@@ -41,6 +41,8 @@ from worker.messages import Envelope, rfc3339
 from worker.metrics import Metrics
 from worker.ops.admin import Admin, Target
 from worker.ops.render import Output, table
+from worker.service import check_secrets
+from worker.signing import SecretStore
 from worker.subscriptions import Subscription
 
 QUIET_SECONDS = 2.0  # no message for this long: the cursor holds nothing more for us
@@ -216,6 +218,8 @@ class DeadLetters:
     async def redrive(self, admin: Admin, name: str, rate: float, limit: int | None, concurrency: int,
                       progress: Callable[[str], None]) -> Output:
         sub = await self.subscription(admin, name)
+        # A request that cannot be signed would fail every redriven message (and dead-letter it again).
+        check_secrets(sub, SecretStore())
         # Redelivery ignores the original ordering (the messages failed out of order already).
         sub = dataclasses.replace(sub, type="shared", max_ack_pending=concurrency)
         settings = self.target.settings

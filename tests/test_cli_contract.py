@@ -1,0 +1,77 @@
+"""The command line's contract as a user meets it: --version, help for every option, usage errors
+in one line with exit code 2 (said as arguments, not configuration), topics that must be
+persistent, and a config that must be a mapping."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers import run_cli
+from worker.cli import build_parser
+
+
+def test_version():
+    result = run_cli("--version")
+    assert result.returncode == 0 and result.stdout.startswith("push-worker ")
+
+
+def test_every_option_of_every_command_has_help():
+    def parsers(p: argparse.ArgumentParser, path: str):
+        yield path, p
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from parsers(sub, f"{path} {name}")
+
+    missing = [f"{path} {'/'.join(a.option_strings) or a.dest}" for path, p in parsers(build_parser(), "push-worker")
+               for a in p._actions if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))
+               and not a.help]
+    assert missing == []
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["history", "orders", "--limit", "-5"], "--limit: must be at least 1"),
+    (["subs", "seek", "orders", "--to", "yesterday", "--redis-url", "redis://127.0.0.1:9"],
+     "--to: must be an RFC 3339"),
+    (["publish", "orders", "x"], "must be a full topic name like persistent://"),
+    (["purge", "orders"], "--yes: is required when not on a terminal"),
+    (["dlq", "redrive", "orders", "--rate", "0"], "--rate: must be above 0"),
+    (["no-such-command"], "invalid choice"),
+])
+def test_usage_errors_are_one_line_exit_2_and_say_argument(args, says):
+    result = run_cli(*args)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("push-worker: invalid argument: ") and says in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(("doc", "says"), [
+    (["a", "list"], "config: must be a mapping of settings"),
+    ({"subscriptions": [{"name": "np", "topic": "non-persistent://p-x/main/t",
+                         "deliver": {"mode": "push", "push": {"url": "https://example.com/push"}}}]},
+     "topic: must be persistent://"),
+])
+def test_config_rules_a_new_user_meets(tmp_path: Path, doc, says):
+    path = tmp_path / "worker.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    result = run_cli("check", "--config", str(path))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and says in lines[0], result.stderr
+
+
+def test_dlq_redrive_refuses_to_start_without_its_signing_secret(tmp_path: Path, redis_url):
+    """It once re-dead-lettered every message as not_sent and said only "0 delivered"."""
+    path = tmp_path / "worker.yaml"
+    path.write_text(yaml.safe_dump({"subscriptions": [{
+        "name": "signed", "topic": "persistent://p-x/main/t", "dead_letter": {"topic": "persistent://p-x/main/t-dlq"},
+        "deliver": {"mode": "push", "push": {"url": "https://example.com/push",
+                                             "signing_secrets": [{"env": "PW_TEST_MISSING_SECRET"}]}}}]}))
+    result = run_cli("dlq", "redrive", "signed", "--config", str(path), "--redis-url", redis_url,
+                     "--service-url", "pulsar://127.0.0.1:9")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "PW_TEST_MISSING_SECRET" in lines[0] and "signing_secrets[0]" in lines[0], lines[0]
