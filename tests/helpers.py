@@ -53,6 +53,17 @@ async def assert_stays(predicate: Callable[[], bool], seconds: float, what: str 
         await asyncio.sleep(0.02)
 
 
+def stays_sync(predicate: Callable[[], bool], seconds: float, what: str = "condition") -> None:
+    """`assert_stays` for blocking code (threads, harness helpers)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        if not predicate():
+            raise AssertionError(f"{what} stopped holding")
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.05)
+
+
 # -- processes and the command line -----------------------------------------------------------
 
 def env(**extra: str) -> dict[str, str]:

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from tests.conftest import Client, Endpoint, serve
 from tests.fleet_harness import FleetHarness
-from tests.helpers import assert_stays, eventually, push_sub, wait_sync
+from tests.helpers import assert_stays, eventually, push_sub, stays_sync, wait_sync
 
 pytestmark = pytest.mark.slow
 
@@ -50,8 +50,7 @@ def settled_ownership(fleet: FleetHarness, workers, keys: list[str], per_worker:
                    for w in workers)
 
     wait_sync(agree, 30, "ownership settled")
-    time.sleep(1.0)
-    wait_sync(agree, 5, "ownership still settled")
+    stays_sync(agree, 1.0, "settled ownership")
 
 
 def delivered(endpoint: Endpoint) -> dict[str, set[str]]:
@@ -82,8 +81,11 @@ async def test_three_workers_share_thirty_subscriptions_evenly(fleet: FleetHarne
     def settled() -> bool:  # converged, and still so a moment later: no handover under way
         if not converged():
             return False
-        time.sleep(0.5)
-        return converged()
+        try:
+            stays_sync(converged, 0.5)
+        except AssertionError:
+            return False
+        return True
 
     await asyncio.to_thread(wait_sync, settled, 30, "30 subscriptions spread evenly over 3 workers")
     owned = [w.owned() for w in workers]
@@ -178,16 +180,20 @@ async def test_paused_worker_delivers_nothing_for_subscriptions_it_lost(
     want = {n: set(during[t]) | set(after[t]) for n, t in zip(names, ts, strict=True)}
     await eventually(lambda: all(want[n] <= delivered(endpoint)[n] for n in names), timeout=60,
                      what="all delivered")
-    await asyncio.sleep(1.0)
     # After resuming, a delivered nothing on its old leases. (Rejoining the fleet, it may win some
     # subscriptions back through a fresh lease; deliveries after that are its own.)
-    events = [json.loads(line) for line in (fleet.tmp / "w0.log").read_text().splitlines() if line.startswith("{")]
-
     def at(e: dict) -> float:
         return datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
 
-    lost = {e["subscription"] for e in events if e["event"] == "lease lost; stopped delivering" and at(e) >= resumed_at}
-    assert set(a_keys) <= lost
+    def logged() -> list[dict]:
+        return [json.loads(line) for line in (fleet.tmp / "w0.log").read_text().splitlines() if line.startswith("{")]
+
+    def lost() -> set[str]:
+        return {e["subscription"] for e in logged() if e["event"] == "lease lost; stopped delivering"
+                and at(e) >= resumed_at}
+
+    await eventually(lambda: set(a_keys) <= lost(), timeout=10, what="the resumed worker noticing its lost leases")
+    events = logged()
     for key in a_keys:
         name = key.split("/")[1]
         reacquired = min((at(e) for e in events if e["event"] == "subscription acquired"
@@ -272,7 +278,7 @@ async def test_live_edits_take_effect_immutable_edits_refused_delete_stops(
     # Push URL: the next delivery goes to the new endpoint.
     definition["deliver"]["push"]["url"] = other_url
     fleet.apply([definition])
-    await asyncio.sleep(2.0)  # the documented propagation bound
+    await asyncio.sleep(2.0)  # the promise under test: an edit lands within 2 s (a poll would not test it)
     [mid2] = client.publish(t, [b"to-the-other"])
     await eventually(lambda: mid2 in second.requests, timeout=10, what="delivered to the new URL")
     assert mid2 not in endpoint.by_id()
@@ -284,7 +290,7 @@ async def test_live_edits_take_effect_immutable_edits_refused_delete_stops(
     endpoint.behaviour = lambda rec: web.Response(status=500)
     watcher = client.watch(t + "-dlq")
     fleet.apply([definition])
-    await asyncio.sleep(2.0)
+    await asyncio.sleep(2.0)  # the same promise: within 2 s the lowered max_deliver applies
     [mid3] = client.publish(t, [b"fails"])
     [dead] = await asyncio.to_thread(Client.drain, watcher, 1)
     assert dead.properties()["pubsub.delivery_attempts"] == "2"
