@@ -13,6 +13,7 @@ from typing import Any
 
 import redis as redis_sync
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import spawn_worker
 from worker.embedded import free_port, terminate
@@ -30,10 +31,10 @@ class WorkerProcess:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
             text = r.read().decode()
         out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in s.labels.items())
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
         return out
 
     def owned(self) -> set[str]:

@@ -42,8 +42,11 @@ def test_metrics_parser_sums_partitions_and_reads_both_label_styles():
         'pulsar_subscription_back_log{topic="persistent://p-a/main/t-partition-1",subscription="s"} 4',
         'pulsar_subscription_back_log{namespace="p-a/main",topic="t",subscription="s"} 5',
         'pulsar_subscription_back_log_other{topic="t",subscription="s"} 99',
+        "a line no Prometheus parser accepts",  # elsewhere on the page: must not cost the reading
+        'pulsar_subscription_back_log{topic="q\\"t",subscription="s,1"} 2 1700000000000',  # escape, timestamp
     ])
     samples = parse_backlog_metrics(text)
     assert samples[("persistent://p-a/main/t-partition-0", "p-a/main", "s")] == 3
     assert samples[("t", "p-a/main", "s")] == 5
-    assert len(samples) == 3
+    assert samples[('q"t', "", "s,1")] == 2
+    assert len(samples) == 4

@@ -7,31 +7,31 @@ Two sources, whichever is configured: the Pulsar admin REST API (topic stats, `m
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from urllib.parse import quote
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from worker.delivery import USER_AGENT
 from worker.subscriptions import Subscription, topic_parts
 
-_SAMPLE = re.compile(r'^pulsar_subscription_back_log\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)')
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_METRIC = "pulsar_subscription_back_log"
 BODY_CAP = 32 * 1024 * 1024
 
 
 def parse_backlog_metrics(text: str) -> dict[tuple[str, str, str], float]:
     """{(topic, namespace, subscription labels): backlog} from a Prometheus text exposition.
     A short topic label is only unique within its namespace label (pulsar-lite sets both)."""
+    # Only the backlog's sample lines go to the parser (prometheus_client's): a broker's page holds
+    # thousands of other series, and one line the strict parser refuses must not cost this reading.
+    lines = [line for line in text.splitlines() if line.startswith(_METRIC + "{")]
     out: dict[tuple[str, str, str], float] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        labels = dict(_LABEL.findall(m.group("labels")))
-        key = (labels.get("topic", ""), labels.get("namespace", ""), labels.get("subscription", ""))
-        out[key] = out.get(key, 0.0) + float(m.group("value"))
+    for family in text_string_to_metric_families("\n".join(lines) + "\n"):
+        for sample in family.samples:
+            labels = sample.labels
+            key = (labels.get("topic", ""), labels.get("namespace", ""), labels.get("subscription", ""))
+            out[key] = out.get(key, 0.0) + float(sample.value)
     return out
 
 

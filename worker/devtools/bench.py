@@ -28,6 +28,7 @@ import pulsar
 import redis
 import uvloop
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from worker import embedded
 from worker.consumer import CONSUMER_TYPES
@@ -325,11 +326,8 @@ def _worker_ready(ps: psutil.Process) -> bool:
 
 def _metric(ps: psutil.Process, name: str) -> float:
     """Sum of a metric's samples on the worker's /metrics."""
-    total = 0.0
-    for line in _fetch(f"http://127.0.0.1:{_status_port(ps)}/metrics").decode().splitlines():
-        if line.startswith(name):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    text = _fetch(f"http://127.0.0.1:{_status_port(ps)}/metrics").decode()
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)
 
 
 async def run_bench(messages: int = 20000, concurrency: int = 64) -> int:
