@@ -42,3 +42,18 @@ async def test_receive_ack_and_nack_on_both_paths(broker, client: Client, topic,
         await reopened.close()
     finally:
         await pulsar.close()
+
+
+def test_broker_errors_are_named_and_classified():
+    import pulsar
+
+    from worker.consumer import answered_by_broker, broker_error_text, transient
+
+    dropped = pulsar_async.PulsarException(pulsar.Result(46))  # the C++ client's Disconnected: "46 ???"
+    assert broker_error_text(dropped) == "the broker answered Disconnected" and transient(dropped)
+    refused = pulsar_async.PulsarException(pulsar.Result.AuthorizationError)
+    assert broker_error_text(refused) == "the broker answered AuthorizationError"
+    assert not transient(refused) and answered_by_broker(refused)
+    timeout = pulsar_async.PulsarException(pulsar.Result.Timeout)
+    assert transient(timeout) and not answered_by_broker(timeout)
+    assert broker_error_text(ValueError("x")) == "ValueError: x" and not transient(ValueError("x"))

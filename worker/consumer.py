@@ -156,6 +156,28 @@ _UNREACHABLE = {pulsar.Result.Timeout, pulsar.Result.ConnectError, pulsar.Result
                 pulsar.Result.AlreadyClosed, pulsar.Result.NotConnected}
 
 
+# Codes of the C++ client that pulsar-client's Python enum does not name (shown as "46 ???").
+_UNNAMED_RESULTS = {46: "Disconnected"}
+
+
+def broker_error_text(error: BaseException) -> str:
+    """A broker call's error as a person can read it: the result's name, not its number."""
+    result = getattr(error, "error", None)
+    if not callable(result):
+        return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    code = result()
+    name = getattr(code, "name", None)
+    if not name or name == "???":
+        name = _UNNAMED_RESULTS.get(int(code), f"error {int(code)}")
+    return f"the broker answered {name}"
+
+
+def transient(error: BaseException) -> bool:
+    """A broker error that trying again can mend: a dropped or refused connection, a timeout."""
+    result = getattr(error, "error", None)
+    return callable(result) and (int(result()) in _UNNAMED_RESULTS or result() in _UNREACHABLE)
+
+
 def answered_by_broker(error: BaseException) -> bool:
     """Whether a failed broker call got an answer from the broker (a refusal such as an unknown
     topic or missing permission) rather than no answer (timeout, connection refused)."""

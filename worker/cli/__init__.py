@@ -86,7 +86,10 @@ def explain(error: BaseException) -> tuple[int, str]:
     if isinstance(error, redis_errors.RedisError):
         return 1, f"redis answered with an error ({text}); its data may be damaged"
     if isinstance(error, (pulsar.PulsarException, pulsar_async.PulsarException)):
-        return 1, (f"the broker failed ({text}); check --service-url, pulsar.service_url or "
+        from worker.consumer import broker_error_text
+
+        said = broker_error_text(error) if isinstance(error, pulsar_async.PulsarException) else text
+        return 1, (f"the broker failed ({said}); check --service-url, pulsar.service_url or "
                    "$PUSH_WORKER_PULSAR_URL, and that the broker is running")
     if isinstance(error, OSError):
         return 1, f"{text}"

@@ -30,6 +30,7 @@ from worker.fleet.registry import delete_matching
 from worker.subscriptions import Subscription
 
 SEEK_TTL_SECONDS = 300
+SEEK_TRIES = 3
 DRAIN_QUIET_SECONDS = 1.0  # no message for this long: the backlog is drained
 
 
@@ -112,14 +113,25 @@ async def run_seek_request(client: aioredis.Redis, sub_key: str, worker_id: str,
     if request is None:
         return
     request_id, target = request
+    from worker.consumer import broker_error_text, transient
+
     log.info("seeking", subscription=sub_key, to=target.describe())
+    attempt = 0
     try:
         async with asyncio.timeout(60):
-            forgotten = await seek(sub_key, target)
+            for attempt in range(1, SEEK_TRIES + 1):
+                try:
+                    forgotten = await seek(sub_key, target)
+                    break
+                except Exception as e:
+                    if attempt == SEEK_TRIES or not transient(e):  # a dropped connection: the next try may pass
+                        raise
+                    log.warning("seek interrupted; trying again", subscription=sub_key, error=broker_error_text(e))
+                    await asyncio.sleep(0.5 * attempt)
     except Exception as e:
-        log.warning("seek failed", subscription=sub_key, error=str(e))
+        log.warning("seek failed", subscription=sub_key, error=broker_error_text(e))
         await write_seek_result(client, sub_key, request_id, status="failed", worker=worker_id,
-                                error=str(e) or type(e).__name__)
+                                error=broker_error_text(e), tries=attempt)
         return
     await write_seek_result(client, sub_key, request_id, status="done", worker=worker_id,
                             forgotten_attempts=forgotten)

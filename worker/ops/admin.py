@@ -193,7 +193,10 @@ class Admin:
             result = {"status": "done", "worker": "this command (no worker serves it)",
                       "forgotten_attempts": await lifecycle.forget_attempts(self.client, key)}
         if result.get("status") != "done":
-            raise PushWorkerError(f"{key}: seek failed on {result.get('worker')}: {result.get('error')}")
+            tries = result.get("tries", 1)
+            raise PushWorkerError(f"{key}: the seek failed on worker {result.get('worker')} after {tries} tries: "
+                                  f"{result.get('error')}; the cursor did not move. Check the broker's health, "
+                                  "then run the command again")
         out = {"subscription": key, "result": "sought", "to": target.describe(), "by": result["worker"],
                "attempt_counters_reset": result.get("forgotten_attempts", 0)}
         return Output(out, f"{key}: sought to {target.describe()} by {out['by']}; "
