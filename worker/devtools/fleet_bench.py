@@ -18,7 +18,7 @@ import yaml
 
 from worker import embedded
 from worker.fleet import assign
-from worker.fleet.registry import text_of
+from worker.fleet.registry import safe_text
 from worker.keys import lease_key
 
 
@@ -44,7 +44,7 @@ def run_fleet_bench(subscriptions: int = 60, workers: int = 3, lease_seconds: fl
 
     def owners() -> dict[str, str | None]:
         values = client.mget([lease_key(k) for k in keys])
-        return {k: text_of(v) if v else None for k, v in zip(keys, values, strict=True)}
+        return {k: safe_text(v) if v else None for k, v in zip(keys, values, strict=True)}
 
     def wait_until(predicate: object, timeout: float = 120) -> float:
         started = time.monotonic()

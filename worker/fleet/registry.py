@@ -23,10 +23,6 @@ from worker.subscriptions import Subscription, is_push, parse_subscription
 IMMUTABLE = ("topic", "type", "start_from")
 
 
-def text_of(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def safe_text(value: bytes | str) -> str:
     """Text of a value read back from Redis, which may hold anything: invalid UTF-8 is replaced."""
     return value.decode(errors="replace") if isinstance(value, bytes) else value
@@ -149,7 +145,7 @@ class Registry:
                 try:
                     await pipe.watch(self.hash)
                     results = []
-                    expired = {text_of(k) for k in await pipe.smembers(self.expired_key)}
+                    expired = {safe_text(k) for k in await pipe.smembers(self.expired_key)}
                     for sub, data in zip(subs, definitions, strict=True):
                         if sub.key in expired:
                             raise ConfigError(f"subscription {sub.name!r}", "state",
@@ -207,7 +203,7 @@ class Registry:
                 try:
                     await pipe.watch(self.hash)
                     raw = await pipe.hgetall(self.hash)
-                    doomed = sorted(text_of(k) for k, v in raw.items() if _topic_of(v) == topic)
+                    doomed = sorted(safe_text(k) for k, v in raw.items() if _topic_of(v) == topic)
                     if not doomed:
                         return []
                     pipe.multi()  # type: ignore[no-untyped-call]
@@ -235,7 +231,7 @@ class Registry:
         """`tenant/name` as given, or the one key whose name is `name` (in the registry or `also`)."""
         if "/" in name:
             return name
-        keys = {text_of(k) for k in await self.client.hkeys(self.hash)} | set(also)
+        keys = {safe_text(k) for k in await self.client.hkeys(self.hash)} | set(also)
         matches = [k for k in keys if k.split("/", 1)[1] == name]
         if not matches:
             raise NotFound(f"{name}: no such subscription")

@@ -36,7 +36,7 @@ from worker.embedded import recorded_endpoints
 from worker.errors import ConfigError, NotFound, PushWorkerError
 from worker.fleet import lifecycle
 from worker.fleet.lifecycle import SeekTarget
-from worker.fleet.registry import Registry, clear_state, safe_text, text_of
+from worker.fleet.registry import Registry, clear_state, safe_text
 from worker.messages import rfc3339
 from worker.ops.render import Output, table
 from worker.subscriptions import State, Subscription, is_push, parse_subscription
@@ -148,7 +148,7 @@ class Admin:
         served: set[str] = set()
         if "/" not in name:  # a bare name may be a config subscription a worker serves: find its key
             async for lease in self.client.scan_iter(match=keys.lease_key("*"), count=1000):
-                served.add(text_of(lease).split("{", 1)[1].rsplit("}", 1)[0])
+                served.add(safe_text(lease).split("{", 1)[1].rsplit("}", 1)[0])
         paused = await self.registry.paused()
         key = await self.registry.resolve(name, also=set(self.static) | served | paused)
         if key in self.static or key in paused or await self.client.hexists(self.registry.hash, key):
@@ -184,7 +184,7 @@ class Admin:
             deadline = time.monotonic() + wait
             while (result := await lifecycle.seek_result(self.client, key, request_id)) is None:
                 if time.monotonic() > deadline:
-                    raise PushWorkerError(f"{key}: worker {text_of(owner)} did not answer the seek within "
+                    raise PushWorkerError(f"{key}: worker {safe_text(owner)} did not answer the seek within "
                                           f"{wait:g}s (the request stays for {lifecycle.SEEK_TTL_SECONDS}s)")
                 await asyncio.sleep(0.2)
         else:
@@ -222,7 +222,7 @@ class Admin:
             retrying = bool(record.get("last"))
             if "discard" in record or "settled" in record or retrying != (state == "retrying"):
                 continue
-            rows.append({"message_id": text_of(record_key).split(":m:", 1)[1],
+            rows.append({"message_id": safe_text(record_key).split(":m:", 1)[1],
                          "attempts": _count(record.get("n")), "last_status": record.get("last", "")})
             if len(rows) >= limit:
                 break
@@ -285,7 +285,7 @@ class Admin:
             deadline = time.monotonic() + wait
             while (owner := await self.client.get(keys.lease_key(key))) and time.monotonic() < deadline:  # noqa: ASYNC110
                 await asyncio.sleep(0.2)  # the owner drains in-flight requests, then releases its lease
-        result = {"subscription": key, "result": what, "still_draining": text_of(owner) if owner else None}
+        result = {"subscription": key, "result": what, "still_draining": safe_text(owner) if owner else None}
         tail = f" (worker {result['still_draining']} is still draining)" if owner else ""
         return Output(result, f"{key}: {what}{tail}")
 
