@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint bench soak clean
+.PHONY: install demo test lint bench soak clean apache-pulsar apache-pulsar-stop test-apache-pulsar
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,25 @@ test: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/pytest -p no:cacheprovider
 
+# A real Apache Pulsar standalone (resolved from Maven Central by tools/apache-pulsar/pom.xml), in
+# the background on 127.0.0.1:$(PULSAR_PORT) with its admin API on $(PULSAR_HTTP_PORT); fresh data each start.
+PULSAR_PORT      ?= 6650
+PULSAR_HTTP_PORT ?= 8080
+APACHE_PULSAR    := $(BIN)/python -m worker.devtools.apache_pulsar --dir .apache-pulsar
+
+apache-pulsar: $(STAMP)
+	$(APACHE_PULSAR) start --port $(PULSAR_PORT) --http-port $(PULSAR_HTTP_PORT)
+
+apache-pulsar-stop: $(STAMP)
+	$(APACHE_PULSAR) stop
+
+# The suite again, on the Apache Pulsar `make apache-pulsar` started (tests that kill or restart
+# their broker start an Apache Pulsar of their own).
+test-apache-pulsar: $(STAMP)
+	PUSH_WORKER_TEST_PULSAR_URL=pulsar://127.0.0.1:$(PULSAR_PORT) \
+	PUSH_WORKER_TEST_PULSAR_ADMIN_URL=http://127.0.0.1:$(PULSAR_HTTP_PORT) \
+	$(BIN)/pytest -p no:cacheprovider
+
 bench: $(STAMP)
 	$(BIN)/push-worker bench
 
@@ -31,4 +50,4 @@ soak: $(STAMP)
 	$(BIN)/push-worker soak --seconds $(or $(SOAK_SECONDS),60)
 
 clean:
-	rm -rf $(VENV) .push-worker .pytest_cache
+	rm -rf $(VENV) .push-worker .pytest_cache .apache-pulsar tools/apache-pulsar/lib tools/apache-pulsar/target

@@ -1,4 +1,5 @@
-"""Shared fixtures: real pulsar-lite and redis-server processes on free ports, real HTTP endpoints.
+"""Shared fixtures: real brokers (pulsar-lite, or Apache Pulsar: tests/brokers.py) and redis-server
+processes on free ports, real HTTP endpoints.
 
 Nothing here is a mock: the broker, Redis and endpoints are the programs a user would run.
 """
@@ -20,6 +21,7 @@ import pytest
 import redis
 from aiohttp import web
 
+from tests import brokers
 from tests.helpers import eventually
 from worker import embedded
 from worker.config import HttpSettings, PulsarSettings, RedisSettings, Settings
@@ -38,6 +40,16 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = 1
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests of what only Apache Pulsar does are deselected on pulsar-lite (a skip would fail CI)."""
+    if brokers.ON_APACHE_PULSAR:
+        return
+    deselected = [item for item in items if item.get_closest_marker("apache_pulsar")]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if not item.get_closest_marker("apache_pulsar")]
+
+
 @pytest.fixture(autouse=True)
 def _collect_garbage_between_tests() -> Iterator[None]:
     """Run finalizers of a test's leftovers (Pulsar C++ callbacks, cancelled tasks) between tests,
@@ -50,24 +62,35 @@ def _collect_garbage_between_tests() -> Iterator[None]:
 # -- services ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="session")
-def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[embedded.Service]:
-    service = embedded.start_pulsar(tmp_path_factory.mktemp("pulsar"))
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """pulsar-lite, or the Apache Pulsar that PUSH_WORKER_TEST_PULSAR_URL names (tests/brokers.py)."""
+    service = brokers.session_broker(tmp_path_factory.mktemp("pulsar"))
     yield service
     service.stop()
 
 
 @pytest.fixture(scope="session")
-def partitioned_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[embedded.Service]:
-    """A broker whose topics have 3 partitions (created on first use)."""
+def partitioned_broker(tmp_path_factory: pytest.TempPathFactory, broker: Any) -> Iterator[Any]:
+    """A broker for partitioned topics: on pulsar-lite one whose topics have 3 partitions (created
+    on first use); on Apache Pulsar the session broker, where `brokers.partitioned` creates them."""
+    if brokers.ON_APACHE_PULSAR:
+        yield broker
+        return
     service = embedded.start_pulsar(tmp_path_factory.mktemp("pulsar-partitioned"), default_partitions=3)
     yield service
     service.stop()
 
 
 @pytest.fixture
+def partitioned_topic(partitioned_broker: Any, topic: str) -> str:
+    """A topic of 3 partitions on `partitioned_broker`."""
+    return brokers.partitioned(partitioned_broker, topic)
+
+
+@pytest.fixture
 def own_broker(tmp_path: Path) -> Iterator[embedded.Service]:
-    """A broker of this test's own, for tests that restart it."""
-    service = embedded.start_pulsar(tmp_path / "pulsar")
+    """A broker of this test's own, for tests that kill or restart it."""
+    service = brokers.own_broker(tmp_path / "pulsar")
     yield service
     service.kill()
 
@@ -199,7 +222,7 @@ def make_settings(broker_url: str, redis: str | RedisSettings, subs: tuple[Subsc
 
 
 @pytest.fixture
-async def start_worker(broker: embedded.Service, redis_url: str) -> AsyncIterator[Callable[..., Awaitable[Worker]]]:
+async def start_worker(broker: Any, redis_url: str) -> AsyncIterator[Callable[..., Awaitable[Worker]]]:
     workers: list[Worker] = []
 
     async def start(*subs: Subscription, broker_url: str | None = None, redis: str | RedisSettings | None = None,
@@ -279,7 +302,7 @@ class Client:
 
 
 @pytest.fixture
-def client(broker: embedded.Service) -> Iterator[Client]:
+def client(broker: Any) -> Iterator[Client]:
     c = Client(broker.url)
     yield c
     c.close()

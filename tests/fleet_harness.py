@@ -37,6 +37,13 @@ class WorkerProcess:
                 out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
         return out
 
+    def fleet_size(self) -> float | None:
+        """What this worker's /metrics says of the fleet's size; None while it does not answer."""
+        try:
+            return self.metrics().get("pushworker_fleet_size")
+        except OSError:
+            return None
+
     def owned(self) -> set[str]:
         try:
             samples = self.metrics()

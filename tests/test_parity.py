@@ -113,7 +113,8 @@ async def test_topic_deletion_stops_delivery_within_two_seconds_and_clears_state
 
 
 async def test_partitioned_topic_keeps_per_key_order_and_the_contract(
-        partitioned_broker, redis_url, start_worker, endpoint: Endpoint, topic):
+        partitioned_broker, redis_url, start_worker, endpoint: Endpoint, partitioned_topic):
+    topic = partitioned_topic
     endpoint.behaviour = lambda rec: web.Response(status=500 if rec.body_payload.endswith(b"-0") and
                                                   rec.headers["Pubsub-Delivery-Attempt"] == "1" else 204)
     keyed = make_sub(topic, endpoint.url, type="key-shared", retry=RetryPolicy(0.05, 0.1))
@@ -139,7 +140,8 @@ async def test_partitioned_topic_keeps_per_key_order_and_the_contract(
 
 @pytest.mark.parametrize("kind", ["exclusive", "failover"])
 async def test_partitioned_topic_keeps_order_per_partition_and_dead_letters_with_partition_ids(
-        partitioned_broker, start_worker, endpoint: Endpoint, topic, kind):
+        partitioned_broker, start_worker, endpoint: Endpoint, partitioned_topic, kind):
+    topic = partitioned_topic
     endpoint.behaviour = lambda rec: web.Response(status=500 if rec.body_payload == b"poison" else 204)
     dlq = topic + "-dlq"
     client = Client(partitioned_broker.url)

@@ -8,7 +8,7 @@ Two sources, whichever is configured: the Pulsar admin REST API (topic stats, `m
 from __future__ import annotations
 
 from collections.abc import Iterable
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -63,6 +63,10 @@ async def read_capped(response: aiohttp.ClientResponse, cap: int) -> bytes:
     return b"".join(chunks)
 
 
+class BacklogReadError(Exception):
+    """The configured source answered, but not with a reading; the message says what to change."""
+
+
 class BacklogReader:
     """Reads backlogs; `read()` returns {subscription key: messages} for what it could read."""
 
@@ -94,6 +98,11 @@ class BacklogReader:
     async def _get_text(self, url: str) -> str:
         timeout = aiohttp.ClientTimeout(total=10)
         async with self.session.get(url, timeout=timeout, allow_redirects=False) as response:
+            if 300 <= response.status < 400:
+                # Apache Pulsar answers /metrics with a redirect to /metrics/; redirects are not followed.
+                location = urlsplit(response.headers.get("Location", "")).path
+                raise BacklogReadError(f"pulsar.metrics_url answered HTTP {response.status}, a redirect to "
+                                       f"{location!r}: configure that URL (redirects are not followed)")
             response.raise_for_status()
             return (await read_capped(response, BODY_CAP)).decode("utf-8", "replace")
 

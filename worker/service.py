@@ -20,7 +20,7 @@ from worker import consumer as pulsar_adapter
 from worker import embedded, logs
 from worker.aio import wait_event
 from worker.attempts import AttemptStore, Pipeliner
-from worker.backlog import BacklogReader, make_session
+from worker.backlog import BacklogReader, BacklogReadError, make_session
 from worker.config import Settings
 from worker.deadletter import DeadLetterPublisher
 from worker.delivery import Deliverer
@@ -287,7 +287,8 @@ class Worker:
                         await self.fleet.registry.expire(key)
             except Exception as e:  # the backlog is a report: its failure never stops delivery
                 self.metrics.broker_errors.labels("backlog").inc()
-                self.log.warning("backlog read failed", error=type(e).__name__)
+                self.log.warning("backlog read failed", error=type(e).__name__,
+                                 **({"detail": str(e)} if isinstance(e, BacklogReadError) else {}))
             if await wait_event(self._newly_served, self.settings.pulsar.backlog_interval_seconds):
                 await asyncio.sleep(1.0)  # starts come in bursts (a fleet change): one read for the burst
 
