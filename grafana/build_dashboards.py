@@ -1,7 +1,8 @@
 """Generates the Grafana dashboards in grafana/dashboards/ (run: python grafana/build_dashboards.py).
 
 The JSON files are checked in; this script is their source. Queries use $__rate_interval and the
-`subscription` template variable; the test suite evaluates every query against a real Prometheus.
+`job` (fleet), `project` and `subscription` template variables; the test suite evaluates every query
+against a real Prometheus scraping a real worker.
 """
 
 from __future__ import annotations
@@ -36,72 +37,101 @@ def dashboard(uid: str, title: str, panels: list[dict[str, Any]], variables: lis
     }
 
 
-SUB_VAR = {"name": "subscription", "type": "query", "datasource": DS, "label": "Subscription",
-           "query": {"query": "label_values(pushworker_subscription_owned, subscription)", "refId": "vars"},
-           "definition": "label_values(pushworker_subscription_owned, subscription)",
-           "refresh": 2, "includeAll": True, "multi": True, "allValue": ".*", "current": {}, "hide": 0}
+def query_var(name: str, label: str, query: str) -> dict[str, Any]:
+    return {"name": name, "type": "query", "datasource": DS, "label": label,
+            "query": {"query": query, "refId": "vars"}, "definition": query,
+            "refresh": 2, "includeAll": True, "multi": True, "allValue": ".*", "current": {}, "hide": 0}
+
+
+# The fleet filter: Prometheus `job` (and `namespace`, where the scrape adds it) of the workers, so two
+# fleets scraped by one Prometheus are not summed. The project variable keeps the same subscription
+# name in two projects apart. Subscriptions are listed from pushworker_subscription_state, so paused,
+# expired and erroring ones appear, not only those being delivered.
+JOB_VAR = query_var("job", "Fleet (job)", "label_values(pushworker_fleet_size, job)")
+PROJECT_VAR = query_var("project", "Project", 'label_values(pushworker_subscription_state{job=~"$job"}, project)')
+SUB_VAR = query_var("subscription", "Subscription",
+                    'label_values(pushworker_subscription_state{job=~"$job", project=~"$project"}, subscription)')
+FLEET = 'job=~"$job"'
+SEL = 'job=~"$job", project=~"$project", subscription=~"$subscription"'
 
 R = "$__rate_interval"
 
 
 def fleet() -> dict[str, Any]:
+    f = FLEET
     return dashboard("push-worker-fleet", "push-worker / fleet overview", [
-        panel(1, "Delivery rate by result", [(f"sum by (result) (rate(pushworker_deliveries_total[{R}]))",
+        panel(1, "Delivery rate by result", [(f"sum by (result) (rate(pushworker_deliveries_total{{{f}}}[{R}]))",
                                               "{{result}}")], 0, 0, "reqps"),
         panel(2, "Error ratio (attempts not acked)", [(
-            f'sum(rate(pushworker_deliveries_total{{result!="ack"}}[{R}])) '
-            f"/ clamp_min(sum(rate(pushworker_deliveries_total[{R}])), 1e-9)", "error ratio")], 12, 0, "percentunit"),
+            f'sum(rate(pushworker_deliveries_total{{{f}, result!="ack"}}[{R}])) '
+            f"/ clamp_min(sum(rate(pushworker_deliveries_total{{{f}}}[{R}])), 1e-9)", "error ratio")],
+            12, 0, "percentunit"),
         panel(3, "Attempt latency p50 / p99", [
-            (f"histogram_quantile(0.5, sum by (le) (rate(pushworker_delivery_duration_seconds_bucket[{R}])))", "p50"),
-            (f"histogram_quantile(0.99, sum by (le) (rate(pushworker_delivery_duration_seconds_bucket[{R}])))", "p99"),
+            (f"histogram_quantile(0.5, sum by (le) (rate(pushworker_delivery_duration_seconds_bucket{{{f}}}[{R}])))",
+             "p50"),
+            (f"histogram_quantile(0.99, sum by (le) (rate(pushworker_delivery_duration_seconds_bucket{{{f}}}[{R}])))",
+             "p99"),
         ], 0, 8, "s"),
-        panel(4, "Backlog by subscription", [("sum by (project, subscription) (pushworker_subscription_backlog)",
-                                              "{{project}}/{{subscription}}")], 12, 8),
+        panel(4, "Backlog by subscription", [(
+            f"sum by (project, subscription) (pushworker_subscription_backlog{{{f}}})",
+            "{{project}}/{{subscription}}")], 12, 8),
         panel(5, "Dead-lettered per second", [(
-            f"sum by (project, subscription) (rate(pushworker_messages_dead_lettered_total[{R}]))",
+            f"sum by (project, subscription) (rate(pushworker_messages_dead_lettered_total{{{f}}}[{R}]))",
             "{{project}}/{{subscription}}")], 0, 16, "ops"),
-        panel(6, "In flight and held for retry", [("sum(pushworker_in_flight)", "in flight"),
-                                                  ("sum(pushworker_held_for_retry)", "held for retry")], 12, 16),
-        panel(7, "Workers", [("max(pushworker_fleet_size)", "fleet size seen by workers"),
-                             ('count(up{job="push-worker"} == 1)', "scraped and up")], 0, 24),
-        panel(8, "Ownership balance (subscriptions per worker)", [(
-            "count by (instance) (pushworker_subscription_owned == 1)", "{{instance}}")], 12, 24),
-        panel(9, "Subscriptions by state (Active, Error, Seeking, Paused, Expired)", [(
-            "sum by (state) (pushworker_subscription_state)", "{{state}}")], 0, 32),
-    ], [])
+        panel(6, "Dropped per second (exhausted, no dead-letter topic: these are gone)", [(
+            f"sum by (project, subscription) (rate(pushworker_messages_dropped_total{{{f}}}[{R}]))",
+            "{{project}}/{{subscription}}")], 12, 16, "ops"),
+        panel(7, "In flight and held for retry", [(f"sum(pushworker_in_flight{{{f}}})", "in flight"),
+                                                  (f"sum(pushworker_held_for_retry{{{f}}})", "held for retry")], 0, 24),
+        panel(8, "Redis and broker errors per second", [
+            (f"sum(rate(pushworker_redis_errors_total{{{f}}}[{R}]))", "redis"),
+            (f"sum by (operation) (rate(pushworker_broker_errors_total{{{f}}}[{R}]))", "broker {{operation}}"),
+        ], 12, 24, "ops"),
+        panel(9, "Workers", [(f"max(pushworker_fleet_size{{{f}}})", "fleet size seen by workers"),
+                             (f"count(up{{{f}}} == 1)", "scraped and up")], 0, 32),
+        panel(10, "Ownership balance (subscriptions per worker)", [(
+            f"count by (instance) (pushworker_subscription_owned{{{f}}} == 1)", "{{instance}}")], 12, 32),
+        panel(11, "Subscriptions by state (Active, Error, Seeking, Paused, Expired)", [(
+            f"sum by (state) (pushworker_subscription_state{{{f}}})", "{{state}}")], 0, 40),
+        panel(12, "Subscriptions in the Error state (the broker refuses them)", [(
+            f'sum by (project, subscription) (pushworker_subscription_state{{{f}, state="Error"}}) or vector(0)',
+            "{{project}}/{{subscription}}")], 12, 40),
+    ], [JOB_VAR])
 
 
 def subscription() -> dict[str, Any]:
-    sel = 'subscription=~"$subscription"'
+    sel = SEL
+    by = "project, subscription"
+    name = "{{project}}/{{subscription}}"
     return dashboard("push-worker-subscription", "push-worker / subscription", [
         panel(1, "Deliveries by result", [(
-            f"sum by (subscription, result) (rate(pushworker_deliveries_total{{{sel}}}[{R}]))",
-            "{{subscription}} {{result}}")], 0, 0, "reqps"),
+            f"sum by ({by}, result) (rate(pushworker_deliveries_total{{{sel}}}[{R}]))",
+            f"{name} {{{{result}}}}")], 0, 0, "reqps"),
         panel(2, "Attempt latency p50 / p99", [
-            (f"histogram_quantile(0.5, sum by (le, subscription) "
-             f"(rate(pushworker_delivery_duration_seconds_bucket{{{sel}}}[{R}])))", "{{subscription}} p50"),
-            (f"histogram_quantile(0.99, sum by (le, subscription) "
-             f"(rate(pushworker_delivery_duration_seconds_bucket{{{sel}}}[{R}])))", "{{subscription}} p99"),
+            (f"histogram_quantile(0.5, sum by (le, {by}) "
+             f"(rate(pushworker_delivery_duration_seconds_bucket{{{sel}}}[{R}])))", f"{name} p50"),
+            (f"histogram_quantile(0.99, sum by (le, {by}) "
+             f"(rate(pushworker_delivery_duration_seconds_bucket{{{sel}}}[{R}])))", f"{name} p99"),
         ], 12, 0, "s"),
-        panel(3, "Backlog", [(f"sum by (subscription) (pushworker_subscription_backlog{{{sel}}})",
-                              "{{subscription}}")], 0, 8),
-        panel(4, "Retries and dead-letters per second", [
-            (f"sum by (subscription) (rate(pushworker_retries_total{{{sel}}}[{R}]))", "{{subscription}} retries"),
-            (f"sum by (subscription) (rate(pushworker_messages_dead_lettered_total{{{sel}}}[{R}]))",
-             "{{subscription}} dead-lettered"),
+        panel(3, "Backlog", [(f"sum by ({by}) (pushworker_subscription_backlog{{{sel}}})", name)], 0, 8),
+        panel(4, "Retries, dead-letters and drops per second", [
+            (f"sum by ({by}) (rate(pushworker_retries_total{{{sel}}}[{R}]))", f"{name} retries"),
+            (f"sum by ({by}) (rate(pushworker_messages_dead_lettered_total{{{sel}}}[{R}]))", f"{name} dead-lettered"),
+            (f"sum by ({by}) (rate(pushworker_messages_dropped_total{{{sel}}}[{R}]))", f"{name} dropped"),
         ], 12, 8, "ops"),
         panel(5, "Unsettled, in flight, held for retry", [
-            (f"sum by (subscription) (pushworker_unsettled{{{sel}}})", "{{subscription}} unsettled"),
-            (f"sum by (subscription) (pushworker_in_flight{{{sel}}})", "{{subscription}} in flight"),
-            (f"sum by (subscription) (pushworker_held_for_retry{{{sel}}})", "{{subscription}} held"),
+            (f"sum by ({by}) (pushworker_unsettled{{{sel}}})", f"{name} unsettled"),
+            (f"sum by ({by}) (pushworker_in_flight{{{sel}}})", f"{name} in flight"),
+            (f"sum by ({by}) (pushworker_held_for_retry{{{sel}}})", f"{name} held"),
         ], 0, 16),
         panel(6, "Endpoint concurrency window", [(
-            f"max by (subscription) (pushworker_endpoint_concurrency_window{{{sel}}})", "{{subscription}}")], 12, 16),
-        panel(7, "Owner", [(f"max by (subscription, instance) (pushworker_subscription_owned{{{sel}}})",
-                            "{{subscription}} on {{instance}}")], 0, 24, kind="table", w=12),
-        panel(8, "State", [(f"max by (subscription, state) (pushworker_subscription_state{{{sel}}})",
-                            "{{subscription}} {{state}}")], 12, 24, kind="table", w=12),
-    ], [SUB_VAR])
+            f"max by ({by}) (pushworker_endpoint_concurrency_window{{{sel}}})", name)], 12, 16),
+        panel(7, "Owner", [(f"max by ({by}, instance) (pushworker_subscription_owned{{{sel}}})",
+                            f"{name} on {{{{instance}}}}")], 0, 24, kind="table", w=12),
+        panel(8, "State (Active, Error, Seeking, Paused, Expired)", [(
+            f"max by ({by}, state) (pushworker_subscription_state{{{sel}}})", f"{name} {{{{state}}}}")],
+            12, 24, kind="table", w=12),
+    ], [JOB_VAR, PROJECT_VAR, SUB_VAR])
 
 
 if __name__ == "__main__":

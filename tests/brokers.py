@@ -9,9 +9,7 @@ the tests use are created through its admin API.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from worker import embedded
 from worker.devtools import apache_pulsar
@@ -22,30 +20,6 @@ ON_APACHE_PULSAR = bool(EXTERNAL_URL)
 
 # Every tenant a test, the demo or a benchmark publishes under (always with the namespace `main`).
 TENANTS = ("p-test", "p-a", "p-x", "p-cli", "p-other", "p-local", "p-fleet", "p-demo", "p-bench", "p-soak")
-
-
-class Broker(Protocol):
-    name: str
-    url: str
-    metrics_url: str | None
-
-    def stop(self) -> None: ...
-
-
-@dataclass
-class External:
-    """A broker the suite did not start and must not stop."""
-
-    url: str
-    admin_url: str
-    name: str = "apache-pulsar"
-
-    @property
-    def metrics_url(self) -> str:
-        return self.admin_url.rstrip("/") + "/metrics/"
-
-    def stop(self) -> None:
-        """Not ours to stop."""
 
 
 def is_pulsar_lite(broker: object) -> bool:
@@ -63,11 +37,11 @@ def prepare(broker: object) -> None:
             apache_pulsar.ensure_namespace(admin_url(broker), tenant)
 
 
-def session_broker(state_dir: Path) -> embedded.Service | External:
+def session_broker(state_dir: Path) -> embedded.Service | apache_pulsar.RunningBroker:
     if ON_APACHE_PULSAR:
         if not EXTERNAL_ADMIN_URL:
             raise RuntimeError("PUSH_WORKER_TEST_PULSAR_URL is set: set PUSH_WORKER_TEST_PULSAR_ADMIN_URL too")
-        broker = External(EXTERNAL_URL, EXTERNAL_ADMIN_URL)
+        broker = apache_pulsar.RunningBroker(EXTERNAL_URL, EXTERNAL_ADMIN_URL)
         prepare(broker)
         return broker
     return embedded.start_pulsar(state_dir)

@@ -252,6 +252,47 @@ async def test_a_frozen_owner_of_a_single_subscription_is_taken_over(
         owner.signal(signal.SIGCONT)
 
 
+async def test_a_failover_subscription_handed_over_by_a_kill_keeps_order_per_partition(
+        tmp_path, partitioned_broker, partitioned_topic, redis_url, endpoint: Endpoint):
+    """A failover subscription on a topic of 3 partitions: its owner is killed mid-stream, the other
+    worker takes over, and in each partition the messages reached the endpoint for the first time
+    in publish order (a message the killed owner had sent comes again; none overtakes another)."""
+    async def slow(rec):
+        await asyncio.sleep(0.005)
+        return web.Response(status=204)
+
+    endpoint.behaviour = slow
+    fleet = FleetHarness(tmp_path, partitioned_broker.url, redis_url)
+    client = Client(partitioned_broker.url)
+    try:
+        fleet.apply([fleet_sub("ordered", partitioned_topic, endpoint.url, type="failover")])
+        a = fleet.start()
+        await asyncio.to_thread(wait_sync, lambda: len(a.owned()) == 1, 30, "owned")
+        b = fleet.start()
+        await asyncio.to_thread(wait_sync, lambda: b.fleet_size() == 2, 30, "a fleet of 2")
+        await asyncio.to_thread(wait_sync, lambda: len(a.owned()) + len(b.owned()) == 1, 30, "one owner")
+        owner = a if a.owned() else b
+        ids = client.publish(partitioned_topic, [b"m%d" % i for i in range(300)], key=None)
+        await eventually(lambda: len(delivered(endpoint)["ordered"]) >= 60, timeout=30, what="streaming")
+        owner.signal(signal.SIGKILL)
+        await eventually(lambda: set(ids) <= delivered(endpoint)["ordered"], timeout=60,
+                         what="every message delivered after the handover")
+    finally:
+        client.close()
+        fleet.close()
+    first_seen: dict[str, list[int]] = collections.defaultdict(list)
+    seen: set[str] = set()
+    for r in endpoint.requests:
+        mid = r.headers["Pubsub-Message-Id"]
+        if mid not in seen:
+            seen.add(mid)
+            _, entry, partition, _ = mid.split(":")
+            first_seen[partition].append(int(entry))
+    assert set(first_seen) == {"0", "1", "2"}
+    for partition, entries in first_seen.items():
+        assert entries == sorted(entries), (partition, entries[:20])
+
+
 async def test_rolling_restart_under_load_loses_nothing(fleet: FleetHarness, endpoint: Endpoint, client: Client):
     names = [f"r{i}" for i in range(6)]
     ts = topics(6)

@@ -15,13 +15,15 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import redis as redis_sync
 import yaml
 from aiohttp import web
 
 from tests.conftest import Client, make_sub
-from tests.helpers import wait_sync
+from tests.helpers import cli, push_sub, wait_sync
 from worker.config import PulsarSettings
 from worker.embedded import free_port, wait_for_port
+from worker.keys import lease_key
 from worker.subscriptions import RetryPolicy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,6 +44,13 @@ def panel_queries() -> list[tuple[str, str, str]]:
     return out
 
 
+def concretely(expr: str) -> str:
+    """A dashboard query as Grafana sends it with the variables set to the scraped fleet, all projects
+    and all subscriptions."""
+    return (expr.replace("$__rate_interval", "15s").replace("$job", "push-worker").replace("$project", ".*")
+            .replace("$subscription", ".*"))
+
+
 def alert_rules() -> list[dict]:
     return [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
 
@@ -57,20 +66,25 @@ def test_dashboards_are_well_formed_and_generated_from_their_source():
         ids = [p["id"] for p in board["panels"]]
         assert len(ids) == len(set(ids))
     sub = json.loads((ROOT / "grafana/dashboards/push-worker-subscription.json").read_text())
-    assert any(v["name"] == "subscription" for v in sub["templating"]["list"])
-    assert all("$subscription" in t["expr"] for p in sub["panels"] for t in p["targets"])
+    variables = {v["name"]: v for v in sub["templating"]["list"]}
+    assert {"job", "project", "subscription"} <= set(variables)
+    # Listed from the state series, so paused, expired and erroring subscriptions appear too.
+    assert "pushworker_subscription_state" in variables["subscription"]["definition"]
+    assert all("$subscription" in t["expr"] and "$project" in t["expr"] for p in sub["panels"] for t in p["targets"])
+    # Every query of both boards is filtered to one fleet.
+    assert all('job=~"$job"' in expr for _, _, expr in panel_queries())
 
 
 @needs_prometheus
 def test_promtool_accepts_the_rules():
     result = subprocess.run(["promtool", "check", "rules", str(RULES)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 5 rules found" in result.stdout
+    assert "SUCCESS: 9 rules found" in result.stdout
 
 
 @needs_prometheus
 async def test_every_panel_query_and_alert_returns_series_against_a_scraped_worker(
-        own_broker, start_worker, endpoint, topic, tmp_path):
+        own_broker, start_worker, endpoint, topic, tmp_path, redis_url):
     # A broker of its own: on the session broker, after hundreds of topics, pulsar-lite's metrics
     # endpoint was seen (once, in CI) to report no backlog series for new subscriptions.
     broker = own_broker
@@ -80,8 +94,22 @@ async def test_every_panel_query_and_alert_returns_series_against_a_scraped_work
     good = make_sub(topic, endpoint.url, name="healthy-" + topic[-6:])
     bad = make_sub(topic + "-b", endpoint.url, name="failing-" + topic[-6:], max_deliver=2,
                    dead_letter_topic=topic + "-b-dlq", retry=RetryPolicy(0.05, 0.1))
+    dropping = make_sub(topic + "-d", endpoint.url, name="failing-nodlq-" + topic[-6:], max_deliver=1)
+    paused = make_sub(topic + "-p", endpoint.url, name="paused-" + topic[-6:])
     pulsar = PulsarSettings(service_url=broker.url, metrics_url=broker.metrics_url, backlog_interval_seconds=1)
-    w = await start_worker(good, bad, broker_url=broker.url, pulsar=pulsar)
+    w = await start_worker(good, bad, dropping, paused, broker_url=broker.url, pulsar=pulsar)
+    code, _, err = await cli("subs", "pause", paused.name, "--redis-url", redis_url)
+    assert code == 0, err
+    # Created in the registry and assigned to this worker, but its lease is held by a worker that
+    # does not exist: an existing subscription nobody serves.
+    stranded = "stranded-" + topic[-6:]
+    redis_client = redis_sync.Redis.from_url(redis_url)
+    redis_client.set(lease_key(f"p-test/{stranded}"), "ghost", ex=600)
+    redis_client.close()
+    (tmp_path / "stranded.yaml").write_text(yaml.safe_dump({"subscriptions": [
+        push_sub(stranded, topic + "-s", endpoint.url)]}))
+    code, _, err = await cli("subs", "apply", "-f", str(tmp_path / "stranded.yaml"), "--redis-url", redis_url)
+    assert code == 0, err
     prom_port = free_port()
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
@@ -115,6 +143,9 @@ async def test_every_panel_query_and_alert_returns_series_against_a_scraped_work
         def enough_data() -> bool:
             history = query("pushworker_delivery_duration_seconds_count[20s]")["data"]["result"]
             return bool(query("sum(pushworker_messages_dead_lettered_total)")["data"]["result"]
+                        and query("sum(pushworker_messages_dropped_total) > 0")["data"]["result"]
+                        and query('pushworker_subscription_state{state="Paused"}')["data"]["result"]
+                        and query("pushworker_subscription_assigned")["data"]["result"]
                         and query("sum(pushworker_subscription_backlog)")["data"]["result"]
                         and history and len(history[0]["values"]) >= 5)
 
@@ -122,11 +153,12 @@ async def test_every_panel_query_and_alert_returns_series_against_a_scraped_work
         while time.monotonic() < deadline and not enough_data():  # traffic while Prometheus scrapes
             client.publish(good.topic, [b"ok"] * 20)
             client.publish(bad.topic, [b"no"] * 5)
+            client.publish(dropping.topic, [b"gone"] * 2)
             await asyncio.sleep(1.0)
 
         failures = []
         for board, title, expr in panel_queries():
-            concrete = expr.replace("$__rate_interval", "15s").replace("$subscription", ".*")
+            concrete = concretely(expr)
             answer = query(concrete)
             if answer.get("status") != "success":
                 failures.append(f"{board} / {title}: does not evaluate: {answer.get('error')}")
@@ -141,11 +173,21 @@ async def test_every_panel_query_and_alert_returns_series_against_a_scraped_work
             for metric in set(re.findall(r"\b(pushworker_\w+|up)\b(?=[{\[\s)])", rule["expr"])):
                 if not query(metric)["data"]["result"]:
                     failures.append(f"alert {rule['alert']}: no series for {metric}")
-        # The conditions that do hold in this traffic fire: dead-lettering and a failing endpoint.
-        for name in ("PushWorkerDeadLettering", "PushWorkerEndpointFailing"):
+        # The conditions that do hold in this traffic fire: dead-lettering, a failing endpoint, a drop,
+        # a subscription nobody serves; and only for the subscriptions they concern.
+        def firing(name: str) -> set[str]:
             expr = next(r["expr"] for r in alert_rules() if r["alert"] == name)
-            if not query(expr)["data"]["result"]:
-                failures.append(f"alert {name}: its condition holds but the expression returns nothing")
+            return {r["metric"].get("subscription", "") for r in query(expr)["data"]["result"]}
+
+        expected = {"PushWorkerDeadLettering": {bad.name}, "PushWorkerEndpointFailing": {bad.name, dropping.name},
+                    "PushWorkerMessagesDropped": {dropping.name}, "PushWorkerSubscriptionUnowned": {stranded}}
+        for name, subs in expected.items():
+            if firing(name) != subs:
+                failures.append(f"alert {name}: fires for {sorted(firing(name))}, expected {sorted(subs)}")
+        # The subscription variable lists the paused one (it has no dispatcher, but a state).
+        listed = query(concretely("pushworker_subscription_state{job=~\"$job\", project=~\"$project\"}"))
+        if paused.name not in {r["metric"]["subscription"] for r in listed["data"]["result"]}:
+            failures.append("the subscription variable does not list the paused subscription")
         assert not failures, "\n".join(failures)
     finally:
         prom.terminate()

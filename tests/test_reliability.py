@@ -240,6 +240,10 @@ async def test_redis_and_broker_down_at_start_then_up(endpoint: Endpoint, topic,
                 service.stop()
     text = log.read_text()
     assert "Traceback" not in text and "Unclosed" not in text
+    # A JSON log stays JSON: the Pulsar client's own lines (it could not connect) are events of it.
+    events = [json.loads(line) for line in text.splitlines() if line.strip()]
+    assert any(e["event"] == "pulsar client" and e["level"] in ("warning", "error") and e["source"]
+               for e in events), "no Pulsar client line in the log"
 
 
 async def test_start_that_fails_for_good_exits_in_one_line_and_leaves_no_process(tmp_path, topic):

@@ -11,6 +11,7 @@ from typing import Any
 import pulsar
 import pulsar.asyncio as pulsar_async
 
+from worker import logs
 from worker.config import PulsarSettings
 from worker.messages import Envelope, format_message_id
 from worker.subscriptions import Subscription
@@ -39,9 +40,10 @@ def make_client(settings: PulsarSettings, service_url: str, operator: bool = Fal
     """An asyncio Pulsar client; TLS hostnames are verified."""
     kwargs: dict[str, Any] = {
         "operation_timeout_seconds": settings.operation_timeout_seconds,
-        # The C++ client's own logger: a Python logger is called from client threads that need the
-        # GIL, which can deadlock the client's destructor at exit.
-        "logger": quiet_logger() if operator else pulsar.ConsoleLogger(pulsar.LoggerLevel.Warn),
+        # The C++ client's own log lines, as structured events of the worker's log (logs.py says why
+        # through a pipe and not a Python logger).
+        "logger": quiet_logger() if operator else pulsar.FileLogger(pulsar.LoggerLevel.Warn,
+                                                                   logs.pulsar_client_log_path()),
         "tls_validate_hostname": True,
         "tls_allow_insecure_connection": False,
     }

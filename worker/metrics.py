@@ -9,6 +9,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 SUB = ("project", "subscription")
+BROKER_OPERATIONS = ("receive", "ack", "subscribe", "backlog")
 
 
 class Metrics:
@@ -49,6 +50,8 @@ class Metrics:
                                      "(each is logged with its traceback and restarted)", ("task",), registry=r)
         self.broker_errors = Counter("pushworker_broker_errors", "Broker calls that failed",
                                      ("operation",), registry=r)
+        for operation in BROKER_OPERATIONS:  # series from the start, so a rate() sees the first error
+            self.broker_errors.labels(operation)
         self.endpoint_window = Gauge("pushworker_endpoint_concurrency_window",
                                      "Adaptive concurrency window of the subscription's endpoint", SUB, registry=r)
         self.backlog = Gauge("pushworker_subscription_backlog", "Messages the broker holds for the subscription "
@@ -58,6 +61,9 @@ class Metrics:
         self.fleet_size = Gauge("pushworker_fleet_size", "Live workers this worker sees in its fleet", registry=r)
         self.owned = Gauge("pushworker_subscription_owned", "1 for each subscription this worker serves",
                            SUB, registry=r)
+        self.assigned = Gauge("pushworker_subscription_assigned", "1 for each subscription the fleet assigns to "
+                              "this worker (served, paused or expired): one worker reports each existing one",
+                              SUB, registry=r)
         self.state = Gauge("pushworker_subscription_state", "1 for the subscription's state (Active, Error, "
                            "Seeking; Paused and Expired from the worker it is assigned to)", (*SUB, "state"),
                            registry=r)

@@ -182,6 +182,37 @@ def is_ready(admin_url: str) -> bool:
 
 
 @dataclass
+class RunningBroker:
+    """A broker someone else started (`make apache-pulsar`, a cluster): used, never stopped."""
+
+    url: str
+    admin_url: str
+    name: str = "apache-pulsar"
+
+    @property
+    def metrics_url(self) -> str:
+        return self.admin_url.rstrip("/") + "/metrics/"  # /metrics answers with a redirect here
+
+    def stop(self) -> None:
+        """Not ours to stop."""
+
+
+def broker_from_environment(tenants: tuple[str, ...]) -> RunningBroker | None:
+    """`PULSAR_URL` (and `PULSAR_ADMIN_URL`, to create `tenants`' `main` namespaces): the broker
+    `make bench` and `make soak` use instead of starting pulsar-lite; None when unset."""
+    url = os.environ.get("PULSAR_URL")
+    if not url:
+        return None
+    admin = os.environ.get("PULSAR_ADMIN_URL", "")
+    if not admin:
+        raise EmbeddedError("PULSAR_URL is set: set PULSAR_ADMIN_URL too (make apache-pulsar prints both)")
+    broker = RunningBroker(url, admin)
+    for tenant in tenants:
+        ensure_namespace(admin, tenant)
+    return broker
+
+
+@dataclass
 class ApachePulsar(Service):
     """A standalone broker process; `restart` keeps its data (for outage tests)."""
 

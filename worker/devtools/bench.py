@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from worker import embedded
 from worker.consumer import CONSUMER_TYPES
+from worker.devtools import apache_pulsar
 
 PAYLOAD = os.urandom(768).hex().encode()[:1024]  # 1 KiB
 LATENCY_RATE = 200.0  # messages/s in the latency phase
@@ -199,7 +200,8 @@ class Bench:
         self.messages = messages
         self.concurrency = concurrency
         self.dir = Path(tempfile.mkdtemp(prefix="push-worker-bench-"))
-        self.broker = embedded.start_pulsar(self.dir / "pulsar")
+        self.broker: Any = (apache_pulsar.broker_from_environment(("p-bench",))
+                            or embedded.start_pulsar(self.dir / "pulsar"))
         self.redis_service = embedded.start_redis(self.dir / "redis")
         self.redis = redis.Redis.from_url(self.redis_service.url)
         self.client = pulsar.Client(self.broker.url, logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))

@@ -38,6 +38,7 @@ import yaml
 from aiohttp import web
 
 from worker import embedded
+from worker.devtools import apache_pulsar
 from worker.devtools.endpoints import serve_local
 from worker.embedded import free_port, terminate
 
@@ -139,7 +140,8 @@ def _dead_letters(client: pulsar.Client, topic: str) -> Counter[int]:
 
 async def run_soak(seconds: float = 60.0, workers: int = 2, rate: float = 40.0, hard_kills: bool = False) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="push-worker-soak-"))
-    broker = embedded.start_pulsar(workdir / "pulsar")
+    external = apache_pulsar.broker_from_environment(("p-soak",))
+    broker: Any = external or embedded.start_pulsar(workdir / "pulsar")
     redis = embedded.start_redis(workdir / "redis")
     endpoint = ChaosEndpoint()
     runner, port = await serve_local("/hook", endpoint.handle)
@@ -188,7 +190,7 @@ async def run_soak(seconds: float = 60.0, workers: int = 2, rate: float = 40.0, 
             done = _count_settled(endpoint, published, tally.seen)
             if done != progress:
                 progress, progress_at = done, time.monotonic()
-            elif not broker_restarted and time.monotonic() - progress_at > 10:  # stranded (see above)
+            elif not broker_restarted and external is None and time.monotonic() - progress_at > 10:  # stranded
                 broker_restarted = True
                 print(f"  no progress for 10 s with {2 * published - done} unsettled: restarting the broker "
                       "(pulsar-lite keeps a killed worker's consumers)")

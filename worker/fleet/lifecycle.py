@@ -16,6 +16,7 @@ Redis state are deleted, and only deletion is allowed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -53,37 +54,46 @@ class SeekTarget:
         return str(self.to)
 
 
-async def seek_with_own_consumer(client: pulsar_async.Client, sub: Subscription, target: SeekTarget) -> int:
-    """Move the subscription's cursor through a consumer of our own; returns how many messages were
-    skipped by acknowledging them (for `latest`). Call it while no other consumer of the subscription
-    is attached: the next consumer to attach starts from the new position.
+async def seek_with_own_consumer(client: pulsar_async.Client, sub: Subscription, target: SeekTarget) -> None:
+    """Move the subscription's cursor through a consumer of our own. Call it while no other consumer
+    of the subscription is attached: the next consumer to attach starts from the new position.
 
-    `latest` acknowledges everything published before now instead of seeking past the end: that works
-    on every broker (pulsar-lite fails a seek past the last message, and Shared subscriptions cannot
-    ack cumulatively)."""
+    Both targets go by publish time, the broker's own seek: `earliest` is time 0, `latest` is now
+    (past every message published so far, in one step whatever the backlog). pulsar-lite refuses a
+    seek past its last message (it drops the connection and leaves the cursor): then `latest`
+    acknowledges the backlog up to now instead (Shared subscriptions cannot ack cumulatively)."""
     from worker import consumer as pulsar_adapter
 
-    if target.to == "latest":
-        consumer = await pulsar_adapter.subscribe(client, sub, "push-worker-purge", receiver_queue_size=1000)
-        cutoff, skipped = int(time.time() * 1000), 0
-        try:
-            while True:
-                try:
-                    message = await asyncio.wait_for(consumer.receive(), DRAIN_QUIET_SECONDS)
-                except TimeoutError:
-                    return skipped
-                if message.publish_timestamp() > cutoff:
-                    return skipped  # newer than the purge: left for delivery
-                await consumer.acknowledge(message)
-                skipped += 1
-        finally:
-            await asyncio.wait_for(consumer.close(), timeout=5.0)
+    cutoff = int(time.time() * 1000)
     consumer = await pulsar_adapter.subscribe(client, sub, "push-worker-seek", receiver_queue_size=1)
     try:
-        await consumer.seek(target.publish_time_ms())
+        await consumer.seek(cutoff if target.to == "latest" else target.publish_time_ms())
+        return
+    except pulsar_async.PulsarException:
+        if target.to != "latest":
+            raise
+    finally:
+        with contextlib.suppress(Exception):  # after a refused seek the broker may have dropped it already
+            await asyncio.wait_for(consumer.close(), timeout=5.0)
+    await _acknowledge_until(client, sub, cutoff)
+
+
+async def _acknowledge_until(client: pulsar_async.Client, sub: Subscription, cutoff_ms: int) -> None:
+    """Acknowledge every message published before `cutoff_ms`; newer ones stay for delivery."""
+    from worker import consumer as pulsar_adapter
+
+    consumer = await pulsar_adapter.subscribe(client, sub, "push-worker-purge", receiver_queue_size=1000)
+    try:
+        while True:
+            try:
+                message = await asyncio.wait_for(consumer.receive(), DRAIN_QUIET_SECONDS)
+            except TimeoutError:
+                return
+            if message.publish_timestamp() > cutoff_ms:
+                return
+            await consumer.acknowledge(message)
     finally:
         await asyncio.wait_for(consumer.close(), timeout=5.0)
-    return 0
 
 
 async def forget_attempts(client: aioredis.Redis, sub_key: str) -> int:

@@ -67,6 +67,7 @@ class Fleet:
         self.paused: set[str] = set()
         self.expired: set[str] = set()
         self._state_reported: set[str] = set()  # paused/expired keys assigned here, exported as a state metric
+        self._assigned_reported: set[str] = set()  # keys exported as pushworker_subscription_assigned
         self._seeks: set[asyncio.Task[None]] = set()
         self._registry_version: object = None  # as read from Redis (compared, never parsed)
         self._ignored: set[tuple[str, str]] = set()  # what was logged as ignored (once each)
@@ -205,6 +206,7 @@ class Fleet:
         held_back = self.paused | self.expired
         wanted = {k for k in self.subscriptions if owners.get(k) == self.me and k not in held_back}
         self._report_held_back_states({k for k in held_back if owners.get(k) == self.me})
+        self._report_assigned({k for k in self.subscriptions if owners.get(k) == self.me})
         for key in [k for k in self.leases if k not in wanted]:
             await self._hand_over(key)
         for key in sorted(wanted - set(self.leases)):
@@ -278,6 +280,16 @@ class Fleet:
             project, name = key.split("/", 1)
             self.worker.metrics.set_state(project, name, State.EXPIRED if key in self.expired else State.PAUSED)
         self._state_reported = keys
+
+    def _report_assigned(self, keys: set[str]) -> None:
+        """`pushworker_subscription_assigned`: an existing subscription that nobody owns for long
+        (and is not paused or expired) is what the Unowned alert looks for; a deleted one has no series."""
+        for key in self._assigned_reported - keys:
+            with contextlib.suppress(KeyError):
+                self.worker.metrics.assigned.remove(*key.split("/", 1))
+        for key in keys - self._assigned_reported:
+            self.worker.metrics.assigned.labels(*key.split("/", 1)).set(1)
+        self._assigned_reported = keys
 
     def _start_seek(self, key: str) -> None:
         if key not in self.leases:
