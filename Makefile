@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint bench soak clean apache-pulsar apache-pulsar-stop test-apache-pulsar
+.PHONY: install demo test lint bench soak clean apache-pulsar apache-pulsar-stop test-apache-pulsar image-lock
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,14 @@ bench: $(STAMP)
 
 soak: $(STAMP)
 	$(BIN)/push-worker soak --seconds $(or $(SOAK_SECONDS),60)
+
+# The image's lock with hashes (deploy/requirements.txt): the runtime dependencies at the versions of
+# requirements.lock, plus pip and setuptools (deploy/build-tools.in). Run after changing either.
+image-lock: $(STAMP)
+	$(BIN)/pip install --quiet pip-tools
+	grep -v '^#' requirements.lock > $(VENV)/lock-constraints.txt
+	PIP_FIND_LINKS= $(BIN)/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras --no-emit-index-url \
+	  --no-emit-find-links -c $(VENV)/lock-constraints.txt -o deploy/requirements.txt pyproject.toml deploy/build-tools.in
 
 clean:
 	rm -rf $(VENV) .push-worker .pytest_cache .apache-pulsar tools/apache-pulsar/lib tools/apache-pulsar/target

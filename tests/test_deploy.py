@@ -7,6 +7,8 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import kubernetes_validate
@@ -121,3 +123,51 @@ def test_alerts_use_the_job_name_the_service_monitor_produces():
     kustomization = yaml.safe_load((DEPLOY / "base" / "kustomization.yaml").read_text())
     job = kustomization["labels"][0]["pairs"][sm["spec"]["jobLabel"]]
     assert f'job="{job}"' in rules
+
+
+def test_the_image_lock_pins_every_runtime_dependency_with_hashes_at_the_tested_versions():
+    lock = (DEPLOY / "requirements.txt").read_text()
+    pinned = dict(re.findall(r"^([A-Za-z0-9_.-]+)==([^\s;]+)", lock, re.M))
+    blocks = re.split(r"\n(?=[A-Za-z0-9_.-]+==)", lock)
+    assert all("--hash=sha256:" in block for block in blocks if "==" in block.split("\n")[0])
+    tested = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", (ROOT / "requirements.lock").read_text(), re.M))
+
+    def norm(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    tested = {norm(k): v for k, v in tested.items()}
+    runtime = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    for requirement in runtime:
+        name = norm(re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0])
+        assert name in {norm(k) for k in pinned}, f"{name} is not in deploy/requirements.txt"
+    for name, version in pinned.items():
+        if norm(name) in tested:
+            assert tested[norm(name)] == version, f"{name}: image {version}, tested {tested[norm(name)]}"
+    assert {"pip", "setuptools"} <= {norm(k) for k in pinned}  # the build tools too
+
+
+@pytest.mark.slow
+def test_the_image_build_steps_install_from_the_hashed_lock(tmp_path):
+    """The Dockerfile's install steps, run here (no container engine on the build machines): the
+    hashed lock installs with --require-hashes, the package on top without resolving, pip check."""
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert "--require-hashes --no-deps -r deploy/requirements.txt" in dockerfile
+    assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11-slim@sha256:[0-9a-f]{64}$", dockerfile, re.M)
+    src = tmp_path / "src"  # what the Dockerfile copies
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(ROOT / "worker", src / "worker", ignore=shutil.ignore_patterns("__pycache__"))
+    venv = tmp_path / "image"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    env = {**os.environ, "PIP_FIND_LINKS": "", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    steps = [[python, "-m", "pip", "install", "--quiet", "--no-cache-dir", "--require-hashes", "--no-deps",
+              "-r", str(DEPLOY / "requirements.txt")],
+             [python, "-m", "pip", "install", "--quiet", "--no-cache-dir", "--no-deps", "--no-build-isolation",
+              str(src)],
+             [python, "-m", "pip", "check"],
+             [str(venv / "bin" / "push-worker"), "--version"]]
+    for step in steps:
+        done = subprocess.run(step, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+        assert done.returncode == 0, (step, done.stdout[-2000:], done.stderr[-2000:])
