@@ -3,6 +3,7 @@ Redis and workers: pause/resume, attempt history, dead-letter list/show/redrive.
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -136,9 +137,12 @@ async def test_dead_letters_are_listed_shown_and_redriven_to_their_subscription_
         code, out, err = await cli("dlq", "redrive", sub.name, *args, "--rate", "50", "--max-messages", "2")
         assert code == 0, err
         assert "2 delivered" in out and "redriven" in err  # progress goes to stderr
-        code, out, err = await cli("dlq", "redrive", sub.name, *args, "--rate", "50", "--json")  # resumes
+        code, out, err = await cli("dlq", "redrive", sub.name, *args, "--rate", "20", "--json")  # resumes
         assert code == 0, err
         assert json.loads(out)["redriven"] == 4
+        # --rate 20: the 4 requests of the second run at least 50 ms apart (a lower bound: no burst).
+        times = sorted(r.at for r in endpoint.requests[-4:])
+        assert all(b - a >= 0.045 for a, b in itertools.pairwise(times)), times
 
         redriven = endpoint.requests[before:]
         assert sorted(r.headers["Pubsub-Message-Id"] for r in redriven) == sorted(ids)  # each once, original id

@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from worker import embedded
 from worker.consumer import CONSUMER_TYPES
 from worker.devtools import apache_pulsar
+from worker.ops.render import table
 
 PAYLOAD = os.urandom(768).hex().encode()[:1024]  # 1 KiB
 LATENCY_RATE = 200.0  # messages/s in the latency phase
@@ -350,12 +351,15 @@ async def run_bench(messages: int = 20000, concurrency: int = 64) -> int:
             print("reference (bare aiohttp POST loop, one process, on uvloop): "
                   + ", ".join(f"{r:,.0f}" for r in references) + " req/s, measured around each case")
             print(f"latency: publish-to-ack on a steady {LATENCY_RATE:.0f} msg/s stream\n")
-            print(f"{'case':<12}{'deliveries/s':>14}{'reference':>11}{'x reference':>13}{'p50 ms':>9}{'p99 ms':>9}"
-                  f"{'redis cmd/msg':>15}{'round trips/msg':>17}{'cpu s/1k msg':>14}{'rss MiB':>9}")
-            for f, reference in rows:
-                print(f"{f.name:<12}{f.rate:>14,.0f}{reference:>11,.0f}{f.rate / reference:>13.2f}{f.p50_ms:>9.1f}"
-                      f"{f.p99_ms:>9.1f}{f.redis_per_msg:>15.2f}{f.round_trips_per_msg:>17.2f}{f.cpu_s_per_1k:>14.3f}"
-                      f"{f.rss_mb:>9.0f}")
+            print(table([{"case": f.name, "deliveries/s": f"{f.rate:,.0f}", "reference": f"{reference:,.0f}",
+                          "x reference": f"{f.rate / reference:.2f}", "p50 ms": f"{f.p50_ms:.1f}",
+                          "p99 ms": f"{f.p99_ms:.1f}", "redis cmd/msg": f"{f.redis_per_msg:.2f}",
+                          "round trips/msg": f"{f.round_trips_per_msg:.2f}", "cpu s/1k msg": f"{f.cpu_s_per_1k:.3f}",
+                          "rss MiB": f"{f.rss_mb:.0f}"} for f, reference in rows],
+                        ["case", "deliveries/s", "reference", "x reference", "p50 ms", "p99 ms", "redis cmd/msg",
+                         "round trips/msg", "cpu s/1k msg", "rss MiB"],
+                        right=("deliveries/s", "reference", "x reference", "p50 ms", "p99 ms", "redis cmd/msg",
+                               "round trips/msg", "cpu s/1k msg", "rss MiB")))
             ready, cpu, rss = bench.idle()
             print(f"\nidle: 1000 push subscriptions ready in {ready:.1f}s; idle CPU {100 * cpu:.1f}% of a core; "
                   f"RSS {rss:.0f} MiB")

@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import random
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import pulsar
 from aiohttp import web
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn
 
 from worker import logs
 from worker.config import HttpSettings, Settings
@@ -141,23 +142,25 @@ def _quiet() -> pulsar.ConsoleLogger:
 
 
 async def _progress(worker: Worker, key: str, total: int, started: float, limit: float = 50.0) -> None:
-    """A live bar on a terminal; elsewhere (a log, CI) a line every 2 seconds and at the end."""
-    live = sys.stdout.isatty()
+    """A live bar on a terminal (rich); elsewhere (a log, CI) a line every 2 seconds and at the end."""
+    console = Console()
+    live = console.is_terminal
     printed_at = 0.0
-    while time.monotonic() - started < limit:
-        dispatcher = worker.dispatchers.get(key)
-        if dispatcher is not None:
-            s = dispatcher.stats
-            done = s.acked + s.dead_lettered + s.dropped
-            line = (f"{done}/{total} settled  delivered={s.acked} retries={s.retried} "
-                    f"dead-lettered={s.dead_lettered} unsettled={dispatcher.unsettled}")
-            if live:
-                bar = "#" * int(30 * done / total)
-                sys.stdout.write(f"\r  [{bar:<30}] {line}   ")
-                sys.stdout.flush()
-            elif done >= total or time.monotonic() - printed_at >= 2.0:
-                print(f"  {line}", flush=True)
-                printed_at = time.monotonic()
-            if done >= total:
-                return
-        await asyncio.sleep(0.2)
+    columns = (TextColumn("  "), BarColumn(bar_width=30), TextColumn("{task.description}"))
+    with Progress(*columns, console=console, disable=not live, transient=False) as bar:
+        task = bar.add_task("", total=total)
+        while time.monotonic() - started < limit:
+            dispatcher = worker.dispatchers.get(key)
+            if dispatcher is not None:
+                s = dispatcher.stats
+                done = s.acked + s.dead_lettered + s.dropped
+                line = (f"{done}/{total} settled  delivered={s.acked} retries={s.retried} "
+                        f"dead-lettered={s.dead_lettered} unsettled={dispatcher.unsettled}")
+                if live:
+                    bar.update(task, completed=done, description=line)
+                elif done >= total or time.monotonic() - printed_at >= 2.0:
+                    console.print(f"  {line}", highlight=False, soft_wrap=True)
+                    printed_at = time.monotonic()
+                if done >= total:
+                    return
+            await asyncio.sleep(0.2)

@@ -41,6 +41,7 @@ from worker import embedded
 from worker.devtools import apache_pulsar
 from worker.devtools.endpoints import serve_local
 from worker.embedded import free_port, terminate
+from worker.ops.render import table
 
 TOPIC = "persistent://p-soak/main/events"
 SUBSCRIPTIONS = ("soak-shared", "soak-keyed")
@@ -231,8 +232,7 @@ def _count_settled(endpoint: ChaosEndpoint, published: int, dead: dict[str, Coun
 
 def _report(endpoint: ChaosEndpoint, published: int, dead_letters: dict[str, Counter[int]]) -> int:
     lost_total = regressions_total = 0
-    print(f"\n{'subscription':<14}{'published':>10}{'delivered':>10}{'duplicated':>11}{'regressions':>12}"
-          f"{'dead-lettered':>14}{'dlq-dups':>9}{'lost':>6}")
+    rows = []
     for sub in SUBSCRIPTIONS:
         acked, dead = endpoint.acked[sub], dead_letters[sub]
         delivered = sum(1 for n in range(published) if n in acked)
@@ -243,8 +243,10 @@ def _report(endpoint: ChaosEndpoint, published: int, dead_letters: dict[str, Cou
         lost = sum(1 for n in range(published) if n not in acked and n not in dead)
         lost_total += lost
         regressions_total += regressions
-        print(f"{sub:<14}{published:>10}{delivered:>10}{duplicated:>11}{regressions:>12}{dead_lettered:>14}"
-              f"{dead_duplicates:>9}{lost:>6}")
+        rows.append({"subscription": sub, "published": published, "delivered": delivered, "duplicated": duplicated,
+                     "regressions": regressions, "dead-lettered": dead_lettered, "dlq-dups": dead_duplicates,
+                     "lost": lost})
+    print("\n" + table(rows, list(rows[0])))
     print(f"endpoint requests: {endpoint.requests}; poison messages: every {POISON_EVERY}th")
     print("lost 0: every message was delivered or dead-lettered" if lost_total == 0 else f"LOST {lost_total}")
     print("attempt numbers never went back" if regressions_total == 0

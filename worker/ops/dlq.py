@@ -28,6 +28,7 @@ from typing import Any
 
 import pulsar
 import pulsar.asyncio as pulsar_async
+from aiolimiter import AsyncLimiter
 
 from worker import consumer as pulsar_adapter
 from worker import keys, logs
@@ -70,21 +71,6 @@ def original_envelope(sub: Subscription, message: pulsar.Message) -> Envelope:
     )
 
 
-class RateLimit:
-    """At most `rate` releases a second, evenly spaced."""
-
-    def __init__(self, rate: float) -> None:
-        self.interval = 1.0 / rate
-        self.next_at = 0.0
-
-    async def wait(self) -> None:
-        now = time.monotonic()
-        self.next_at = max(self.next_at, now)
-        delay, self.next_at = self.next_at - now, self.next_at + self.interval
-        if delay > 0:
-            await asyncio.sleep(delay)
-
-
 class DeadLetterSource:
     """The cursor, seen by a dispatcher: only this subscription's dead letters from before `started_ms`,
     rate-limited; once the cursor runs dry it sets `exhausted` and hands out nothing more."""
@@ -93,7 +79,7 @@ class DeadLetterSource:
                  fresh_count: Callable[[str], Awaitable[Any]]) -> None:
         self.consumer, self.sub = consumer, sub
         self.fresh_count = fresh_count
-        self.rate = RateLimit(rate)
+        self.rate = AsyncLimiter(1, 1.0 / rate)  # one at a time, evenly spaced: no burst
         self.limit = limit
         self.started_ms = int(time.time() * 1000)
         self.taken = 0
@@ -108,7 +94,7 @@ class DeadLetterSource:
             except TimeoutError:
                 break
             if is_for(self.sub, message) and message.publish_timestamp() <= self.started_ms:
-                await self.rate.wait()
+                await self.rate.acquire()
                 # The original's record is a settled marker now: a redrive counts attempts afresh.
                 await self.fresh_count(original_envelope(self.sub, message).message_id)
                 self.taken += 1

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import dataclass
 from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
 
 
 @dataclass(frozen=True)
@@ -19,8 +24,17 @@ def render(output: Output, as_json: bool) -> str:
     return json.dumps(output.data) if as_json else output.text
 
 
-def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    widths = {c: max([len(c)] + [len(str(r.get(c, ""))) for r in rows]) for c in columns}
-    lines = ["  ".join(c.upper().ljust(widths[c]) for c in columns)]
-    lines += ["  ".join(str(r.get(c, "")).ljust(widths[c]) for c in columns) for r in rows]
-    return "\n".join(line.rstrip() for line in lines)
+def table(rows: list[dict[str, Any]], columns: list[str], right: tuple[str, ...] = ()) -> str:
+    """Aligned columns under upper-case headers, as plain text (no colour, no wrapping: the output
+    goes to terminals, files and pipes alike). Numbers, and the columns named in `right`, align right."""
+    grid = Table(box=None, pad_edge=False, show_edge=False, padding=(0, 1), header_style="", highlight=False)
+    for column in columns:
+        numeric = bool(rows) and all(isinstance(r.get(column), int | float) and not isinstance(r.get(column), bool)
+                                     for r in rows)
+        grid.add_column(column.upper(), no_wrap=True,
+                        justify="right" if numeric or column in right else "left")
+    for row in rows:
+        grid.add_row(*(Text(str(row.get(c, ""))) for c in columns))  # Text: no markup is interpreted
+    out = io.StringIO()
+    Console(file=out, width=100_000, color_system=None, force_terminal=False, highlight=False).print(grid)
+    return "\n".join(line.rstrip() for line in out.getvalue().splitlines())
