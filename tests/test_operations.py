@@ -171,3 +171,26 @@ async def test_redrive_that_fails_again_puts_the_message_back_and_ends(
     code, out, _ = await cli("dlq", "list", sub.name, *args)
     [back] = json.loads(out)["messages"]
     assert back["message_id"] == message_id and back["last_status"] == "500"
+
+
+async def test_redrive_of_one_message_replays_it_and_leaves_the_others(
+        broker, start_worker, endpoint: Endpoint, client: Client, topic, redis_url, tmp_path):
+    healthy = False
+    endpoint.behaviour = lambda rec: web.Response(status=204 if healthy else 500)
+    config, settings = worker_yaml(tmp_path, broker.url, redis_url, push_sub(
+        "replay-push", topic, endpoint.url, max_deliver=1, dead_letter={"topic": topic + "-dlq"}))
+    [sub] = settings.subscriptions
+    w = await start_worker(sub)
+    ids = client.publish(topic, [b"a", b"b", b"c"])
+    await eventually(lambda: w.dispatchers[sub.key].stats.dead_lettered == 3, what="all dead-lettered")
+    healthy = True
+    before = len(endpoint.requests)
+    args = ("--config", config, "--json")
+    code, out, err = await cli("dlq", "redrive", sub.name, "--message-id", ids[1], *args)
+    assert code == 0, err
+    assert json.loads(out)["redriven"] == 1
+    assert [r.headers["Pubsub-Message-Id"] for r in endpoint.requests[before:]] == [ids[1]]
+    code, out, _ = await cli("dlq", "list", sub.name, *args)
+    assert sorted(m["message_id"] for m in json.loads(out)["messages"]) == sorted([ids[0], ids[2]])
+    code, _, err = await cli("dlq", "redrive", sub.name, "--message-id", "9:9:-1:-1", *args)
+    assert code == 3 and "no dead letter 9:9:-1:-1" in err

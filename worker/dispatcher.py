@@ -27,6 +27,7 @@ from worker.flow import AdaptiveLimit, Window
 from worker.history import attempt_entry, event_entry
 from worker.messages import Envelope, PushRequest, build_request, format_message_id
 from worker.metrics import Metrics
+from worker.oidc import Tokens
 from worker.signing import SecretStore, SecretUnavailable, auth_headers
 from worker.subscriptions import State, Subscription
 from worker.supervisor import Supervisor
@@ -54,6 +55,7 @@ class Stats:
     retried: int = 0
     dead_lettered: int = 0
     dropped: int = 0
+    filtered: int = 0
 
 
 def lane_of(sub: Subscription, env: Envelope) -> str | None:
@@ -76,6 +78,11 @@ class DeliveryContext:
     secrets: SecretStore = field(default_factory=SecretStore)
     worker_id: str = ""
     supervisor: Supervisor = field(default_factory=Supervisor)
+    tokens: Tokens | None = None  # OIDC tokens; made from `secrets` when not given
+
+    def __post_init__(self) -> None:
+        if self.tokens is None:
+            self.tokens = Tokens(self.secrets)
 
 
 def _raw_id(message: Any) -> str:
@@ -280,6 +287,15 @@ class Dispatcher:
                 return await self._give_up(message, env, self.sub, 0, "unreadable",
                                            [event_entry("unreadable", self.ctx.worker_id, detail=env.defect)])
             return None
+        if self.sub.filter is not None and not self.sub.filter.matches(env.attributes):
+            # Not for this subscription (filters are immutable): acked without a request, recorded.
+            if not await self._fenced():
+                return None
+            self.m.filtered.inc()
+            self.stats.filtered += 1
+            # Kept like a first-time ack (redis.acked_history_ttl_seconds): a filter may skip most of a topic.
+            return await self._ack(message, env, self.sub, [event_entry("filtered", self.ctx.worker_id)],
+                                   acked_first_time=True)
         while not self._stopping.is_set():
             sub = self.sub  # an edit applies from the next attempt on
             if not await self._fenced():
@@ -351,6 +367,9 @@ class Dispatcher:
     async def _send(self, sub: Subscription, env: Envelope, request: PushRequest) -> Outcome:
         try:  # signed at send time, so webhook-timestamp is the moment of this attempt
             extra = auth_headers(self.ctx.secrets, sub.signing_secrets, sub.bearer_token, env.message_id, request.body)
+            if sub.oidc is not None:
+                assert self.ctx.tokens is not None
+                extra["Authorization"] = "Bearer " + self.ctx.tokens.token(sub.oidc, sub.tenant, sub.name, sub.url)
         except SecretUnavailable as e:
             return Outcome(Result.NOT_SENT, detail=str(e))
         if extra:

@@ -1,4 +1,5 @@
-"""The worker's own HTTP listener: /metrics for Prometheus, /healthz (alive), /readyz (serving)."""
+"""The worker's own HTTP listener: /metrics for Prometheus, /healthz (alive), /readyz (serving), and
+the OIDC issuer's public keys (/.well-known/jwks.json, /.well-known/openid-configuration)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from worker.metrics import Metrics
+from worker.oidc import Oidc, Tokens, openid_configuration
 
 ReadyCheck = Callable[[], Awaitable[tuple[bool, str]]]
+OidcConfigs = Callable[[], list[Oidc]]
 AliveCheck = Callable[[], tuple[bool, str]]
 
 
@@ -17,11 +20,14 @@ class StatusServer:
     """Serves metrics and probes; `port` is the bound port (useful when configured as 0)."""
 
     def __init__(self, host: str, port: int, metrics: Metrics, ready: ReadyCheck,
-                 alive: AliveCheck | None = None) -> None:
+                 alive: AliveCheck | None = None, tokens: Tokens | None = None,
+                 oidc_configs: OidcConfigs | None = None) -> None:
         self.host, self.port = host, port
         self.metrics = metrics
         self.ready = ready
         self.alive = alive or (lambda: (True, "ok"))
+        self.tokens = tokens
+        self.oidc_configs = oidc_configs or (lambda: [])
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
@@ -29,6 +35,8 @@ class StatusServer:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
+        app.router.add_get("/.well-known/jwks.json", self._jwks)
+        app.router.add_get("/.well-known/openid-configuration", self._openid_configuration)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
@@ -53,3 +61,19 @@ class StatusServer:
     async def _readyz(self, _: web.Request) -> web.Response:
         ok, reason = await self.ready()
         return web.json_response({"ready": ok, "reason": reason}, status=200 if ok else 503)
+
+    async def _jwks(self, _: web.Request) -> web.Response:
+        """The public keys of every OIDC subscription this worker knows (the whole fleet's registry)."""
+        if self.tokens is None:
+            return web.json_response({"keys": []})
+        return web.json_response(self.tokens.jwks(self.oidc_configs()), headers={"Cache-Control": "max-age=300"})
+
+    async def _openid_configuration(self, request: web.Request) -> web.Response:
+        """The discovery document of the issuer this URL serves: the configured issuer whose scheme, host
+        and port are the request's, or the only one configured."""
+        issuers = sorted({config.issuer for config in self.oidc_configs()})
+        here = f"{request.scheme}://{request.host}"
+        chosen = [i for i in issuers if i.rstrip("/").startswith(here)] or (issuers if len(issuers) == 1 else [])
+        if not chosen:
+            return web.json_response({"error": "no OIDC issuer is configured for this address"}, status=404)
+        return web.json_response(openid_configuration(chosen[0]))

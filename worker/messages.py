@@ -74,6 +74,11 @@ def build_request(sub: Subscription, env: Envelope, attempt: int) -> PushRequest
     }
     if env.ordering_key is not None and header_safe("Pubsub-Ordering-Key", env.ordering_key):
         headers["Pubsub-Ordering-Key"] = env.ordering_key
+    if sub.content == "cloudevents":
+        return _cloudevent(sub, env, attempt, headers)
+    if sub.content == "gcp":
+        headers["Content-Type"] = "application/json"
+        return PushRequest(headers, orjson.dumps(_gcp_body(sub, env, attempt)))
     if sub.content == "wrapped":
         headers["Content-Type"] = "application/json"
         body: dict[str, Any] = {
@@ -105,3 +110,88 @@ def build_request(sub: Subscription, env: Envelope, attempt: int) -> PushRequest
         else:
             omitted += 1
     return PushRequest(headers, env.data, omitted)
+
+
+# -- CloudEvents 1.0, HTTP binding ------------------------------------------------------------------
+
+# Extension attribute names: lower-case letters and digits, at most 20 (CloudEvents 1.0); the
+# context attributes' own names are not extensions.
+_EXTENSION_RE = re.compile(r"^[a-z0-9]{1,20}$")
+_CONTEXT_NAMES = frozenset({"specversion", "id", "source", "type", "datacontenttype", "dataschema", "subject",
+                            "time", "data", "data_base64", "deliveryattempt"})
+
+
+def _cloudevent(sub: Subscription, env: Envelope, attempt: int, headers: dict[str, str]) -> PushRequest:
+    """`content: cloudevents`: one event per message, binary (context in `ce-` headers, the payload
+    as the body) or structured (`application/cloudevents+json`). The Pubsub-* headers stay."""
+    ce = sub.cloudevents
+    context: dict[str, Any] = {
+        "specversion": "1.0", "id": env.message_id, "source": ce.source or f"//pulsar/{sub.topic}",
+        "type": ce.type, "time": rfc3339(env.publish_time_ms),
+    }
+    if env.ordering_key is not None:
+        context["subject"] = env.ordering_key
+    content_type = env.attributes.get("content-type")
+    omitted = 0
+    if content_type is not None and not header_safe("Content-Type", content_type):
+        content_type, omitted = None, 1
+    extensions: dict[str, str] = {}
+    for name, value in env.attributes.items():
+        if name == "content-type":
+            continue
+        if _EXTENSION_RE.match(name) and name not in _CONTEXT_NAMES and header_safe(name, value):
+            extensions[name] = value
+        else:
+            omitted += 1
+    extensions["deliveryattempt"] = str(attempt)
+    if ce.mode == "binary":
+        headers["Content-Type"] = content_type or "application/octet-stream"
+        for name, value in (*context.items(), *extensions.items()):
+            if header_safe("ce", value):  # a subject (ordering key) a header cannot carry is left out
+                headers[f"ce-{name}"] = value
+            else:
+                omitted += 1
+        return PushRequest(headers, env.data, omitted)
+    event = {**context, **extensions}
+    if content_type is not None:
+        event["datacontenttype"] = content_type
+    payload = _json_payload(env.data, content_type)
+    if payload is not _NOT_JSON:
+        event["data"] = payload
+    else:
+        event["data_base64"] = base64.b64encode(env.data).decode("ascii")
+    headers["Content-Type"] = "application/cloudevents+json"
+    return PushRequest(headers, orjson.dumps(event), omitted)
+
+
+_NOT_JSON = object()
+
+
+def _json_payload(data: bytes, content_type: str | None) -> Any:
+    """The payload as JSON when the message says it is JSON and it parses; else _NOT_JSON."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        return _NOT_JSON
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return _NOT_JSON
+
+
+# -- the Google Cloud Pub/Sub push format -------------------------------------------------------------
+
+def _gcp_body(sub: Subscription, env: Envelope, attempt: int) -> dict[str, Any]:
+    """Google's push JSON: a PubsubMessage (protobuf JSON: empty data, attributes and ordering key
+    left out; the id and publish time also under their snake_case names, as Google sends them)."""
+    message: dict[str, Any] = {}
+    if env.data:
+        message["data"] = base64.b64encode(env.data).decode("ascii")
+    if env.attributes:
+        message["attributes"] = env.attributes
+    published = rfc3339(env.publish_time_ms)
+    message.update({"messageId": env.message_id, "message_id": env.message_id,
+                    "publishTime": published, "publish_time": published})
+    if env.ordering_key:
+        message["orderingKey"] = env.ordering_key
+    return {"message": message, "subscription": f"projects/{sub.tenant}/subscriptions/{sub.name}",
+            "deliveryAttempt": attempt}

@@ -30,6 +30,8 @@ class Metrics:
                                      "Messages republished to the dead-letter topic", SUB, registry=r)
         self.dropped = Counter("pushworker_messages_dropped",
                                "Exhausted messages acked and dropped (no dead-letter topic)", SUB, registry=r)
+        self.filtered = Counter("pushworker_messages_filtered", "Messages the subscription's filter did not "
+                                "match: acked without a request", SUB, registry=r)
         self.settled_redeliveries = Counter(
             "pushworker_settled_redeliveries", "Redelivered copies of messages already settled (their ack was "
             "lost to a crash or a broker outage), acked without a request", SUB, registry=r)
@@ -107,6 +109,7 @@ class SubscriptionMetrics:
         self.acked = m.acked.labels(*labels)
         self.dead_lettered = m.dead_lettered.labels(*labels)
         self.dropped = m.dropped.labels(*labels)
+        self.filtered = m.filtered.labels(*labels)
         self.retries = m.retries.labels(*labels)
         self.settled_redeliveries = m.settled_redeliveries.labels(*labels)
         self.in_flight = m.in_flight.labels(*labels)

@@ -31,6 +31,7 @@ from worker.fleet import Fleet, lifecycle
 from worker.fleet.lifecycle import ExpiryWatch, SeekTarget
 from worker.http_server import StatusServer
 from worker.metrics import Metrics
+from worker.oidc import Oidc, Tokens
 from worker.signing import SecretStore, SecretUnavailable
 from worker.subscriptions import State, Subscription
 from worker.supervisor import Supervisor, log_task_failure
@@ -52,7 +53,7 @@ def preflight(settings: Settings, secrets: SecretStore | None = None) -> None:
 
 
 def check_secrets(sub: Subscription, secrets: SecretStore) -> None:
-    """Every signing secret and bearer token of `sub` can be read, else a ConfigError naming it."""
+    """Every signing secret, bearer token and OIDC key of `sub` can be read, else a ConfigError naming it."""
     refs = [(f"deliver.push.signing_secrets[{i}]", ref) for i, ref in enumerate(sub.signing_secrets)]
     if sub.bearer_token is not None:
         refs.append(("deliver.push.bearer_token", sub.bearer_token))
@@ -61,6 +62,13 @@ def check_secrets(sub: Subscription, secrets: SecretStore) -> None:
             secrets.read(ref)
         except SecretUnavailable as e:
             raise ConfigError(f"subscription {sub.name!r}", field, str(e)) from None
+    if sub.oidc is not None:
+        tokens = Tokens(secrets)
+        for i, key in enumerate(sub.oidc.keys):
+            try:
+                tokens.private_key(key)  # readable, and a private key it can sign with
+            except SecretUnavailable as e:
+                raise ConfigError(f"subscription {sub.name!r}", f"deliver.push.oidc.signing_key[{i}]", str(e)) from None
 
 
 class Worker:
@@ -112,7 +120,9 @@ class Worker:
         self.pulsar_url = s.pulsar.service_url or ""
         self.redis_url = s.redis.url or ""
         metrics_url = s.pulsar.metrics_url
-        self.status = StatusServer(s.http.host, s.http.port, self.metrics, self.readiness, self.liveness)
+        self.tokens = Tokens(self.secrets)
+        self.status = StatusServer(s.http.host, s.http.port, self.metrics, self.readiness, self.liveness,
+                                   self.tokens, self._oidc_configs)
         await self.status.start()
         self._cleanup("close the status server", self.status.close, 5)
         if not self.pulsar_url:
@@ -144,7 +154,7 @@ class Worker:
         self.dead_letters = DeadLetterPublisher(self.pulsar)
         self._cleanup("close dead-letter producers", self.dead_letters.close, 10)
         self.delivery = DeliveryContext(self.deliverer, self.attempts, self.dead_letters, self.metrics, self.secrets,
-                                        self.worker_id, self.supervisor)
+                                        self.worker_id, self.supervisor, self.tokens)
         self.expiry = ExpiryWatch(self.redis, s.fleet.expire_backlog, s.fleet.expire_after_seconds)
         self.backlog = BacklogReader(self.session, s.pulsar.admin_url, metrics_url)
         if not await self._wait_for_redis():
@@ -318,6 +328,12 @@ class Worker:
 
     async def run_until_stopped(self) -> None:
         await self._stop.wait()
+
+    def _oidc_configs(self) -> list[Oidc]:
+        """The OIDC settings of every subscription this worker knows (its config and the fleet's
+        registry): every worker of a fleet publishes the same keys."""
+        known = self.fleet.subscriptions.values() if self.fleet is not None else self.settings.subscriptions
+        return [sub.oidc for sub in known if sub.oidc is not None]
 
     async def readiness(self) -> tuple[bool, str]:
         if self._closed or self._stop.is_set():

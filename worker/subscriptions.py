@@ -14,6 +14,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from worker.errors import ConfigError
+from worker.filters import Filter, FilterError, parse_filter
+from worker.oidc import Oidc, OidcKey
 from worker.signing import SecretRef
 
 NAME_RULE = "lowercase letters, digits and dashes; starts with a letter, does not end with a dash; 63 max"
@@ -24,7 +26,9 @@ _TOPIC_RE = re.compile(r"^(persistent|non-persistent)://([A-Za-z0-9_.=-]+)/([A-Z
 
 TYPES = ("shared", "key-shared", "exclusive", "failover")
 START_FROM = ("all", "new")
-CONTENT_MODES = ("wrapped", "raw")
+CONTENT_MODES = ("wrapped", "raw", "cloudevents", "gcp")
+CLOUDEVENTS_MODES = ("binary", "structured")
+_HEADER_TEXT_RE = re.compile(r"^[\x21-\x7e]{1,256}$")  # visible ASCII, no spaces: safe in a header
 MODES = ("push", "pull")
 
 
@@ -47,6 +51,16 @@ class RetryPolicy:
 
 
 @dataclass(frozen=True)
+class CloudEvents:
+    """`deliver.push.cloudevents`: how `content: cloudevents` requests are made (CloudEvents 1.0, HTTP
+    binding). `source` None: `//pulsar/<topic>`."""
+
+    mode: str = "binary"
+    type: str = "pubsub.message.published"
+    source: str | None = None
+
+
+@dataclass(frozen=True)
 class Subscription:
     """One push subscription: where messages come from, where they go, and how hard to try."""
 
@@ -64,6 +78,9 @@ class Subscription:
     dead_letter_topic: str | None = None
     signing_secrets: tuple[SecretRef, ...] = ()  # one, or two during a rotation
     bearer_token: SecretRef | None = None
+    cloudevents: CloudEvents = field(default_factory=CloudEvents)
+    filter: Filter | None = None  # messages it does not match are acked without a request
+    oidc: Oidc | None = None  # Authorization: Bearer <a signed JWT>
 
     @property
     def attempt_limit(self) -> int | None:
@@ -168,14 +185,14 @@ def _check_topic(r: FieldReader, name: str, value: str) -> tuple[str, str, str, 
     return parts
 
 
-def _check_url(r: FieldReader, value: str) -> str:
+def _check_url(r: FieldReader, value: str, name: str = "url") -> str:
     parts = urlsplit(value)
     if parts.scheme not in ("http", "https"):
-        raise r.fail("url", "must be an http or https URL")
+        raise r.fail(name, "must be an http or https URL")
     if not parts.hostname:
-        raise r.fail("url", "must name a host")
+        raise r.fail(name, "must name a host")
     if parts.username or parts.password:
-        raise r.fail("url", "must not carry credentials (use a bearer token secret instead)")
+        raise r.fail(name, "must not carry credentials (use a bearer token secret instead)")
     return value
 
 
@@ -222,7 +239,8 @@ def parse_subscription(data: Any, where: str = "") -> Subscription:
     where = f"subscription {name_value!r}" if isinstance(name_value, str) else (where or "subscription")
     r = FieldReader(where, data)
     r.reject_unknown({"name", "topic", "type", "ack_deadline_seconds", "max_deliver", "max_ack_pending",
-                      "max_concurrency", "start_from", "retry", "deliver", "dead_letter", "display_name"})
+                      "max_concurrency", "start_from", "retry", "deliver", "dead_letter", "display_name",
+                      "filter"})
     name = r.text("name")
     if not NAME_PATTERN.match(name):
         raise r.fail("name", NAME_RULE)
@@ -237,10 +255,14 @@ def parse_subscription(data: Any, where: str = "") -> Subscription:
     if deliver.choice("mode", MODES, "pull") != "push":
         raise deliver.fail("mode", "must be push for this fleet (pull subscriptions are ignored)")
     push = deliver.sub("push")
-    push.reject_unknown({"url", "content", "signing_secrets", "bearer_token"})
+    push.reject_unknown({"url", "content", "signing_secrets", "bearer_token", "cloudevents", "oidc"})
     url = _check_url(push, push.text("url"))
     content = push.choice("content", CONTENT_MODES, "wrapped")
+    cloudevents = _cloudevents(push, content)
     signing_secrets, bearer_token = _auth(push)
+    oidc = _oidc(push)
+    if oidc is not None and bearer_token is not None:
+        raise push.fail("oidc", "cannot be combined with bearer_token (both set Authorization)")
 
     retry = r.sub("retry")
     retry.reject_unknown({"min_backoff_seconds", "max_backoff_seconds"})
@@ -280,4 +302,59 @@ def parse_subscription(data: Any, where: str = "") -> Subscription:
         dead_letter_topic=dead_letter_topic,
         signing_secrets=signing_secrets,
         bearer_token=bearer_token,
+        cloudevents=cloudevents,
+        filter=_filter(r),
+        oidc=oidc,
     )
+
+
+def _oidc(push: FieldReader) -> Oidc | None:
+    """`oidc: {issuer, audience?, signing_key: {file|env}, key_id}`; for a rotation `signing_key` is a
+    list of two `{file|env, key_id}`, the first signing (both are published)."""
+    if not push.has("oidc"):
+        return None
+    o = push.sub("oidc")
+    o.reject_unknown({"issuer", "audience", "signing_key", "key_id"})
+    issuer = _check_url(o, o.text("issuer"), "issuer")
+    audience = o.text("audience") if o.has("audience") else None
+    raw = o.data.get("signing_key")
+    if isinstance(raw, list):
+        if not 1 <= len(raw) <= 2 or o.has("key_id"):
+            raise o.fail("signing_key", "as a list: one or two {file|env, key_id} (the first signs), "
+                                        "without a separate key_id")
+        keys = []
+        for i, item in enumerate(raw):
+            if not isinstance(item, dict) or not isinstance(item.get("key_id"), str) or not item["key_id"]:
+                raise o.fail(f"signing_key[{i}]", "must have a key_id")
+            refs = {k: v for k, v in item.items() if k != "key_id"}
+            keys.append(OidcKey(_secret_ref(o, f"signing_key[{i}]", refs), item["key_id"]))
+        if len({k.key_id for k in keys}) != len(keys):
+            raise o.fail("signing_key", "the two keys need different key_ids")
+        return Oidc(issuer, tuple(keys), audience)
+    key_id = o.text("key_id")
+    return Oidc(issuer, (OidcKey(_secret_ref(o, "signing_key", raw), key_id),), audience)
+
+
+def _filter(r: FieldReader) -> Filter | None:
+    if not r.has("filter"):
+        return None
+    try:
+        return parse_filter(r.text("filter"))
+    except FilterError as e:
+        raise r.fail("filter", str(e)) from None
+
+
+def _cloudevents(push: FieldReader, content: str) -> CloudEvents:
+    if not push.has("cloudevents"):
+        return CloudEvents()
+    if content != "cloudevents":
+        raise push.fail("cloudevents", "is only for content: cloudevents")
+    ce = push.sub("cloudevents")
+    ce.reject_unknown({"mode", "type", "source"})
+    values: dict[str, str] = {}
+    for name in ("type", "source"):
+        if ce.has(name):
+            values[name] = ce.text(name)
+            if not _HEADER_TEXT_RE.match(values[name]):
+                raise ce.fail(name, "must be 1-256 visible ASCII characters without spaces")
+    return CloudEvents(mode=ce.choice("mode", CLOUDEVENTS_MODES, "binary"), **values)

@@ -42,5 +42,7 @@ def register(cmds: Any) -> None:
     p.add_argument("--rate", type=positive_number, default=10.0, help="messages a second (default 10)")
     p.add_argument("--concurrency", type=positive_int, default=8, help="requests at once (default 8)")
     p.add_argument("--max-messages", type=positive_int, default=None, help="stop after this many")
+    p.add_argument("--message-id", default=None,
+                   help="redrive only this dead letter (its own id or its original id); the others stay")
     connection_args(p, broker=True)
     p.set_defaults(func=dlq_command)

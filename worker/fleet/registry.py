@@ -4,7 +4,8 @@ Layout (all under the fleet's hash tag): `pw:{fleet/<name>}:registry` hash of su
 (`tenant/name`) -> JSON definition; `...:version` counter bumped on every change; changes are also
 announced on the channel `...:events`. `...:paused` is the set of paused subscription keys (config
 or registry ones): no worker serves them, and their backlog waits in the broker. Edits follow the
-platform's PATCH rules: topic, type and start_from are immutable.
+platform's PATCH rules: topic, type and start_from are immutable (and filter, as in Google's push
+subscriptions).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from worker import keys
 from worker.errors import ConfigError, NotFound
 from worker.subscriptions import Subscription, is_push, parse_subscription
 
-IMMUTABLE = ("topic", "type", "start_from")
+IMMUTABLE = ("topic", "type", "start_from", "filter")
 
 
 def safe_text(value: bytes | str) -> str:
@@ -29,7 +30,8 @@ def safe_text(value: bytes | str) -> str:
 
 
 def _defaults(data: dict[str, Any]) -> dict[str, Any]:
-    return {"type": data.get("type", "shared"), "start_from": data.get("start_from", "all"), "topic": data.get("topic")}
+    return {"type": data.get("type", "shared"), "start_from": data.get("start_from", "all"), "topic": data.get("topic"),
+            "filter": data.get("filter")}
 
 
 def _change(sub: Subscription, current: bytes | str | None, data: dict[str, Any]) -> str:

@@ -76,8 +76,9 @@ class DeadLetterSource:
     rate-limited; once the cursor runs dry it sets `exhausted` and hands out nothing more."""
 
     def __init__(self, consumer: pulsar_async.Consumer, sub: Subscription, rate: float, limit: int | None,
-                 fresh_count: Callable[[str], Awaitable[Any]]) -> None:
+                 fresh_count: Callable[[str], Awaitable[Any]], message_id: str | None = None) -> None:
         self.consumer, self.sub = consumer, sub
+        self.message_id = message_id  # only this dead letter (its own id or its original's); the others stay
         self.fresh_count = fresh_count
         self.rate = AsyncLimiter(1, 1.0 / rate)  # one at a time, evenly spaced: no burst
         self.limit = limit
@@ -93,7 +94,8 @@ class DeadLetterSource:
                 message = await asyncio.wait_for(self.consumer.receive(), QUIET_SECONDS)
             except TimeoutError:
                 break
-            if is_for(self.sub, message) and message.publish_timestamp() <= self.started_ms:
+            if (is_for(self.sub, message) and message.publish_timestamp() <= self.started_ms
+                    and self._wanted(message)):
                 await self.rate.acquire()
                 # The original's record is a settled marker now: a redrive counts attempts afresh.
                 await self.fresh_count(original_envelope(self.sub, message).message_id)
@@ -103,6 +105,12 @@ class DeadLetterSource:
         self.exhausted.set()
         await asyncio.Event().wait()  # nothing more; the redrive stops the dispatcher
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _wanted(self, message: pulsar.Message) -> bool:
+        if self.message_id is None:
+            return True
+        return self.message_id in (pulsar_adapter.message_id_of(message),
+                                   message.properties().get("pubsub.original_message_id"))
 
     def receive_ready(self) -> None:
         return None  # every message goes through the filter and the rate limit in receive()
@@ -202,7 +210,7 @@ class DeadLetters:
         raise NotFound(f"no dead letter {message_id} for {sub.key} among the first {limit} (--limit to look further)")
 
     async def redrive(self, admin: Admin, name: str, rate: float, limit: int | None, concurrency: int,
-                      progress: Callable[[str], None]) -> Output:
+                      progress: Callable[[str], None], message_id: str | None = None) -> Output:
         sub = await self.subscription(admin, name)
         # A request that cannot be signed would fail every redriven message (and dead-letter it again).
         check_secrets(sub, SecretStore())
@@ -222,8 +230,9 @@ class DeadLetters:
             assert sub.dead_letter_topic is not None
             consumer = await subscribe_cursor(client, sub.dead_letter_topic, max(concurrency, 10),
                                               "push-worker-dlq-redrive")
-            source = DeadLetterSource(consumer, sub, rate, limit,
-                                      lambda message_id: admin.client.delete(keys.message_key(sub.key, message_id)))
+            source = DeadLetterSource(consumer, sub, rate, 1 if message_id else limit,
+                                      lambda original: admin.client.delete(keys.message_key(sub.key, original)),
+                                      message_id=message_id)
             dispatcher = Dispatcher(sub, source, lambda m: original_envelope(sub, m), ctx)
             dispatcher.start()
             report = 0.0
@@ -232,6 +241,8 @@ class DeadLetters:
                 if time.monotonic() - report >= 1.0:
                     report = time.monotonic()
                     progress(_progress(sub, dispatcher, source, time.monotonic() - started))
+            if message_id is not None and source.taken == 0:
+                raise NotFound(f"no dead letter {message_id} for {sub.key} (by its own id or its original id)")
             result = {"subscription": sub.key, "redriven": dispatcher.stats.acked,
                       "dead_lettered_again": dispatcher.stats.dead_lettered, "taken": source.taken,
                       "seconds": round(time.monotonic() - started, 1)}
@@ -270,7 +281,7 @@ async def run(target: Target, action: str, name: str, **options: Any) -> Output:
         if action == "show":
             return await dlq.show(admin, name, options["message_id"], options["limit"])
         return await dlq.redrive(admin, name, options["rate"], options.get("max_messages"),
-                                 options["concurrency"], stderr_progress)
+                                 options["concurrency"], stderr_progress, options.get("message_id"))
     finally:
         await admin.close()
 

@@ -1,0 +1,158 @@
+"""Subscription filters (Google Pub/Sub filter syntax): parsed, evaluated, enforced by the worker."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import Client, Endpoint
+from tests.helpers import cli, eventually, push_sub, worker_yaml
+from worker.errors import ConfigError
+from worker.filters import FilterError, parse_filter
+from worker.subscriptions import parse_subscription
+
+# -- the evaluator against a reference evaluation ---------------------------------------------------
+
+KEYS = ["kind", "region", "a b", 'q"k']
+VALUES = ["", "order", "eu", "eu-west", 'x"y', "ü"]
+
+
+@dataclass(frozen=True)
+class Node:
+    op: str
+    args: tuple[Any, ...]
+
+
+def quote(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def key_text(key: str) -> str:
+    return key if key.replace("_", "").replace("-", "").isalnum() and key.isascii() else quote(key)
+
+
+def render(node: Node) -> str:
+    op, a = node.op, node.args
+    if op == "=":
+        return f"attributes.{key_text(a[0])} = {quote(a[1])}"
+    if op == "!=":
+        return f"attributes.{key_text(a[0])} != {quote(a[1])}"
+    if op == "has":
+        return f"attributes:{key_text(a[0])}"
+    if op == "prefix":
+        return f"hasPrefix(attributes.{key_text(a[0])}, {quote(a[1])})"
+    if op == "not":
+        return f"NOT {render(a[0])}"
+    return "(" + f" {op} ".join(render(x) for x in a) + ")"
+
+
+def reference(node: Node, attributes: dict[str, str]) -> bool:
+    op, a = node.op, node.args
+    if op == "=":
+        return attributes.get(a[0]) == a[1]
+    if op == "!=":
+        return attributes.get(a[0]) != a[1]
+    if op == "has":
+        return a[0] in attributes
+    if op == "prefix":
+        return a[0] in attributes and attributes[a[0]].startswith(a[1])
+    if op == "not":
+        return not reference(a[0], attributes)
+    results = [reference(x, attributes) for x in a]
+    return all(results) if op == "AND" else any(results)
+
+
+leaves = st.one_of(
+    st.builds(lambda k, v: Node("=", (k, v)), st.sampled_from(KEYS), st.sampled_from(VALUES)),
+    st.builds(lambda k, v: Node("!=", (k, v)), st.sampled_from(KEYS), st.sampled_from(VALUES)),
+    st.builds(lambda k: Node("has", (k,)), st.sampled_from(KEYS)),
+    st.builds(lambda k, v: Node("prefix", (k, v)), st.sampled_from(KEYS), st.sampled_from(VALUES)),
+)
+expressions = st.recursive(leaves, lambda inner: st.one_of(
+    st.builds(lambda x: Node("not", (x,)), inner),
+    st.builds(lambda xs: Node("AND", tuple(xs)), st.lists(inner, min_size=2, max_size=3)),
+    st.builds(lambda xs: Node("OR", tuple(xs)), st.lists(inner, min_size=2, max_size=3)),
+), max_leaves=8)
+attribute_maps = st.dictionaries(st.sampled_from(KEYS), st.sampled_from(VALUES), max_size=4)
+
+
+@settings(max_examples=400, deadline=None)
+@given(expressions, st.lists(attribute_maps, min_size=1, max_size=5))
+def test_the_evaluator_agrees_with_a_reference_evaluation(expression: Node, maps: list[dict[str, str]]):
+    text = render(expression)
+    if len(text) > 256:
+        return
+    compiled = parse_filter(text)
+    for attributes in maps:
+        assert compiled.matches(attributes) == reference(expression, attributes), (text, attributes)
+
+
+def test_precedence_is_not_then_and_then_or():
+    f = parse_filter('attributes:a OR attributes:b AND NOT attributes:c')
+    assert f.matches({"a": "1", "c": "1"})  # a OR (b AND NOT c)
+    assert not f.matches({"b": "1", "c": "1"})
+    assert f.matches({"b": "1"})
+
+
+@pytest.mark.parametrize(("text", "column"), [
+    ('attributes.kind = order', 19), ('attributes.kind == "x"', 18), ('attributes:x AND', 14),
+    ('hasPrefix(attributes.kind "x")', 27),
+])
+def test_a_bad_filter_is_refused_with_its_position(text, column):
+    with pytest.raises(FilterError, match=rf"syntax error at column {column}\b"):
+        parse_filter(text)
+    doc = {"name": "f", "topic": "persistent://p-a/main/t", "filter": text,
+           "deliver": {"mode": "push", "push": {"url": "https://example.com/h"}}}
+    with pytest.raises(ConfigError, match=rf"filter: syntax error at column {column}"):
+        parse_subscription(doc)
+
+
+def test_limits_of_a_filter():
+    with pytest.raises(FilterError, match="at most 256 characters"):
+        parse_filter("attributes:" + "k" * 300)
+    with pytest.raises(FilterError, match="must not be empty"):
+        parse_filter("  ")
+
+
+# -- enforced by a worker ------------------------------------------------------------------------
+
+async def test_messages_the_filter_does_not_match_are_acked_unsent_counted_and_in_history(
+        start_worker, endpoint: Endpoint, client: Client, topic, redis_url, broker, tmp_path):
+    definition = push_sub("orders-only", topic, endpoint.url,
+                          filter='attributes.kind = "order" AND NOT attributes:test')
+    config, settings_ = worker_yaml(tmp_path, broker.url, redis_url, definition)
+    [sub] = settings_.subscriptions
+    w = await start_worker(sub)
+    [wanted] = client.publish(topic, [b"yes"], properties={"kind": "order"})
+    skipped = client.publish(topic, [b"no"], properties={"kind": "refund"})
+    skipped += client.publish(topic, [b"test"], properties={"kind": "order", "test": "1"})
+    skipped += client.publish(topic, [b"bare"])
+    stats = w.dispatchers[sub.key].stats
+    await eventually(lambda: stats.acked == 1 and stats.filtered == 3, what="1 delivered, 3 filtered")
+    assert [r.headers["Pubsub-Message-Id"] for r in endpoint.requests] == [wanted]
+    assert w.metrics.registry.get_sample_value("pushworker_messages_filtered_total",
+                                               {"project": sub.tenant, "subscription": sub.name}) == 3
+    code, out, err = await cli("history", sub.name, "--config", config, "--json")
+    assert code == 0, err
+    outcomes = {e["message_id"]: e.get("event") or e.get("result") for e in json.loads(out)["messages"]}
+    assert {outcomes[m] for m in skipped} == {"filtered"} and outcomes[wanted] == "ack"
+
+
+async def test_a_filter_is_immutable_after_creation(redis_url, tmp_path):
+    path = tmp_path / "subs.yaml"
+
+    def apply(filter_text: str) -> tuple[int, str, str]:
+        path.write_text(yaml.safe_dump({"subscriptions": [
+            push_sub("filtered", "persistent://p-a/main/t", "https://example.com/h", filter=filter_text)]}))
+        return cli("subs", "apply", "-f", str(path), "--redis-url", redis_url)
+
+    code, out, err = await apply("attributes:a")
+    assert code == 0 and "created" in out, err
+    code, _, err = await apply("attributes:b")
+    assert code == 2 and "filter: is immutable after creation" in err

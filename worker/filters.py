@@ -1,0 +1,114 @@
+"""Subscription filters on message attributes, in the Google Cloud Pub/Sub filter syntax:
+
+    attributes.KEY = "v"      attributes.KEY != "v"      attributes:KEY      hasPrefix(attributes.KEY, "p")
+    NOT x      x AND y      x OR y      ( x )
+
+KEY is a name of letters, digits, `_` and `-`, or any name as a quoted string (`attributes."a b"`).
+NOT binds tightest, then AND, then OR. Parsed by lark (an LALR grammar), compiled once into nested
+closures: evaluating a message costs a few dictionary lookups.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from lark import Lark, Token, Transformer, v_args
+from lark.exceptions import UnexpectedInput, VisitError
+
+Predicate = Callable[[Mapping[str, str]], bool]
+
+_GRAMMAR = r"""
+?start: or_expr
+?or_expr: and_expr (_OR and_expr)*      -> any_of
+?and_expr: unary (_AND unary)*          -> all_of
+?unary: _NOT unary                      -> negate
+      | atom
+?atom: "(" or_expr ")"
+     | "attributes" "." key "=" STRING   -> equals
+     | "attributes" "." key "!=" STRING  -> differs
+     | "attributes" ":" key              -> has
+     | "hasPrefix" "(" "attributes" "." key "," STRING ")" -> has_prefix
+key: NAME | STRING
+_OR: "OR"
+_AND: "AND"
+_NOT: "NOT"
+NAME: /[A-Za-z0-9_-]+/
+STRING: /"(?:[^"\\]|\\.)*"/
+%import common.WS
+%ignore WS
+"""
+
+_PARSER = Lark(_GRAMMAR, parser="lalr", maybe_placeholders=False)
+MAX_LENGTH = 256  # Google's limit on a filter's length
+
+
+class FilterError(ValueError):
+    """A filter that does not parse; the message names the position (1-based column)."""
+
+
+def _unquote(token: str) -> str:
+    if token.startswith('"'):
+        return str(json.loads(token))  # JSON string escapes: \" \\ \n \uXXXX
+    return token
+
+
+@v_args(inline=True)
+class _Compile(Transformer[Token, Predicate]):
+    def key(self, token: Token) -> str:
+        return _unquote(str(token))
+
+    def equals(self, key: str, value: Token) -> Predicate:
+        expected = _unquote(str(value))
+        return lambda attributes: attributes.get(key) == expected
+
+    def differs(self, key: str, value: Token) -> Predicate:
+        # Google: `!=` holds for a message without the attribute too.
+        expected = _unquote(str(value))
+        return lambda attributes: attributes.get(key) != expected
+
+    def has(self, key: str) -> Predicate:
+        return lambda attributes: key in attributes
+
+    def has_prefix(self, key: str, prefix: Token) -> Predicate:
+        start = _unquote(str(prefix))
+        return lambda attributes: attributes.get(key, None) is not None and attributes[key].startswith(start)
+
+    def negate(self, inner: Predicate) -> Predicate:
+        return lambda attributes: not inner(attributes)
+
+    def all_of(self, *parts: Predicate) -> Predicate:
+        return lambda attributes: all(p(attributes) for p in parts)
+
+    def any_of(self, *parts: Predicate) -> Predicate:
+        return lambda attributes: any(p(attributes) for p in parts)
+
+
+@dataclass(frozen=True)
+class Filter:
+    """A parsed filter: `matches(attributes)`; equal when their texts are."""
+
+    text: str
+    _predicate: Predicate = field(compare=False, repr=False)
+
+    def matches(self, attributes: Mapping[str, str]) -> bool:
+        return self._predicate(attributes)
+
+
+def parse_filter(text: str) -> Filter:
+    if len(text) > MAX_LENGTH:
+        raise FilterError(f"must be at most {MAX_LENGTH} characters (got {len(text)})")
+    if not text.strip():
+        raise FilterError("must not be empty (leave `filter` out to deliver every message)")
+    try:
+        tree = _PARSER.parse(text)
+        predicate = _Compile().transform(tree)
+    except UnexpectedInput as e:
+        near = text[e.column - 1:e.column + 14] if e.column > 0 else ""
+        raise FilterError(f"syntax error at column {e.column}" + (f" near {near!r}" if near else "")
+                          + ' (expected e.g. attributes.KEY = "v", attributes:KEY, '
+                            'hasPrefix(attributes.KEY, "p"), NOT, AND, OR, parentheses)') from None
+    except (VisitError, ValueError):
+        raise FilterError("a quoted string has an invalid escape (use \\\" and \\\\)") from None
+    return Filter(text, predicate)
