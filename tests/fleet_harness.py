@@ -59,13 +59,14 @@ class WorkerProcess:
 
 
 class FleetHarness:
-    def __init__(self, tmp: Path, broker_url: str, redis_url: str, **fleet: Any) -> None:
+    def __init__(self, tmp: Path, broker_url: str, redis_url: str, admin_url: str = "", **fleet: Any) -> None:
         self.tmp = tmp
         self.redis_url = redis_url
         self.redis = redis_sync.Redis.from_url(redis_url)
         self.config = tmp / "worker.yaml"
         self.config.write_text(yaml.safe_dump({
-            "pulsar": {"service_url": broker_url}, "redis": {"url": redis_url},
+            "pulsar": {"service_url": broker_url, **({"admin_url": admin_url} if admin_url else {})},
+            "redis": {"url": redis_url},
             "destinations": {"allow_private": True}, "shutdown_grace_seconds": 10,
             "log": {"format": "json", "level": "debug"},
             "fleet": {"name": "test", "lease_seconds": 3, "heartbeat_seconds": 0.3, **fleet},

@@ -98,3 +98,16 @@ async def test_a_redirecting_metrics_url_is_an_error_that_names_the_url_to_confi
         reader = BacklogReader(session, None, str(server.make_url("/metrics")))
         with pytest.raises(BacklogReadError, match=r"redirect to '/metrics/': configure that URL"):
             await reader.read([make_sub("persistent://p-a/main/t", "http://127.0.0.1:1/")])
+
+
+async def test_an_unreachable_admin_api_costs_no_delivery(broker, start_worker, endpoint, client, topic):
+    """The admin API serves the backlog and the stale-consumer check; both are best effort."""
+    sub = make_sub(topic, endpoint.url)
+    w = await start_worker(sub, pulsar=PulsarSettings(service_url=broker.url, admin_url="http://127.0.0.1:1",
+                                                      backlog_interval_seconds=1))
+    [mid] = client.publish(topic, [b"x"])
+    await eventually(lambda: mid in endpoint.by_id(), what="delivered")
+    await eventually(lambda: (w.metrics.registry.get_sample_value("pushworker_broker_errors_total",
+                                                                  {"operation": "admin"}) or 0) >= 1,
+                     what="the failed stale-consumer check counted")
+

@@ -8,11 +8,12 @@ Two sources, whichever is configured: the Pulsar admin REST API (topic stats, `m
 from __future__ import annotations
 
 from collections.abc import Iterable
-from urllib.parse import quote, urlsplit
+from urllib.parse import urlsplit
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from worker.broker_admin import topic_stats
 from worker.delivery import USER_AGENT
 from worker.subscriptions import Subscription, topic_parts
 
@@ -107,15 +108,7 @@ class BacklogReader:
             return (await read_capped(response, BODY_CAP)).decode("utf-8", "replace")
 
     async def _from_admin(self, sub: Subscription) -> float | None:
-        domain, tenant, namespace, name = topic_parts(sub.topic)
-        base = f"{self.admin_url}/admin/v2/{domain}/{quote(tenant)}/{quote(namespace)}/{quote(name)}"
-        timeout = aiohttp.ClientTimeout(total=10)
-        for path in ("stats", "partitioned-stats"):
-            async with self.session.get(f"{base}/{path}", timeout=timeout, allow_redirects=False) as response:
-                if response.status != 200:
-                    continue
-                stats = await response.json(content_type=None)
-            entry = (stats.get("subscriptions") or {}).get(sub.pulsar_subscription)
-            if entry is not None:
-                return float(entry.get("msgBacklog", 0))
-        return None
+        assert self.admin_url is not None
+        stats = await topic_stats(self.session, self.admin_url, sub.topic)
+        entry = ((stats or {}).get("subscriptions") or {}).get(sub.pulsar_subscription)
+        return None if entry is None else float(entry.get("msgBacklog", 0))

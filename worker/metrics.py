@@ -9,7 +9,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 SUB = ("project", "subscription")
-BROKER_OPERATIONS = ("receive", "ack", "subscribe", "backlog")
+BROKER_OPERATIONS = ("receive", "ack", "subscribe", "backlog", "admin")
 
 
 class Metrics:

@@ -13,11 +13,12 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiohttp
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
+from worker import broker_admin, embedded, logs
 from worker import consumer as pulsar_adapter
-from worker import embedded, logs
 from worker.aio import wait_event
 from worker.attempts import AttemptStore, Pipeliner
 from worker.backlog import BacklogReader, BacklogReadError, make_session
@@ -237,6 +238,11 @@ class Worker:
         self.dispatchers[sub.key] = dispatcher
         dispatcher.start()
         self._newly_served.set()
+        if self.settings.pulsar.admin_url:
+            task = asyncio.create_task(self._evict_stale_consumers(sub), name=f"evict {sub.key}")
+            self._orphans.add(task)
+            task.add_done_callback(self._orphans.discard)
+            task.add_done_callback(log_task_failure(self.supervisor, "evict"))
 
     async def seek(self, key: str, target: SeekTarget) -> int:
         """Rewind or fast-forward a served subscription: stop its dispatcher (what it held goes back to
@@ -328,6 +334,22 @@ class Worker:
 
     async def run_until_stopped(self) -> None:
         await self._stop.wait()
+
+    async def _evict_stale_consumers(self, sub: Subscription) -> None:
+        """Once this worker serves `sub`: a consumer of another worker still on it is a frozen one
+        (broker_admin.py says why); unload the topic so its messages come back now, not when the
+        broker's keepalive drops it. Best effort: a failure is logged and delivery goes on."""
+        assert self.settings.pulsar.admin_url is not None and self.session is not None
+        try:
+            stale = await broker_admin.stale_consumers(self.session, self.settings.pulsar.admin_url, sub,
+                                                       self.worker_id)
+            if stale:
+                self.log.warning("stale consumers on the broker; unloading the topic to reclaim their messages",
+                                 subscription=sub.key, consumers=stale)
+                await broker_admin.unload(self.session, self.settings.pulsar.admin_url, sub.topic)
+        except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as e:
+            self.metrics.broker_errors.labels("admin").inc()
+            self.log.warning("stale consumer check failed", subscription=sub.key, error=f"{type(e).__name__}: {e}")
 
     def _oidc_configs(self) -> list[Oidc]:
         """The OIDC settings of every subscription this worker knows (its config and the fleet's

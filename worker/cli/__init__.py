@@ -59,7 +59,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             import traceback
 
             traceback.print_exc()
-        print(f"push-worker: {line}", file=sys.stderr)
+        sys.stderr.write(f"push-worker: {line}\n")  # one write: never split by another thread's log line
         return code
 
 

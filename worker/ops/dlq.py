@@ -268,7 +268,10 @@ def _progress(sub: Subscription, d: Dispatcher, source: DeadLetterSource, second
 
 
 def stderr_progress(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    """One write per line (print() writes the newline separately), so a log line written to stderr
+    by another thread never lands in the middle of it."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 async def run(target: Target, action: str, name: str, **options: Any) -> Output:
