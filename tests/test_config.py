@@ -4,6 +4,7 @@ exits 2 without a traceback."""
 from __future__ import annotations
 
 import copy
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -222,3 +223,11 @@ def test_check_refuses_a_secret_that_cannot_be_read(tmp_path: Path):
     assert result.returncode == 2
     assert "deliver.push.bearer_token" in result.stderr and "PW_TEST_UNSET_TOKEN" in result.stderr
     assert "s3cret" not in result.stderr + result.stdout
+
+
+def test_the_readme_names_every_environment_variable_the_worker_reads():
+    root = Path(__file__).resolve().parent.parent
+    read = {name for path in (root / "worker").rglob("*.py") if "devtools" not in path.parts
+            for name in re.findall(r"PUSH_WORKER_[A-Z_]+", path.read_text())}
+    table = (root / "README.md").read_text().split("### Environment variables", 1)[1].split("\n## ", 1)[0]
+    assert read and not {name for name in read if f"`{name}`" not in table}
