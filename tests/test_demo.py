@@ -25,4 +25,5 @@ def test_demo_delivers_retries_and_dead_letters_and_loses_nothing(tmp_path: Path
     assert numbers["retries"] > 0 and numbers["dead-lettered"] >= 15  # every 20th payload always fails
     progress = [line for line in out.splitlines() if "settled" in line and "unsettled=" in line]
     assert progress and "\r" not in out  # not a terminal: whole lines of progress, no carriage returns
+    assert progress[-1].strip().startswith("300/300 settled") and progress[-1].endswith("unsettled=0")
     assert elapsed < 60

@@ -125,6 +125,7 @@ class Dispatcher:
         self.m = ctx.metrics.for_subscription(sub.tenant, sub.name)
         self.stats = Stats()
         self.window = Window(sub.max_ack_pending)
+        self._reserved = 0  # 1 while the receive loop holds a slot for a message not yet received
         self.endpoint_limit = AdaptiveLimit(sub.concurrency)
         self._lanes: dict[str, deque[tuple[Any, Envelope]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -138,7 +139,7 @@ class Dispatcher:
     def start(self) -> None:
         self.m.owned.set(1)
         # Read when scraped, not written per message: exact, and free on the hot path.
-        self.m.unsettled.set_function(lambda: self.window.used)
+        self.m.unsettled.set_function(lambda: self.unsettled)
         self.m.in_flight.set_function(lambda: self.endpoint_limit.in_use)
         self.m.endpoint_window.set_function(lambda: self.endpoint_limit.size)
         self._reported_state = self.state
@@ -174,7 +175,9 @@ class Dispatcher:
 
     @property
     def unsettled(self) -> int:
-        return self.window.used
+        """Messages taken and not yet settled: the window's used slots, less the one the receive loop
+        holds while it waits for the next message (which does not exist yet)."""
+        return self.window.used - self._reserved
 
     @property
     def state(self) -> State:
@@ -197,17 +200,21 @@ class Dispatcher:
     async def _receive_loop(self) -> None:
         while not self._stopping.is_set():
             await self.window.acquire()
+            self._reserved = 1
             try:
                 message = await self.consumer.receive()
             except asyncio.CancelledError:
+                self._reserved = 0
                 self.window.release()
                 raise
             except Exception as e:
+                self._reserved = 0
                 self.window.release()
                 self.m.broker_errors.labels("receive").inc()
                 self.log.warning("receive failed", error=type(e).__name__)
                 await self._pause(1.0)
                 continue
+            self._reserved = 0
             self._take(message)
             # What the client already holds is taken in the same turn: one wake-up per burst, not per message.
             while self.window.try_acquire():

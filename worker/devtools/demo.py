@@ -156,11 +156,14 @@ async def _progress(worker: Worker, key: str, total: int, started: float, limit:
                 done = s.acked + s.dead_lettered + s.dropped
                 line = (f"{done}/{total} settled  delivered={s.acked} retries={s.retried} "
                         f"dead-lettered={s.dead_lettered} unsettled={dispatcher.unsettled}")
+                # Settled is counted when the outcome is known; the window slot frees a moment later
+                # (the broker's ack), so the last line waits for unsettled=0 rather than show 300/300 and 1.
+                final = done >= total and (dispatcher.unsettled == 0 or time.monotonic() - started >= limit - 1)
                 if live:
                     bar.update(task, completed=done, description=line)
-                elif done >= total or time.monotonic() - printed_at >= 2.0:
+                elif final or (done < total and time.monotonic() - printed_at >= 2.0):
                     console.print(f"  {line}", highlight=False, soft_wrap=True)
                     printed_at = time.monotonic()
-                if done >= total:
+                if final:
                     return
             await asyncio.sleep(0.2)
