@@ -137,12 +137,13 @@ async def test_dead_letters_are_listed_shown_and_redriven_to_their_subscription_
         code, out, err = await cli("dlq", "redrive", sub.name, *args, "--rate", "50", "--max-messages", "2")
         assert code == 0, err
         assert "2 delivered" in out and "redriven" in err  # progress goes to stderr
-        code, out, err = await cli("dlq", "redrive", sub.name, *args, "--rate", "20", "--json")  # resumes
+        code, out, err = await cli("dlq", "redrive", sub.name, *args, "--rate", "10", "--json")  # resumes
         assert code == 0, err
         assert json.loads(out)["redriven"] == 4
-        # --rate 20: the 4 requests of the second run at least 50 ms apart (a lower bound: no burst).
+        # --rate 10: the 4 requests of the second run come about 100 ms apart, not in a burst (arrival
+        # times at the endpoint carry some scheduling jitter, ~10 ms seen: hence the 70 ms bound).
         times = sorted(r.at for r in endpoint.requests[-4:])
-        assert all(b - a >= 0.045 for a, b in itertools.pairwise(times)), times
+        assert all(b - a >= 0.07 for a, b in itertools.pairwise(times)), times
 
         redriven = endpoint.requests[before:]
         assert sorted(r.headers["Pubsub-Message-Id"] for r in redriven) == sorted(ids)  # each once, original id
