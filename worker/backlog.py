@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from worker.broker_admin import topic_stats
+from worker.broker_admin import subscription_stats
 from worker.delivery import USER_AGENT
 from worker.subscriptions import Subscription, topic_parts
 
@@ -109,6 +109,5 @@ class BacklogReader:
 
     async def _from_admin(self, sub: Subscription) -> float | None:
         assert self.admin_url is not None
-        stats = await topic_stats(self.session, self.admin_url, sub.topic)
-        entry = ((stats or {}).get("subscriptions") or {}).get(sub.pulsar_subscription)
+        entry = await subscription_stats(self.session, self.admin_url, sub)
         return None if entry is None else float(entry.get("msgBacklog", 0))

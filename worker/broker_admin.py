@@ -40,11 +40,18 @@ async def topic_stats(session: aiohttp.ClientSession, admin_url: str, topic: str
     return None
 
 
+async def subscription_stats(session: aiohttp.ClientSession, admin_url: str,
+                             sub: Subscription) -> dict[str, Any] | None:
+    """The broker's stats of the subscription (msgBacklog, consumers, ...); None when it has none."""
+    stats = await topic_stats(session, admin_url, sub.topic)
+    entry = ((stats or {}).get("subscriptions") or {}).get(sub.pulsar_subscription)
+    return entry if isinstance(entry, dict) else None
+
+
 async def stale_consumers(session: aiohttp.ClientSession, admin_url: str, sub: Subscription,
                           own_name: str) -> list[str]:
     """Names of the subscription's consumers that are neither this worker's nor an operator command's."""
-    stats = await topic_stats(session, admin_url, sub.topic)
-    entry = ((stats or {}).get("subscriptions") or {}).get(sub.pulsar_subscription) or {}
+    entry = await subscription_stats(session, admin_url, sub) or {}
     names = [str(c.get("consumerName", "")) for c in entry.get("consumers") or []]
     return sorted({n for n in names if n != own_name and not n.startswith(OPERATOR_CONSUMERS)})
 

@@ -57,6 +57,11 @@ class Stats:
     dropped: int = 0
     filtered: int = 0
 
+    @property
+    def settled(self) -> int:
+        """Messages done with: delivered, dead-lettered, dropped or filtered."""
+        return self.acked + self.dead_lettered + self.dropped + self.filtered
+
 
 def lane_of(sub: Subscription, env: Envelope) -> str | None:
     """The ordering lane of a message, or None when it may go in parallel with everything."""

@@ -153,7 +153,7 @@ async def _progress(worker: Worker, key: str, total: int, started: float, limit:
             dispatcher = worker.dispatchers.get(key)
             if dispatcher is not None:
                 s = dispatcher.stats
-                done = s.acked + s.dead_lettered + s.dropped
+                done = s.settled
                 line = (f"{done}/{total} settled  delivered={s.acked} retries={s.retried} "
                         f"dead-lettered={s.dead_lettered} unsettled={dispatcher.unsettled}")
                 # Settled is counted when the outcome is known; the window slot frees a moment later

@@ -236,7 +236,7 @@ class DeadLetters:
             dispatcher = Dispatcher(sub, source, lambda m: original_envelope(sub, m), ctx)
             dispatcher.start()
             report = 0.0
-            while not (source.exhausted.is_set() and _settled(dispatcher) == source.taken):
+            while not (source.exhausted.is_set() and dispatcher.stats.settled == source.taken):
                 await asyncio.sleep(0.1)
                 if time.monotonic() - report >= 1.0:
                     report = time.monotonic()
@@ -257,12 +257,8 @@ class DeadLetters:
                               f"{result['dead_lettered_again']} dead-lettered again, in {result['seconds']}s")
 
 
-def _settled(d: Dispatcher) -> int:
-    return d.stats.acked + d.stats.dead_lettered + d.stats.dropped
-
-
 def _progress(sub: Subscription, d: Dispatcher, source: DeadLetterSource, seconds: float) -> str:
-    done = _settled(d)
+    done = d.stats.settled
     return (f"{sub.key}: {done} redriven ({d.stats.acked} delivered, {d.stats.dead_lettered} dead-lettered again), "
             f"{source.taken - done} in progress, {done / max(seconds, 1e-9):.1f}/s")
 
