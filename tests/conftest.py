@@ -23,15 +23,19 @@ from aiohttp import web
 
 from tests import brokers
 from tests.helpers import eventually
+from tests.redis_targets import RedisTarget
 from worker import embedded
 from worker.config import HttpSettings, PulsarSettings, RedisSettings, Settings
 from worker.destinations import DestinationPolicy
+from worker.devtools import redis_topologies
 from worker.service import Worker
 from worker.subscriptions import RetryPolicy, Subscription
 
 # -- CI: nothing may skip -------------------------------------------------------------------
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    gc.collect()  # finalizers now, not inside a plugin's late import (see _collect_garbage_between_tests)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     skipped = len(reporter.stats.get("skipped", [])) if reporter else 0
     if os.environ.get("CI") and skipped:
@@ -40,14 +44,24 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = 1
 
 
+def _other_redis_topology(item: pytest.Item) -> bool:
+    callspec = getattr(item, "callspec", None)
+    return item.get_closest_marker("redis_topology") is not None or (
+        callspec is not None and callspec.params.get("redis_target", "standalone") != "standalone")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests of what only Apache Pulsar does are deselected on pulsar-lite (a skip would fail CI)."""
+    """Tests of what only Apache Pulsar does are deselected on pulsar-lite; the Redis Cluster and
+    Sentinel variants run in the pulsar-lite lane only (the broker does not change what they test,
+    and CI time is bounded). Deselected, not skipped: a skip would fail CI."""
     if brokers.ON_APACHE_PULSAR:
-        return
-    deselected = [item for item in items if item.get_closest_marker("apache_pulsar")]
+        deselected = [item for item in items if _other_redis_topology(item)]
+    else:
+        deselected = [item for item in items if item.get_closest_marker("apache_pulsar")]
     if deselected:
         config.hook.pytest_deselected(items=deselected)
-        items[:] = [item for item in items if not item.get_closest_marker("apache_pulsar")]
+        dropped = set(map(id, deselected))
+        items[:] = [item for item in items if id(item) not in dropped]
 
 
 @pytest.fixture(autouse=True)
@@ -108,6 +122,37 @@ def redis_url(redis_service: embedded.Service) -> str:
     client.flushall()
     client.close()
     return redis_service.url
+
+
+def _topology(start: Callable[[Path], Any], directory: Path) -> Iterator[Any]:
+    topology = start(directory)
+    yield topology
+    topology.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[redis_topologies.ClusterTopology]:
+    yield from _topology(redis_topologies.start_cluster, tmp_path_factory.mktemp("redis-cluster"))
+
+
+@pytest.fixture(scope="session")
+def redis_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[redis_topologies.SentinelTopology]:
+    yield from _topology(redis_topologies.start_sentinel, tmp_path_factory.mktemp("redis-sentinel"))
+
+
+@pytest.fixture
+def redis_target(request: pytest.FixtureRequest) -> RedisTarget:
+    """Standalone unless the test is parametrised over MODES (tests/redis_targets.py). The cluster
+    and Sentinel setups are shared by the session: a test that kills a node starts its own."""
+    mode = getattr(request, "param", "standalone")
+    if mode == "standalone":
+        url = request.getfixturevalue("redis_url")
+        return RedisTarget(mode, RedisSettings(url=url), {"url": url})
+    topology = request.getfixturevalue("redis_cluster" if mode == "cluster" else "redis_sentinel")
+    assert not topology.stopped, "a test killed a node of the shared topology"
+    target = RedisTarget(mode, topology.settings(), topology.config(), topology)
+    target.flush()
+    return target
 
 
 @pytest.fixture
@@ -222,12 +267,12 @@ def make_settings(broker_url: str, redis: str | RedisSettings, subs: tuple[Subsc
 
 
 @pytest.fixture
-async def start_worker(broker: Any, redis_url: str) -> AsyncIterator[Callable[..., Awaitable[Worker]]]:
+async def start_worker(broker: Any, redis_target: RedisTarget) -> AsyncIterator[Callable[..., Awaitable[Worker]]]:
     workers: list[Worker] = []
 
     async def start(*subs: Subscription, broker_url: str | None = None, redis: str | RedisSettings | None = None,
                     **kw: Any) -> Worker:
-        w = Worker(make_settings(broker_url or broker.url, redis or redis_url, subs, **kw),
+        w = Worker(make_settings(broker_url or broker.url, redis or redis_target.settings, subs, **kw),
                    worker_id=f"w{len(workers)}")
         workers.append(w)
         await w.start()

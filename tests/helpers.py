@@ -129,9 +129,11 @@ def push_sub(name: str, topic: str, url: str, **extra: Any) -> dict[str, Any]:
             "deliver": {"mode": "push", "push": {"url": url}}, **extra}
 
 
-def worker_yaml(tmp_path: Path, broker_url: str, redis_url: str, *subs: dict[str, Any]) -> tuple[str, Settings]:
-    """A worker.yaml an operator would pass with --config, and the settings a worker loads from it."""
-    doc = {"pulsar": {"service_url": broker_url}, "redis": {"url": redis_url},
+def worker_yaml(tmp_path: Path, broker_url: str, redis: str | dict[str, Any], *subs: dict[str, Any]
+                ) -> tuple[str, Settings]:
+    """A worker.yaml an operator would pass with --config, and the settings a worker loads from it;
+    `redis` is a URL or the whole `redis:` block (a cluster, Sentinels)."""
+    doc = {"pulsar": {"service_url": broker_url}, "redis": {"url": redis} if isinstance(redis, str) else redis,
            "destinations": {"allow_private": True}, "subscriptions": list(subs)}
     path = tmp_path / "worker.yaml"
     path.write_text(yaml.safe_dump(doc))

@@ -231,3 +231,33 @@ def test_the_readme_names_every_environment_variable_the_worker_reads():
             for name in re.findall(r"PUSH_WORKER_[A-Z_]+", path.read_text())}
     table = (root / "README.md").read_text().split("### Environment variables", 1)[1].split("\n## ", 1)[0]
     assert read and not {name for name in read if f"`{name}`" not in table}
+
+
+@pytest.mark.parametrize(("redis_block", "field", "rule"), [
+    ({"mode": "replicated"}, "redis.mode", "must be one of standalone, cluster, sentinel"),
+    ({"mode": "cluster"}, "redis.nodes", "is required with redis.mode cluster"),
+    ({"mode": "cluster", "nodes": ["a:6379", "b"]}, "redis.nodes[1]", "must be host:port"),
+    ({"mode": "cluster", "nodes": "a:6379"}, "redis.nodes", "must be a list of host:port"),
+    ({"nodes": ["a:6379"]}, "redis.nodes", "is for redis.mode cluster only"),
+    ({"mode": "sentinel", "master_name": "m"}, "redis.sentinels", "is required with redis.mode sentinel"),
+    ({"mode": "sentinel", "sentinels": ["s:26379"]}, "redis.master_name", "is required with redis.mode sentinel"),
+    ({"mode": "sentinel", "sentinels": ["s:26379"], "master_name": "m", "url": "redis://x:1"}, "redis.url",
+     "is not used with redis.mode sentinel"),
+    ({"sentinels": ["s:26379"]}, "redis.sentinels", "is for redis.mode sentinel only"),
+    ({"mode": "cluster", "nodes": ["a:6379"], "tls": "yes"}, "redis.tls", "must be true or false"),
+])
+def test_redis_topology_rules_name_the_field(redis_block, field, rule):
+    with pytest.raises(ConfigError) as err:
+        parse_settings({"redis": redis_block}, env={})
+    assert err.value.field == field and rule in str(err.value)
+
+
+def test_redis_cluster_and_sentinel_settings_with_passwords_from_the_environment():
+    s = parse_settings({"redis": {"mode": "cluster", "nodes": ["r-0:6379", "r-1:6379"]}},
+                       env={"PUSH_WORKER_REDIS_PASSWORD": "pw"})
+    assert (s.redis.mode, s.redis.nodes, s.redis.password) == ("cluster", ("r-0:6379", "r-1:6379"), "pw")
+    assert "pw" not in repr(s)
+    s = parse_settings({"redis": {"mode": "sentinel", "sentinels": ["s-0:26379"], "master_name": "main", "tls": True}},
+                       env={"PUSH_WORKER_REDIS_SENTINEL_PASSWORD": "spw"})
+    assert (s.redis.master_name, s.redis.sentinel_password, s.redis.tls, s.redis.url) == ("main", "spw", True, None)
+    assert "spw" not in repr(s)

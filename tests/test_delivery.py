@@ -13,11 +13,13 @@ from aiohttp import web
 
 from tests.conftest import Client, Endpoint, make_sub
 from tests.helpers import assert_stays, eventually
+from tests.redis_targets import ALL_REDIS
 
 CONTRACT_HEADERS = ("Pubsub-Subscription", "Pubsub-Topic", "Pubsub-Message-Id", "Pubsub-Delivery-Attempt",
                     "Pubsub-Publish-Time")
 
 
+@ALL_REDIS
 async def test_wrapped_delivery_follows_the_contract(start_worker, endpoint: Endpoint, client: Client, topic):
     sub = make_sub(topic, endpoint.url, content="wrapped")
     await start_worker(sub)

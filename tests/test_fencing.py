@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import redis.asyncio as aioredis
 
 from tests.conftest import Endpoint, make_sub
@@ -42,6 +43,43 @@ class OneMessage:
         self.closed = True
 
 
+def run_one(redis_url: str, sub, topic: str, may_deliver):
+    client = aioredis.Redis.from_url(redis_url)
+    pipeliner = Pipeliner(client)
+    deliverer = Deliverer(DestinationPolicy(allow_private=True))
+    consumer = OneMessage()
+    ctx = DeliveryContext(deliverer, AttemptStore(pipeliner, RedisSettings(attempts_ttl_seconds=3600)),
+                          DeadLetterPublisher(None), Metrics())  # type: ignore[arg-type]
+    dispatcher = Dispatcher(sub, consumer, lambda m: Envelope("1:2:-1:-1", b"x", topic, 0), ctx, may_deliver)
+
+    async def close() -> None:
+        await pipeliner.close()
+        await client.aclose()
+        await deliverer.close()
+    return dispatcher, consumer, close
+
+
+@pytest.mark.parametrize("early_checks", [(), (True,)], ids=["before-counting", "right-before-the-request"])
+async def test_a_lease_renewed_after_a_slow_moment_lets_the_waiting_message_go_on(
+        redis_url, endpoint: Endpoint, topic, early_checks):
+    # Renewals late (Redis failing over): the lease cannot be vouched for, then is renewed after all.
+    # The message waits, then is delivered; it used to wait for a stop that never came (stranded).
+    sub = make_sub(topic, endpoint.url)
+    lease = {"valid": False}
+    checks = iter(early_checks)
+    dispatcher, consumer, close = run_one(redis_url, sub, topic, lambda: next(checks, lease["valid"]))
+    try:
+        dispatcher.start()
+        await eventually(lambda: consumer.given and dispatcher.unsettled >= 1, what="message taken")
+        await assert_stays(lambda: not endpoint.requests, 0.3, "nothing sent while fenced")
+        lease["valid"] = True
+        await eventually(lambda: consumer.acked == ["message"], what="delivered once the lease is renewed")
+        assert len(endpoint.requests) == 1
+    finally:
+        await dispatcher.stop(grace=1)
+        await close()
+
+
 async def test_lease_lost_before_the_request_sends_and_settles_nothing(redis_url, endpoint: Endpoint, topic):
     # The last allowed attempt: on the old code a "lease lost" counted as a failed attempt and the
     # message was dropped (or dead-lettered) without ever being sent.
@@ -51,13 +89,7 @@ async def test_lease_lost_before_the_request_sends_and_settles_nothing(redis_url
     def may_deliver() -> bool:
         return next(checks, False)
 
-    client = aioredis.Redis.from_url(redis_url)
-    pipeliner = Pipeliner(client)
-    deliverer = Deliverer(DestinationPolicy(allow_private=True))
-    consumer = OneMessage()
-    ctx = DeliveryContext(deliverer, AttemptStore(pipeliner, RedisSettings(attempts_ttl_seconds=3600)),
-                          DeadLetterPublisher(None), Metrics())  # type: ignore[arg-type]
-    dispatcher = Dispatcher(sub, consumer, lambda m: Envelope("1:2:-1:-1", b"x", topic, 0), ctx, may_deliver)
+    dispatcher, consumer, close = run_one(redis_url, sub, topic, may_deliver)
     try:
         dispatcher.start()
         await eventually(lambda: consumer.given and dispatcher.unsettled >= 1, what="message taken")
@@ -68,6 +100,4 @@ async def test_lease_lost_before_the_request_sends_and_settles_nothing(redis_url
         assert (dispatcher.stats.dropped, dispatcher.stats.dead_lettered, dispatcher.stats.retried) == (0, 0, 0)
         assert consumer.closed
     finally:
-        await pipeliner.close()
-        await client.aclose()
-        await deliverer.close()
+        await close()

@@ -8,7 +8,6 @@ import json
 import signal
 import threading
 import time
-import uuid
 from datetime import datetime
 
 import pytest
@@ -17,52 +16,19 @@ from aiohttp import web
 from tests import brokers
 from tests.brokers import is_pulsar_lite
 from tests.conftest import Client, Endpoint, serve
-from tests.fleet_harness import FleetHarness
-from tests.helpers import assert_stays, eventually, push_sub, stays_sync, wait_sync
+from tests.fleet_harness import FleetHarness, delivered, fleet_sub, settled_ownership, topics
+from tests.helpers import assert_stays, eventually, stays_sync, wait_sync
+from tests.redis_targets import ALL_REDIS
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def fleet(tmp_path, broker, redis_url):
+def fleet(tmp_path, broker, redis_target):
     # With the broker's admin API (Apache Pulsar), workers evict a frozen worker's consumers.
-    h = FleetHarness(tmp_path, broker.url, redis_url, admin_url=brokers.admin_url(broker))
+    h = FleetHarness(tmp_path, broker.url, redis_target, admin_url=brokers.admin_url(broker))
     yield h
     h.close()
-
-
-def fleet_sub(name: str, topic: str, url: str, **extra) -> dict:
-    """Fleet tests retry for as long as they run (messages must arrive whatever the owner does)."""
-    return push_sub(name, topic, url, **{"max_deliver": 1000,
-                                         "retry": {"min_backoff_seconds": 0.2, "max_backoff_seconds": 0.5}, **extra})
-
-
-def topics(n: int) -> list[str]:
-    base = uuid.uuid4().hex[:8]
-    return [f"persistent://p-fleet/main/{base}-{i}" for i in range(n)]
-
-
-def settled_ownership(fleet: FleetHarness, workers, keys: list[str], per_worker: int) -> None:
-    """Wait until leases and every worker's own metrics agree, and stay so for a second.
-
-    (pulsar-lite leaks a consumer whose connection dies in the same moment it subscribed; killing
-    a worker in the middle of a handover would hit that broker bug rather than test the fleet.)"""
-    def agree() -> bool:
-        owners = fleet.owners(keys)
-        return all(len(w.owned()) == per_worker and sum(o == w.id for o in owners.values()) == per_worker
-                   for w in workers)
-
-    wait_sync(agree, 30, "ownership settled")
-    stays_sync(agree, 1.0, "settled ownership")
-
-
-def delivered(endpoint: Endpoint) -> dict[str, set[str]]:
-    """Per subscription name, the message ids the endpoint acked."""
-    out: dict[str, set[str]] = collections.defaultdict(set)
-    for r in endpoint.requests:
-        if r.acked:
-            out[r.headers["Pubsub-Subscription"]].add(r.headers["Pubsub-Message-Id"])
-    return out
 
 
 async def test_three_workers_share_thirty_subscriptions_evenly(fleet: FleetHarness, endpoint: Endpoint):
@@ -104,9 +70,10 @@ async def test_three_workers_share_thirty_subscriptions_evenly(fleet: FleetHarne
     assert len(listing) == 30 and all(row["owner"] in {"w0", "w1", "w2"} for row in listing)
 
 
+@ALL_REDIS
 async def test_kill_9_under_load_reowns_within_target_and_loses_nothing(
-        tmp_path, own_broker, redis_url, endpoint: Endpoint):
-    fleet = FleetHarness(tmp_path, own_broker.url, redis_url)
+        tmp_path, own_broker, redis_target, endpoint: Endpoint):
+    fleet = FleetHarness(tmp_path, own_broker.url, redis_target)
     client = Client(own_broker.url)
     try:
         await _kill_9_scenario(fleet, own_broker, endpoint, client)
@@ -337,8 +304,9 @@ async def test_rolling_restart_under_load_loses_nothing(fleet: FleetHarness, end
           f"({100 * duplicates / total:.2f}%)")
 
 
+@ALL_REDIS
 async def test_live_edits_take_effect_immutable_edits_refused_delete_stops(
-        fleet: FleetHarness, endpoint: Endpoint, client: Client, broker, redis_url, tmp_path):
+        fleet: FleetHarness, endpoint: Endpoint, client: Client, broker, tmp_path):
     second = Endpoint()
     from aiohttp import web as aioweb
 

@@ -12,20 +12,23 @@ from aiohttp import web
 
 from tests.conftest import Client, Endpoint, make_sub
 from tests.helpers import cli, eventually, push_sub, worker_yaml
+from tests.redis_targets import ALL_REDIS, RedisTarget
 from worker import keys
 from worker.config import RedisSettings
 from worker.subscriptions import RetryPolicy
 
 
+@ALL_REDIS
 async def test_pause_stops_delivery_keeps_the_backlog_and_resume_delivers_it(
-        start_worker, endpoint: Endpoint, client: Client, topic, redis_url):
+        broker, start_worker, endpoint: Endpoint, client: Client, topic, redis_target: RedisTarget, tmp_path):
     sub = make_sub(topic, endpoint.url)
     control = make_sub(topic + "-control", endpoint.url)
     w = await start_worker(sub, control)
+    where = ("--config", worker_yaml(tmp_path, broker.url, redis_target.config)[0])
     client.publish(topic, [b"before"])
     await eventually(lambda: len(endpoint.requests) == 1, what="first delivery")
 
-    code, out, err = await cli("subs", "pause", sub.name, "--redis-url", redis_url)
+    code, out, err = await cli("subs", "pause", sub.name, *where)
     assert code == 0, err
     assert out.strip() == f"{sub.key}: paused"
     assert sub.key not in w.dispatchers  # the command returned once the owner had stopped
@@ -35,19 +38,21 @@ async def test_pause_stops_delivery_keeps_the_backlog_and_resume_delivers_it(
     await eventually(lambda: any(r.body_payload == b"control" for r in endpoint.requests), what="control delivered")
     assert not paused_ids & set(endpoint.by_id())  # the worker is alive and delivering, but not this one
 
-    code, out, _ = await cli("subs", "pause", sub.name, "--redis-url", redis_url, "--json")
+    code, out, _ = await cli("subs", "pause", sub.name, *where, "--json")
     assert code == 0 and json.loads(out)["result"] == "already paused"
-    code, out, err = await cli("subs", "resume", sub.key, "--redis-url", redis_url)
+    code, out, err = await cli("subs", "resume", sub.key, *where)
     assert code == 0 and out.strip() == f"{sub.key}: resumed", err
     await eventually(lambda: paused_ids <= set(endpoint.by_id()), what="backlog delivered after resume")
     assert all(len(endpoint.by_id()[m]) == 1 for m in paused_ids)
 
-    code, _, err = await cli("subs", "pause", "no-such-sub", "--redis-url", redis_url)
+    code, _, err = await cli("subs", "pause", "no-such-sub", *where)
     assert code == 3 and "no-such-sub" in err and "no such subscription" in err
 
 
+@ALL_REDIS
 async def test_show_lists_each_attempt_with_status_latency_and_worker(
-        start_worker, endpoint: Endpoint, client: Client, topic, redis_url):
+        broker, start_worker, endpoint: Endpoint, client: Client, topic, redis_target: RedisTarget, tmp_path):
+    where = ("--config", worker_yaml(tmp_path, broker.url, redis_target.config)[0])
     answers = iter([500, 204])
     endpoint.behaviour = lambda rec: web.Response(status=next(answers))
     sub = make_sub(topic, endpoint.url, retry=RetryPolicy(0.05, 0.05))
@@ -55,17 +60,17 @@ async def test_show_lists_each_attempt_with_status_latency_and_worker(
     [message_id] = client.publish(topic, [b"x"])
     await eventually(lambda: w.dispatchers[sub.key].stats.acked == 1, what="delivered on the second attempt")
 
-    code, out, err = await cli("show", message_id, "--subscription", sub.name, "--redis-url", redis_url, "--json")
+    code, out, err = await cli("show", message_id, "--subscription", sub.name, *where, "--json")
     assert code == 0, err
     history = json.loads(out)["history"]
     assert [(h["attempt"], h["result"], h["status"], h["worker"]) for h in history] == [
         (1, "nack", "500", "w0"), (2, "ack", "204", "w0")]
     assert all(h["latency_ms"] >= 0 and h["at_ms"] > 0 for h in history)
 
-    code, out, _ = await cli("show", message_id, "-s", sub.key, "--redis-url", redis_url)
+    code, out, _ = await cli("show", message_id, "-s", sub.key, *where)
     assert code == 0 and "ATTEMPT" in out.splitlines()[1] and "nack" in out and "204" in out
 
-    code, _, err = await cli("show", "9:9:-1:-1", "-s", sub.name, "--redis-url", redis_url)
+    code, _, err = await cli("show", "9:9:-1:-1", "-s", sub.name, *where)
     assert code == 3 and "no attempt history" in err
 
 
@@ -95,8 +100,9 @@ async def test_a_message_acked_first_time_keeps_its_history_briefly_and_a_retrie
         r.close()
 
 
+@ALL_REDIS
 async def test_dead_letters_are_listed_shown_and_redriven_to_their_subscription_only(
-        broker, start_worker, endpoint: Endpoint, client: Client, topic, redis_url, tmp_path):
+        broker, start_worker, endpoint: Endpoint, client: Client, topic, redis_target: RedisTarget, tmp_path):
     healthy = False
     endpoint.behaviour = lambda rec: web.Response(status=204 if healthy else 503)
     other = Endpoint()
@@ -108,7 +114,7 @@ async def test_dead_letters_are_listed_shown_and_redriven_to_their_subscription_
     from tests.conftest import serve
 
     runner, other.url = await serve("/push", other_handler)
-    config, settings = worker_yaml(tmp_path, broker.url, redis_url,
+    config, settings = worker_yaml(tmp_path, broker.url, redis_target.config,
                                    push_sub("orders-push", topic, endpoint.url, dead_letter={"topic": topic + "-dlq"}),
                                    push_sub("bystander", topic, other.url))  # healthy: must never see a redrive
     sub, bystander = settings.subscriptions

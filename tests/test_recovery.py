@@ -11,13 +11,15 @@ from aiohttp import web
 
 from tests.conftest import Client, Endpoint, make_sub
 from tests.helpers import assert_stays, eventually, spawn_worker
+from tests.redis_targets import ALL_REDIS, RedisTarget
 from worker.destinations import DestinationPolicy
 from worker.subscriptions import RetryPolicy
 
 
-def worker_config(path: Path, broker_url: str, redis_url: str, topic: str, url: str, **sub) -> Path:
+def worker_config(path: Path, broker_url: str, redis: str | dict, topic: str, url: str, **sub) -> Path:
     doc = {
-        "pulsar": {"service_url": broker_url}, "redis": {"url": redis_url}, "http": {"port": 0},
+        "pulsar": {"service_url": broker_url}, "redis": {"url": redis} if isinstance(redis, str) else redis,
+        "http": {"port": 0},
         "destinations": {"allow_private": True}, "shutdown_grace_seconds": 10,
         "log": {"format": "json", "level": "info"},
         "subscriptions": [{
@@ -31,12 +33,13 @@ def worker_config(path: Path, broker_url: str, redis_url: str, topic: str, url: 
     return path
 
 
+@ALL_REDIS
 async def test_kill_9_then_restart_continues_attempt_numbers_and_loses_nothing(
-        broker, redis_url, endpoint: Endpoint, client: Client, topic, tmp_path):
+        broker, redis_target: RedisTarget, endpoint: Endpoint, client: Client, topic, tmp_path):
     payloads = [f"m{i}".encode() for i in range(30)]
     doomed = {p for p in payloads if int(p[1:]) % 3 == 0}  # always fail: must reach the dead-letter topic
     endpoint.behaviour = lambda rec: web.Response(status=500 if rec.body_payload in doomed else 204)
-    config = worker_config(tmp_path / "w.yaml", broker.url, redis_url, topic, endpoint.url + "?raw",
+    config = worker_config(tmp_path / "w.yaml", broker.url, redis_target.config, topic, endpoint.url + "?raw",
                            max_deliver=5)
     watcher = client.watch(topic + "-dlq")
     ids = client.publish(topic, payloads)

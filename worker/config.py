@@ -5,6 +5,8 @@ Environment variables (they win over the file, so secrets need not live in it):
   PUSH_WORKER_PULSAR_TOKEN   pulsar auth token (never read from the file)
   PUSH_WORKER_PULSAR_ADMIN_URL  pulsar.admin_url
   PUSH_WORKER_REDIS_URL      redis.url (may carry a password; it is never logged)
+  PUSH_WORKER_REDIS_PASSWORD the Redis password for cluster and sentinel modes (never read from the file)
+  PUSH_WORKER_REDIS_SENTINEL_PASSWORD  the Sentinels' own password (never read from the file)
   PUSH_WORKER_STATE_DIR      state_dir
   PUSH_WORKER_HTTP_PORT      http.port
   PUSH_WORKER_FLEET          fleet.name
@@ -29,6 +31,7 @@ from worker.subscriptions import NAME_PATTERN, NAME_RULE, FieldReader, Subscript
 
 PULSAR_SCHEMES = ("pulsar", "pulsar+ssl")
 REDIS_SCHEMES = ("redis", "rediss", "unix")
+REDIS_MODES = ("standalone", "cluster", "sentinel")
 
 @dataclass(frozen=True)
 class PulsarSettings:
@@ -45,9 +48,19 @@ class PulsarSettings:
 
 @dataclass(frozen=True)
 class RedisSettings:
-    """Redis connection. `url` None means: start an embedded redis-server under state_dir."""
+    """Redis connection. `url` None in standalone mode means: start an embedded redis-server under
+    state_dir. Cluster: `url` or `nodes` name seed nodes. Sentinel: `sentinels` and `master_name`."""
 
     url: str | None = field(default=None, repr=False)
+    mode: str = "standalone"
+    nodes: tuple[str, ...] = ()  # cluster seeds, host:port
+    sentinels: tuple[str, ...] = ()  # host:port
+    master_name: str | None = None
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)  # cluster/sentinel data nodes (environment only)
+    sentinel_password: str | None = field(default=None, repr=False)  # environment only
+    tls: bool = False  # cluster nodes / sentinel mode (standalone: a rediss:// URL)
+    tls_ca_file: str | None = None
     attempts_ttl_seconds: int = 7 * 24 * 3600
     history_ttl_seconds: int = 3 * 24 * 3600  # how long `push-worker show` can see a message's attempts
     # The same for a message acked at its first attempt: most messages, with nothing to investigate,
@@ -127,6 +140,47 @@ def check_url(value: str, schemes: tuple[str, ...], where: str, name: str) -> st
     return value
 
 
+def _addresses(r: FieldReader, name: str) -> tuple[str, ...]:
+    """A list of host:port strings."""
+    value = r.data.get(name) or []
+    rule = "must be a list of host:port addresses (e.g. [redis-0:6379, redis-1:6379])"
+    if not isinstance(value, list):
+        raise r.fail(name, rule)
+    for i, item in enumerate(value):
+        host, _, port = str(item).rpartition(":")
+        if not isinstance(item, str) or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise r.fail(f"{name}[{i}]", f"must be host:port (got {item!r})")
+    return tuple(value)
+
+
+def _redis_topology(rd: FieldReader, url: str | None, env: Mapping[str, str]) -> dict[str, Any]:
+    """Mode and the fields that go with it; a field of another mode is an error, not ignored."""
+    mode = rd.choice("mode", REDIS_MODES, "standalone")
+    nodes, sentinels = _addresses(rd, "nodes"), _addresses(rd, "sentinels")
+    master_name = rd.text("master_name") if rd.has("master_name") else None
+    if nodes and mode != "cluster":
+        raise rd.fail("nodes", "is for redis.mode cluster only")
+    if (sentinels or master_name) and mode != "sentinel":
+        raise rd.fail("sentinels" if sentinels else "master_name", "is for redis.mode sentinel only")
+    if mode == "cluster" and not (url or nodes):
+        raise rd.fail("nodes", "is required with redis.mode cluster (seed nodes as host:port), or set redis.url")
+    if mode == "sentinel":
+        if not sentinels:
+            raise rd.fail("sentinels", "is required with redis.mode sentinel (host:port of each Sentinel)")
+        if not master_name:
+            raise rd.fail("master_name", "is required with redis.mode sentinel (the name the Sentinels monitor)")
+        if url:
+            raise rd.fail("url", "is not used with redis.mode sentinel (the Sentinels name the master)")
+    tls = rd.data.get("tls", False)
+    if not isinstance(tls, bool):
+        raise rd.fail("tls", "must be true or false")
+    return {"mode": mode, "nodes": nodes, "sentinels": sentinels, "master_name": master_name,
+            "username": rd.text("username") if rd.has("username") else None,
+            "password": env.get("PUSH_WORKER_REDIS_PASSWORD") or None,
+            "sentinel_password": env.get("PUSH_WORKER_REDIS_SENTINEL_PASSWORD") or None,
+            "tls": tls, "tls_ca_file": rd.text("tls_ca_file") if rd.has("tls_ca_file") else None}
+
+
 def _destinations(d: FieldReader) -> DestinationPolicy:
     d.reject_unknown({"allow_private", "allow_cidrs", "max_request_bytes"})
     allow_private = d.data.get("allow_private", False)
@@ -178,9 +232,10 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
 
     rd = r.sub("redis")
     rd.reject_unknown({"url", "attempts_ttl_seconds", "history_ttl_seconds", "acked_history_ttl_seconds",
-                       "settled_ttl_seconds"})
+                       "settled_ttl_seconds", "mode", "nodes", "sentinels", "master_name", "username", "tls",
+                       "tls_ca_file"})
     redis_url = _url(rd, "url", REDIS_SCHEMES, "PUSH_WORKER_REDIS_URL", env)
-    redis = RedisSettings(url=redis_url,
+    redis = RedisSettings(url=redis_url, **_redis_topology(rd, redis_url, env),
                           attempts_ttl_seconds=rd.integer("attempts_ttl_seconds", 7 * 24 * 3600, 60, 10**8),
                           history_ttl_seconds=rd.integer("history_ttl_seconds", 3 * 24 * 3600, 60, 10**8),
                           acked_history_ttl_seconds=rd.integer("acked_history_ttl_seconds", 3600, 0, 10**8),

@@ -32,6 +32,8 @@ from worker.signing import SecretStore, SecretUnavailable, auth_headers
 from worker.subscriptions import State, Subscription
 from worker.supervisor import Supervisor
 
+FENCED_POLL_SECONDS = 0.1  # how often a fenced message checks whether the lease was renewed
+
 _SINGLE_LANE = "\x00total-order"
 CLOSE_TIMEOUT = 5.0  # seconds a broker close may take before shutdown goes on without it
 
@@ -194,11 +196,14 @@ class Dispatcher:
         return self.health.reason
 
     async def _fenced(self) -> bool:
-        """False once this worker may no longer deliver (lease lost): then wait to be stopped."""
-        if self.may_deliver():
-            return True
-        await self._stopping.wait()
-        return False
+        """True while this worker may deliver. While it may not (its lease could not be renewed in
+        time: Redis slow or failing over), wait: a renewal lets the message go on; a lost lease stops
+        the dispatcher (False). Waiting for the stop alone stranded the message for good when the
+        renewal came through after all (seen in a Redis Cluster failover: unacked, never redelivered)."""
+        while not self.may_deliver():
+            if await wait_event(self._stopping, FENCED_POLL_SECONDS):
+                return False
+        return True
 
     # -- intake ------------------------------------------------------------------------------
 
@@ -329,9 +334,8 @@ class Dispatcher:
                 # Exhausted in an earlier life (crash before the dead-letter was confirmed): no new request.
                 return await self._give_up(message, env, sub, record.number - 1, record.last_status or "unknown", [])
             outcome = await self._attempt(sub, env, record.number)
-            if outcome is None:  # lease lost before sending: not an attempt; the next owner gets it
-                await self._stopping.wait()
-                return None
+            if outcome is None:  # the lease could not be vouched for right before sending: no request
+                continue  # `_fenced` waits for a renewal (next number) or the stop (the next owner's)
             entry = attempt_entry(record.number, outcome, self.ctx.worker_id)
             if outcome.acked:
                 settled = await self._ack(message, env, sub, [entry], acked_first_time=record.number == 1)

@@ -14,10 +14,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
-import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
-from worker import broker_admin, embedded, logs
+from worker import broker_admin, embedded, logs, redis_client
 from worker import consumer as pulsar_adapter
 from worker.aio import wait_event
 from worker.attempts import AttemptStore, Pipeliner
@@ -92,7 +91,7 @@ class Worker:
         self._newly_served = asyncio.Event()  # a dispatcher started: read its backlog now
         self.broker_answered = False  # a subscribe succeeded, or the broker refused one (it is reachable)
         self._closed = False
-        self.redis: aioredis.Redis | None = None
+        self.redis: redis_client.AsyncClient | None = None
         self.pulsar: Any = None
         self.pulsar_url = ""
         self.redis_url = ""
@@ -132,15 +131,15 @@ class Worker:
             self.pulsar_url = service.url
             metrics_url = metrics_url or service.metrics_url
             self.log.info("embedded broker started", url=service.url, state_dir=str(state_dir))
-        if not self.redis_url:
+        if not self.redis_url and s.redis.mode == "standalone":
             service = await asyncio.to_thread(embedded.start_redis, state_dir)
             self._cleanup_service(service)
             self.redis_url = service.url
             self.log.info("embedded redis started", port=service.port)
         if self._services:
             embedded.record_endpoints(state_dir, self.pulsar_url, self.redis_url)
-        self.redis = aioredis.Redis.from_url(self.redis_url, socket_timeout=10, socket_connect_timeout=5,
-                                             health_check_interval=15)
+        self.redis = redis_client.connect(s.redis, self.redis_url, socket_timeout=10, socket_connect_timeout=5,
+                                          health_check_interval=15)
         self._cleanup("close Redis", self.redis.aclose, 5)
         self.pipeliner = Pipeliner(self.redis, on_round_trip=self.metrics.round_trip)
         self._cleanup("stop the Redis pipeliner", self.pipeliner.close, 5)

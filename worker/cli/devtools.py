@@ -21,9 +21,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_fleet(args: argparse.Namespace) -> int:
+    if args.simulated:
+        from worker.devtools.fleet_scale import run_scale
+
+        return run_loop(run_scale(tuple(args.sizes), args.workers or 10, args.lease_seconds or 10.0))
     from worker.devtools.fleet_bench import run
 
-    return run_loop(run(args.subscriptions, args.workers, args.lease_seconds))
+    return run_loop(run(args.subscriptions, args.workers or 3, args.lease_seconds or 5.0))
 
 
 def _cmd_soak(args: argparse.Namespace) -> int:
@@ -43,8 +47,15 @@ def register(cmds: Any) -> None:
     p.set_defaults(func=_cmd_bench)
     p = cmds.add_parser("bench-fleet", help="ownership convergence after a kill, movement on a join")
     p.add_argument("--subscriptions", type=positive_int, default=60, help="subscriptions to spread (default 60)")
-    p.add_argument("--workers", type=positive_int, default=3, help="simulated workers (default 3)")
-    p.add_argument("--lease-seconds", type=positive_number, default=5.0, help="lease length (default 5)")
+    p.add_argument("--workers", type=positive_int, default=None,
+                   help="workers (default 3 processes; with --simulated, 10)")
+    p.add_argument("--lease-seconds", type=positive_number, default=None,
+                   help="lease length (default 5; with --simulated, 10)")
+    p.add_argument("--simulated", action="store_true",
+                   help="the fleet's Redis traffic at scale on a real Redis Cluster: simulated workers running "
+                        "the real ownership code, no delivery")
+    p.add_argument("--sizes", type=positive_int, nargs="+", default=[1000, 10000],
+                   help="with --simulated: subscription counts to measure (default 1000 10000)")
     p.set_defaults(func=_cmd_bench_fleet)
 
     p = cmds.add_parser("soak", help="a bounded run under mixed failures; reports delivered, duplicated, "

@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from worker import embedded
 from worker.consumer import CONSUMER_TYPES
-from worker.devtools import apache_pulsar
+from worker.devtools import apache_pulsar, redis_topologies
 from worker.ops.render import table
 
 PAYLOAD = os.urandom(768).hex().encode()[:1024]  # 1 KiB
@@ -207,6 +207,7 @@ class Bench:
         self.redis = redis.Redis.from_url(self.redis_service.url)
         self.client = pulsar.Client(self.broker.url, logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
         self.sinks: list[subprocess.Popen[bytes]] = []
+        self.cluster: redis_topologies.ClusterTopology | None = None  # started for the cluster case
 
     def close(self) -> None:
         for p in self.sinks:
@@ -215,6 +216,8 @@ class Bench:
         self.redis.close()
         self.broker.stop()
         self.redis_service.stop()
+        if self.cluster is not None:
+            self.cluster.stop()
 
     def sink(self, fail_rate: float = 0.0) -> str:
         port = embedded.free_port()
@@ -244,10 +247,17 @@ class Bench:
         producer.flush()
         producer.close()
 
-    def config(self, subs: list[dict[str, Any]]) -> Path:
+    def redis_config(self, mode: str) -> dict[str, Any]:
+        if mode == "cluster":
+            if self.cluster is None:
+                self.cluster = redis_topologies.start_cluster(self.dir / "redis-cluster")
+            return self.cluster.config()
+        return {"url": self.redis_service.url}
+
+    def config(self, subs: list[dict[str, Any]], redis_mode: str = "standalone") -> Path:
         path = self.dir / f"worker-{time.monotonic_ns()}.yaml"
         path.write_text(yaml.safe_dump({
-            "pulsar": {"service_url": self.broker.url}, "redis": {"url": self.redis_service.url},
+            "pulsar": {"service_url": self.broker.url}, "redis": self.redis_config(redis_mode),
             "http": {"port": 0}, "destinations": {"allow_private": True}, "log": {"format": "json", "level": "error"},
             "state_dir": str(self.dir / "worker"), "subscriptions": subs}))
         return path
@@ -261,14 +271,15 @@ class Bench:
         return subprocess.Popen([sys.executable, "-m", "worker.cli", "run", "--config", str(config)],
                                 stderr=open(self.dir / "worker.log", "ab"))
 
-    def run_worker(self, name: str, kind: str = "shared", keys: int = 0, fail_rate: float = 0.0) -> Figures:
+    def run_worker(self, name: str, kind: str = "shared", keys: int = 0, fail_rate: float = 0.0,
+                   redis_mode: str = "standalone") -> Figures:
         sink = self.sink(fail_rate)
         topic = f"persistent://p-bench/main/{name}"
         # Create the cursor first, with the consumer type the worker will use: a cursor created with one
         # type and consumed with another got every message redelivered on pulsar-lite.
         self.client.subscribe(topic, name, consumer_type=CONSUMER_TYPES[kind]).close()
         self.publish(topic, self.messages, keys=keys)
-        proc = self.start_worker(self.config([self.sub(name, topic, sink + "/push", kind)]))
+        proc = self.start_worker(self.config([self.sub(name, topic, sink + "/push", kind)], redis_mode))
         ps = psutil.Process(proc.pid)
         try:
             _wait(lambda: _get(sink + "/stats")["acked"] >= self.messages, 600, f"{name}: all acked")
@@ -344,7 +355,8 @@ async def run_bench(messages: int = 20000, concurrency: int = 64) -> int:
             ref_sink = bench.sink()
             references = [bench.reference(ref_sink)]
             rows: list[tuple[Figures, float]] = []
-            for case in (("shared",), ("keyshared", "key-shared", 1000), ("failing10", "shared", 0, 0.10)):
+            for case in (("shared",), ("keyshared", "key-shared", 1000), ("failing10", "shared", 0, 0.10),
+                         ("shared-cluster", "shared", 0, 0.0, "cluster")):  # Redis Cluster, 3 masters
                 figures = bench.run_worker(*case)
                 references.append(bench.reference(ref_sink))
                 rows.append((figures, (references[-2] + references[-1]) / 2))

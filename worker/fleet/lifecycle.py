@@ -24,10 +24,10 @@ from typing import Any
 
 import orjson
 import pulsar.asyncio as pulsar_async
-import redis.asyncio as aioredis
 
 from worker import keys
 from worker.fleet.registry import delete_matching
+from worker.redis_client import AsyncClient
 from worker.subscriptions import Subscription
 
 SEEK_TTL_SECONDS = 300
@@ -96,12 +96,12 @@ async def _acknowledge_until(client: pulsar_async.Client, sub: Subscription, cut
         await asyncio.wait_for(consumer.close(), timeout=5.0)
 
 
-async def forget_attempts(client: aioredis.Redis, sub_key: str) -> int:
+async def forget_attempts(client: AsyncClient, sub_key: str) -> int:
     """Delete the attempt counters of one subscription (histories stay)."""
     return await delete_matching(client, keys.message_key(sub_key, "*"))
 
 
-async def request_seek(client: aioredis.Redis, channel: str, sub_key: str, target: SeekTarget, request_id: str) -> None:
+async def request_seek(client: AsyncClient, channel: str, sub_key: str, target: SeekTarget, request_id: str) -> None:
     await client.set(keys.seek_key(sub_key), orjson.dumps({"id": request_id, "to": target.to}), ex=SEEK_TTL_SECONDS)
     await client.delete(keys.seek_result_key(sub_key))
     await client.publish(channel, b"seek " + sub_key.encode())
@@ -111,7 +111,7 @@ class UnreadableSeekRequest(ValueError):
     """The pending seek request is not one a command wrote (it was removed all the same)."""
 
 
-async def run_seek_request(client: aioredis.Redis, sub_key: str, worker_id: str,
+async def run_seek_request(client: AsyncClient, sub_key: str, worker_id: str,
                            seek: Callable[[str, SeekTarget], Awaitable[int]], log: Any) -> None:
     """Carry out the subscription's pending seek request, if any, with `seek` (the worker's: it
     stops the dispatcher, moves the cursor, forgets the counts, serves again), and write the result
@@ -148,7 +148,7 @@ async def run_seek_request(client: aioredis.Redis, sub_key: str, worker_id: str,
     log.info("seek done", subscription=sub_key, to=target.describe())
 
 
-async def take_seek_request(client: aioredis.Redis, sub_key: str) -> tuple[str, SeekTarget] | None:
+async def take_seek_request(client: AsyncClient, sub_key: str) -> tuple[str, SeekTarget] | None:
     """The pending request for this subscription, removed so that it runs once."""
     raw = await client.getdel(keys.seek_key(sub_key))
     if raw is None:
@@ -157,11 +157,11 @@ async def take_seek_request(client: aioredis.Redis, sub_key: str) -> tuple[str, 
     return str(data["id"]), SeekTarget(data["to"])
 
 
-async def write_seek_result(client: aioredis.Redis, sub_key: str, request_id: str, **fields: Any) -> None:
+async def write_seek_result(client: AsyncClient, sub_key: str, request_id: str, **fields: Any) -> None:
     await client.set(keys.seek_result_key(sub_key), orjson.dumps({"id": request_id, **fields}), ex=SEEK_TTL_SECONDS)
 
 
-async def seek_result(client: aioredis.Redis, sub_key: str, request_id: str) -> dict[str, Any] | None:
+async def seek_result(client: AsyncClient, sub_key: str, request_id: str) -> dict[str, Any] | None:
     raw = await client.get(keys.seek_result_key(sub_key))
     if raw is None:
         return None
@@ -173,7 +173,7 @@ class ExpiryWatch:
     """Turns backlog readings into the Expired decision, with the clock kept in Redis so the hour
     survives ownership changes."""
 
-    def __init__(self, client: aioredis.Redis, expire_backlog: int, expire_after_seconds: float) -> None:
+    def __init__(self, client: AsyncClient, expire_backlog: int, expire_after_seconds: float) -> None:
         self.client = client
         self.expire_backlog = expire_backlog
         self.expire_after_ms = int(expire_after_seconds * 1000)

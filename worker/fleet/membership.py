@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from worker import keys, logs
 from worker.aio import wait_event
@@ -23,6 +23,7 @@ from worker.fleet import lifecycle
 from worker.fleet.leases import ACQUIRE, RELEASE, RENEW, Lease, assign
 from worker.fleet.registry import Registry, clear_state, safe_text
 from worker.fleet.status import StatusReports
+from worker.redis_client import AsyncClient
 from worker.subscriptions import State, Subscription
 from worker.supervisor import log_task_failure
 
@@ -53,7 +54,7 @@ DELETE_GRACE = 1.0  # seconds requests under way get when their subscription is 
 class Fleet:
     """Runs the ownership loop of one worker."""
 
-    def __init__(self, worker: Worker, client: aioredis.Redis, settings: FleetSettings,
+    def __init__(self, worker: Worker, client: AsyncClient, settings: FleetSettings,
                  static: tuple[Subscription, ...]) -> None:
         self.worker = worker
         self.client = client
@@ -76,9 +77,9 @@ class Fleet:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self.log = logs.get(worker=worker.worker_id, fleet=settings.name)
-        # Registered scripts go as EVALSHA (a pipeline loads them if Redis lost them): renewing a
-        # thousand leases a second then sends 40-byte hashes, not the script text each time.
-        self._renew = client.register_script(RENEW)
+        # Renewals go as EVALSHA: renewing a thousand leases a second then sends 40-byte hashes,
+        # not the script text each time (`_renew_all` loads it where Redis lacks it).
+        self._renew_sha = hashlib.sha1(RENEW.encode(), usedforsecurity=False).hexdigest()
         self.ttl_ms = int(settings.lease_seconds * 1000)
         self.member_ttl_ms = self.ttl_ms
         self.status = StatusReports(worker, client, self.ttl_ms)
@@ -147,8 +148,10 @@ class Fleet:
             pipe.eval(_HEARTBEAT, 1, self.members_key, self.me, self.member_ttl_ms)
             pipe.get(self.registry.version_key)
             for key in held:
-                await self._renew(keys=[keys.lease_key(key)], args=[self.me, self.ttl_ms], client=pipe)  # queued
+                # execute_command: redis-py's cluster pipeline blocks its evalsha() (not EVALSHA itself)
+                pipe.execute_command("EVALSHA", self._renew_sha, 1, keys.lease_key(key), self.me, self.ttl_ms)
             results = await pipe.execute(raise_on_error=False)
+        await self._renew_unknown_script(held, results)
         for result in results:
             if isinstance(result, (RedisError, OSError)) and not isinstance(result, ResponseError):
                 raise result  # the connection failed: the whole round did
@@ -172,6 +175,19 @@ class Fleet:
             await self._read_registry()
             self._registry_version = version
         await self._reconcile()
+
+    async def _renew_unknown_script(self, held: list[str], results: list[Any]) -> None:
+        """Renew again, sending the script itself, where Redis did not know it (a fresh or restarted
+        server, a promoted replica, a Cluster master that never saw it)."""
+        missing = [i for i, r in enumerate(results[2:]) if isinstance(r, NoScriptError)]
+        if not missing:
+            return
+        async with self.client.pipeline(transaction=False) as pipe:
+            for i in missing:
+                pipe.eval(RENEW, 1, keys.lease_key(held[i]), self.me, self.ttl_ms)
+            again = await pipe.execute(raise_on_error=False)
+        for i, result in zip(missing, again, strict=True):
+            results[2 + i] = result
 
     async def _read_registry(self) -> None:
         """The registry, paused and expired sets. One that cannot be read (a key of the wrong type)

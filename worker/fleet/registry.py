@@ -14,11 +14,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import orjson
-import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
 from worker import keys
 from worker.errors import ConfigError, NotFound
+from worker.redis_client import AsyncClient
 from worker.subscriptions import Subscription, is_push, parse_subscription
 
 IMMUTABLE = ("topic", "type", "start_from", "filter")
@@ -57,12 +57,12 @@ def _topic_of(value: bytes | str) -> Any:
     return data.get("topic") if isinstance(data, dict) else None
 
 
-async def clear_state(client: aioredis.Redis, key: str) -> int:
+async def clear_state(client: AsyncClient, key: str) -> int:
     """Delete every Redis key of one subscription (attempt counters, histories, status, lease)."""
     return await delete_matching(client, keys.pattern(key))
 
 
-async def delete_matching(client: aioredis.Redis, pattern: str) -> int:
+async def delete_matching(client: AsyncClient, pattern: str) -> int:
     """Delete the keys matching a SCAN pattern, in batches."""
     removed = 0
     batch: list[bytes] = []
@@ -79,7 +79,7 @@ async def delete_matching(client: aioredis.Redis, pattern: str) -> int:
 class Registry:
     """Read and write subscription definitions of one fleet."""
 
-    def __init__(self, client: aioredis.Redis, fleet: str) -> None:
+    def __init__(self, client: AsyncClient, fleet: str) -> None:
         self.client = client
         self.fleet = fleet
         self.hash = keys.fleet_key(fleet, "registry")
@@ -162,11 +162,16 @@ class Registry:
                     for sub, data in changed:
                         pipe.hset(self.hash, sub.key, orjson.dumps(data))
                     pipe.incr(self.version_key)
-                    pipe.publish(self.channel, b"registry")
                     await pipe.execute()
+                    await self._announce(b"registry")
                     return results
                 except WatchError:
                     continue
+
+    async def _announce(self, what: bytes) -> None:
+        """Tell the workers after the change is written (not inside the transaction: Redis Cluster
+        refuses PUBLISH there). A lost announcement costs a heartbeat: workers also watch the version."""
+        await self.client.publish(self.channel, what)
 
     async def paused(self) -> set[str]:
         return {safe_text(k) for k in await self.client.smembers(self.paused_key)}
@@ -179,8 +184,8 @@ class Registry:
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.sadd(self.expired_key, key)
             pipe.incr(self.version_key)
-            pipe.publish(self.channel, b"expired")
             await pipe.execute()
+            await self._announce(b"expired")
 
     async def refuse_if_expired(self, key: str, what: str) -> None:
         if await self.client.sismember(self.expired_key, key):
@@ -194,8 +199,8 @@ class Registry:
             else:
                 pipe.srem(self.paused_key, key)
             pipe.incr(self.version_key)
-            pipe.publish(self.channel, b"paused")
-            changed, _, _ = await pipe.execute()
+            changed, _ = await pipe.execute()
+            await self._announce(b"paused")
         return bool(changed)
 
     async def delete_topic(self, topic: str) -> list[str]:
@@ -213,8 +218,8 @@ class Registry:
                     pipe.srem(self.paused_key, *doomed)
                     pipe.srem(self.expired_key, *doomed)
                     pipe.incr(self.version_key)
-                    pipe.publish(self.channel, b"registry")
                     await pipe.execute()
+                    await self._announce(b"registry")
                     return doomed
                 except WatchError:
                     continue
@@ -225,8 +230,8 @@ class Registry:
             pipe.srem(self.paused_key, key)
             pipe.srem(self.expired_key, key)
             pipe.incr(self.version_key)
-            pipe.publish(self.channel, b"registry")
-            removed, _, was_expired, _, _ = await pipe.execute()
+            removed, _, was_expired, _ = await pipe.execute()
+            await self._announce(b"registry")
         return bool(removed or was_expired)
 
     async def resolve(self, name: str, also: Iterable[str] = ()) -> str:

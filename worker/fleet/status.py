@@ -6,9 +6,8 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import redis.asyncio as aioredis
-
 from worker import keys
+from worker.redis_client import AsyncClient
 
 if TYPE_CHECKING:
     from worker.service import Worker
@@ -22,7 +21,7 @@ class StatusReports:
     STATUS_EVERY seconds, and then only those whose status changed (or every STATUS_REFRESH, before
     it expires): with a thousand idle subscriptions, rewriting every status was most of the idle CPU."""
 
-    def __init__(self, worker: Worker, client: aioredis.Redis, lease_ttl_ms: int) -> None:
+    def __init__(self, worker: Worker, client: AsyncClient, lease_ttl_ms: int) -> None:
         self.worker, self.client = worker, client
         self.expire_ms = int(max(lease_ttl_ms * 3, STATUS_REFRESH * 3000))
         self._held: frozenset[str] = frozenset()

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import redis.asyncio as aioredis
 import yaml
 from redis.exceptions import ResponseError
 
@@ -39,6 +38,7 @@ from worker.fleet.lifecycle import SeekTarget
 from worker.fleet.registry import Registry, clear_state, safe_text
 from worker.messages import rfc3339
 from worker.ops.render import Output, table
+from worker.redis_client import AsyncClient, connect
 from worker.subscriptions import State, Subscription, is_push, parse_subscription
 
 
@@ -54,11 +54,16 @@ class Target:
     def fleet(self) -> str:
         return self.settings.fleet.name
 
-    def redis(self, command: str) -> str:
+    def redis(self, command: str) -> AsyncClient:
+        """A client for the fleet's Redis: --redis-url (or the config's redis.url), or the cluster
+        or Sentinels the config names."""
+        options: dict[str, Any] = {"socket_connect_timeout": 5, "socket_timeout": 10}
+        if self.settings.redis.mode != "standalone" and not self.redis_url:
+            return connect(self.settings.redis, **options)
         if not self.redis_url:
             raise ConfigError(command, "--redis-url", "is required (or --config with redis.url, "
                               "$PUSH_WORKER_REDIS_URL, or a running embedded worker's state_dir)")
-        return check_url(self.redis_url, REDIS_SCHEMES, command, "--redis-url")
+        return connect(self.settings.redis, check_url(self.redis_url, REDIS_SCHEMES, command, "--redis-url"), **options)
 
     def pulsar(self, command: str) -> str:
         if not self.pulsar_url:
@@ -74,7 +79,8 @@ def locate(config: str | None, redis_url: str | None = None, pulsar_url: str | N
     pulsar_url = pulsar_url or settings.pulsar.service_url
     if not redis_url or not pulsar_url:
         endpoints = recorded_endpoints(Path(settings.state_dir))
-        redis_url = redis_url or endpoints.get("redis_url")
+        if settings.redis.mode == "standalone":  # a cluster or Sentinels are named by the config
+            redis_url = redis_url or endpoints.get("redis_url")
         pulsar_url = pulsar_url or endpoints.get("pulsar_url")
     return Target(settings, redis_url, pulsar_url)
 
@@ -138,7 +144,7 @@ class Admin:
     """The `subs` and `show` commands; each returns the text to print."""
 
     def __init__(self, target: Target) -> None:
-        self.client = aioredis.Redis.from_url(target.redis("subs"), socket_connect_timeout=5, socket_timeout=10)
+        self.client = target.redis("subs")
         self.registry = Registry(self.client, target.fleet)
         self.static = {s.key: s for s in target.settings.subscriptions}
 

@@ -1,0 +1,190 @@
+"""`push-worker bench-fleet --simulated`: the fleet's Redis traffic at scale, on a real Redis Cluster.
+
+Simulated workers, one process each as in a fleet, run the real ownership code (`worker.fleet.Fleet`:
+membership heartbeats, the assignment, lease acquire/renew/release, status reports, registry
+reads) against a real Redis Cluster; only delivery is left out (no broker consumers: 10,000 of
+them would measure the broker, not the fleet's state). Measured per size, from Redis: commands per
+second per subscription at idle, time to re-own a killed worker's subscriptions, and Redis memory
+per subscription; and memory per in-flight message from real attempt records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from worker import keys, logs
+from worker.attempts import AttemptStore, Pipeliner
+from worker.config import FleetSettings, RedisSettings
+from worker.devtools import redis_topologies
+from worker.fleet import Fleet
+from worker.metrics import Metrics
+from worker.ops.render import table
+from worker.redis_client import connect, connect_sync
+from worker.subscriptions import RetryPolicy, Subscription
+from worker.supervisor import Supervisor
+
+
+class SimulatedWorker:
+    """What `Fleet` needs of a worker, with delivery left out: `add` and `remove` only record."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.metrics = Metrics()
+        self.supervisor = Supervisor()
+        self.dispatchers: dict[str, Any] = {}
+        self.serving: set[str] = set()
+        self.stopping = False
+
+    def add(self, sub: Subscription, may_deliver: Callable[[], bool] | None = None) -> None:
+        self.serving.add(sub.key)
+
+    async def remove(self, key: str, grace: float | None = None, unsubscribe: bool = False) -> None:
+        self.serving.discard(key)
+
+    async def seek(self, key: str, target: Any) -> int:
+        return 0
+
+
+def _subscription(i: int) -> Subscription:
+    return Subscription(name=f"s{i:05d}", topic=f"persistent://p-scale/main/t{i}", url="http://127.0.0.1:9/never",
+                        ack_deadline_seconds=10, max_deliver=5, retry=RetryPolicy(1.0, 60.0))
+
+
+def _commands(client: Any) -> int:
+    info = client.info("stats", target_nodes="primaries")
+    return sum(int(node["total_commands_processed"]) for node in info.values())
+
+
+def _memory(client: Any) -> int:
+    info = client.info("memory", target_nodes="primaries")
+    return sum(int(node["used_memory"]) for node in info.values())
+
+
+async def simulated_worker_main(worker_id: str, settings_json: str) -> None:
+    """One simulated worker in a process of its own, as in a real fleet: `python -m
+    worker.devtools.fleet_scale <id> <json>`; runs until killed."""
+    spec = json.loads(settings_json)
+    settings = RedisSettings(mode="cluster", nodes=tuple(spec["nodes"]))
+    subs = tuple(_subscription(i) for i in range(spec["count"]))
+    client = connect(settings, socket_timeout=10, socket_connect_timeout=5)
+    await client.ping()  # as a worker does before joining (and it maps the slots)
+    fleet = Fleet(SimulatedWorker(worker_id), client,  # type: ignore[arg-type]
+                  FleetSettings(name="scale", lease_seconds=spec["lease"], heartbeat_seconds=1.0), subs)
+    await fleet.start()
+    await asyncio.Event().wait()
+
+
+def _owners(client: Any, count: int) -> list[bytes | None]:
+    pipe = client.pipeline()
+    for i in range(count):
+        pipe.get(keys.lease_key(_subscription(i).key))
+    return list(pipe.execute())
+
+
+def _wait(predicate: Callable[[], bool], timeout: float, what: str) -> float:
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout:
+            raise TimeoutError(f"bench-fleet: {what} not reached within {timeout:g}s")
+        time.sleep(0.2)
+    return time.monotonic() - started
+
+
+def _measure(settings: RedisSettings, sync: Any, count: int, workers: int, lease: float,
+             idle_seconds: float) -> dict[str, Any]:
+    sync.flushall(target_nodes="primaries")
+    base_memory = _memory(sync)
+    spec = json.dumps({"nodes": list(settings.nodes), "count": count, "lease": lease})
+    procs = [subprocess.Popen([sys.executable, "-m", "worker.devtools.fleet_scale", f"sim-{i}", spec],
+                              stderr=subprocess.DEVNULL) for i in range(workers)]
+    try:
+        owned_after = _wait(lambda: all(_owners(sync, count)), 300, "every subscription owned")
+        print(f"  owned in {owned_after:.1f}s; idle for {lease + idle_seconds:g}s", file=sys.stderr, flush=True)
+        time.sleep(lease)  # renewals and status writes reach their steady rhythm
+        before = _commands(sync)
+        time.sleep(idle_seconds)
+        rate = (_commands(sync) - before) / idle_seconds
+        memory = _memory(sync) - base_memory
+        orphaned = [i for i, owner in enumerate(_owners(sync, count)) if owner == b"sim-0"]
+        procs[0].kill()  # kill -9: nothing released, its leases lapse
+        procs[0].wait()
+        reowned = _wait(lambda: all(o not in (None, b"sim-0") for o in _owners(sync, count)), 300,
+                        "the killed worker's subscriptions re-owned")
+        print(f"  re-owned in {reowned:.1f}s", file=sys.stderr, flush=True)
+        return {"subscriptions": count, "workers": workers, "owned_in_s": owned_after,
+                "commands_per_s": rate, "per_sub": rate / count, "memory_per_sub": memory / count,
+                "orphaned": len(orphaned), "reowned_in_s": reowned}
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+async def _in_flight_memory(settings: RedisSettings, sync: Any, messages: int = 20_000) -> float:
+    """Redis bytes per message between its first attempt and its settling (the attempt counter),
+    and per failed attempt (its history entry and last status)."""
+    await asyncio.to_thread(sync.flushall, target_nodes="primaries")
+    before = await asyncio.to_thread(_memory, sync)
+    client = connect(settings)
+    pipeliner = Pipeliner(client)
+    store = AttemptStore(pipeliner, settings)
+    try:
+        for start in range(0, messages, 1000):
+            await asyncio.gather(*(store.begin(f"p-scale/s{i % 100:05d}", f"{i}:1:-1:-1")
+                                   for i in range(start, start + 1000)))
+    finally:
+        await pipeliner.close()
+        await client.aclose()
+    return (await asyncio.to_thread(_memory, sync) - before) / messages
+
+
+async def run_scale(sizes: tuple[int, ...] = (1_000, 10_000), workers: int = 10, lease: float = 10.0,
+                    idle_seconds: float = 10.0) -> int:
+    logs.configure("json", "error")
+    directory = Path(tempfile.mkdtemp(prefix="push-worker-fleet-scale-"))
+    topology = await asyncio.to_thread(redis_topologies.start_cluster, directory)
+    settings = topology.settings()
+    sync = connect_sync(settings)
+    try:
+        print(f"push-worker bench-fleet --simulated: Redis Cluster of 3 masters + 3 replicas, {workers} simulated "
+              f"workers (the real ownership code, no delivery), lease {lease:g}s, heartbeat 1s\n")
+        rows = []
+        for n in sizes:
+            print(f"measuring {n:,} subscriptions ...", file=sys.stderr, flush=True)
+            rows.append(await asyncio.to_thread(_measure, settings, sync, n, workers, lease, idle_seconds))
+        print(table([{"subscriptions": f"{r['subscriptions']:,}", "owned in s": f"{r['owned_in_s']:.1f}",
+                      "redis cmd/s": f"{r['commands_per_s']:,.0f}", "cmd/s per sub": f"{r['per_sub']:.3f}",
+                      "memory/sub B": f"{r['memory_per_sub']:,.0f}",
+                      "re-owned after kill s": f"{r['reowned_in_s']:.1f} ({r['orphaned']:,} subs)"} for r in rows],
+                    ["subscriptions", "owned in s", "redis cmd/s", "cmd/s per sub", "memory/sub B",
+                     "re-owned after kill s"],
+                    right=("subscriptions", "owned in s", "redis cmd/s", "cmd/s per sub", "memory/sub B")))
+        per_message = await _in_flight_memory(settings, sync)
+        print(f"\nin flight: {per_message:,.0f} bytes of Redis per message between its first attempt and settling")
+        if len(rows) > 1:
+            first, last = rows[0], rows[-1]
+            growth = last["subscriptions"] / first["subscriptions"]
+            added = last["subscriptions"] - first["subscriptions"]
+            marginal = (last["memory_per_sub"] * last["subscriptions"]
+                        - first["memory_per_sub"] * first["subscriptions"]) / added
+            print(f"growth {first['subscriptions']:,} -> {last['subscriptions']:,} subscriptions (x{growth:g}): "
+                  f"Redis commands/s x{last['commands_per_s'] / first['commands_per_s']:.1f}, re-own time "
+                  f"x{last['reowned_in_s'] / first['reowned_in_s']:.1f}; Redis memory per added subscription "
+                  f"{marginal:,.0f} bytes (the fixed part: connections, scripts, cluster state)")
+        return 0
+    finally:
+        sync.close()
+        topology.stop()
+
+
+if __name__ == "__main__":
+    logs.configure("json", "error")
+    asyncio.run(simulated_worker_main(sys.argv[1], sys.argv[2]))
