@@ -20,15 +20,17 @@ import uuid
 from pathlib import Path
 
 import pytest
+import yaml
 from aiohttp import web
 from redis.crc import key_slot
 
 from tests.conftest import Client, Endpoint
 from tests.fleet_harness import FleetHarness, delivered, fleet_sub, settled_ownership, topics
-from tests.helpers import eventually
+from tests.helpers import cli, eventually, http_get, push_sub, spawn_worker
 from tests.redis_targets import RedisTarget
 from worker import keys
 from worker.devtools import redis_topologies
+from worker.embedded import free_port, terminate
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis_topology]
 
@@ -198,3 +200,32 @@ async def test_resharding_the_slot_of_a_busy_subscription_loses_nothing(
     finally:
         fleet.close()
         topology.stop()
+
+
+@pytest.mark.parametrize("mode", ["cluster", "sentinel"])
+async def test_cluster_or_sentinels_down_at_start_the_worker_waits_and_commands_fail_in_one_line(
+        mode, broker, endpoint: Endpoint, tmp_path, topic):
+    """Nothing answers at the seed nodes (Cluster) or the Sentinels: the worker stays up, not ready,
+    and logs each retry (it used to exit with a traceback on a Cluster: redis-py's "cannot be
+    connected" is not a RedisError); an operator command exits 1 in one line."""
+    http_port = free_port()
+    ports = [free_port() for _ in range(3)]
+    redis_block = ({"mode": "cluster", "nodes": [f"127.0.0.1:{p}" for p in ports]} if mode == "cluster" else
+                   {"mode": "sentinel", "sentinels": [f"127.0.0.1:{p}" for p in ports], "master_name": "pushworker"})
+    config = tmp_path / "w.yaml"
+    config.write_text(yaml.safe_dump({
+        "pulsar": {"service_url": broker.url}, "redis": redis_block, "http": {"port": http_port},
+        "destinations": {"allow_private": True}, "log": {"format": "json", "level": "info"},
+        "subscriptions": [push_sub("waits", topic, endpoint.url)]}))
+    log = tmp_path / "w.log"
+    proc = spawn_worker(config, log)
+    try:
+        await eventually(lambda: log.read_text().count("redis unreachable; retrying") >= 2, what="retries logged")
+        status, body = http_get(f"http://127.0.0.1:{http_port}/readyz")
+        assert status == 503 and body["reason"] == "redis unreachable"
+        assert http_get(f"http://127.0.0.1:{http_port}/healthz")[0] == 200 and proc.poll() is None
+        code, out, err = await cli("subs", "list", "--config", str(config))
+        assert code == 1 and out == "" and len(err.strip().splitlines()) == 1 and "redis unreachable" in err
+    finally:
+        assert terminate(proc, 30) == 0
+    assert "Traceback" not in log.read_text()

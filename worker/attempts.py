@@ -23,12 +23,12 @@ from typing import Any
 
 import orjson
 from hiredis import pack_command
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
 
 from worker import keys
 from worker.config import RedisSettings
-from worker.redis_client import AsyncClient, is_cluster
+from worker.redis_client import REDIS_DOWN, AsyncClient, is_cluster
 
 BATCH_LIMIT = 200  # operations per script call: bounds how long one call holds Redis
 
@@ -252,7 +252,7 @@ class Pipeliner:
                     results.append(await conn.read_response())
                 except ResponseError as e:  # this command's error reply; the next replies follow
                     results.append(e)
-        except (RedisError, OSError) as e:
+        except REDIS_DOWN as e:
             await conn.disconnect(nowait=True)  # replies may be out of step: reconnect next time
             results = [e] * len(commands)
         self._on_round_trip(len(commands))
@@ -264,7 +264,7 @@ class Pipeliner:
                 for command in commands:
                     pipe.execute_command(*command)
                 results = await pipe.execute(raise_on_error=False)
-        except (RedisError, OSError) as e:
+        except REDIS_DOWN as e:
             results = [e] * len(commands)
         self._on_round_trip(len(commands))
         return list(results)
@@ -300,18 +300,18 @@ class AttemptStore:
     async def _call(self, queue: Callable[[], asyncio.Future[Any]]) -> Any:
         try:  # the common case, without building a retry controller
             return await queue()
-        except (RedisError, OSError):
+        except REDIS_DOWN:
             self._on_error()
         # No delivery proceeds without its attempt record: wait for Redis rather than guess.
         async for attempt in AsyncRetrying(
-            retry=retry_if_exception_type((RedisError, OSError)),
+            retry=retry_if_exception_type(REDIS_DOWN),
             wait=wait_exponential_jitter(multiplier=0.05, max=2.0),
             reraise=True,
         ):
             with attempt:
                 try:
                     return await queue()
-                except (RedisError, OSError):
+                except REDIS_DOWN:
                     self._on_error()
                     raise
         raise AssertionError("unreachable")  # pragma: no cover

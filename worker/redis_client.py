@@ -16,11 +16,16 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.sentinel import Sentinel
 from redis.cluster import ClusterNode as SyncClusterNode
 from redis.cluster import RedisCluster as SyncRedisCluster
+from redis.exceptions import RedisClusterException, RedisError
 from redis.sentinel import Sentinel as SyncSentinel
 
 from worker.config import RedisSettings
 
 AsyncClient = aioredis.Redis | RedisCluster
+
+# What a Redis outage raises: redis-py's errors, socket errors, and (Cluster) RedisClusterException,
+# which is not a RedisError: "cannot be connected" when no node answers, "slot not covered".
+REDIS_DOWN = (RedisError, RedisClusterException, OSError)
 
 
 def _address(text: str) -> tuple[str, int]:
@@ -87,12 +92,3 @@ def _connect(settings: RedisSettings, url: str, options: dict[str, Any], standal
 
 def is_cluster(client: Any) -> bool:
     return isinstance(client, RedisCluster | SyncRedisCluster)
-
-
-def describe(settings: RedisSettings, url: str = "") -> str:
-    """Where the client connects, without credentials, for logs and errors."""
-    if settings.mode == "cluster":
-        return "cluster " + (",".join(settings.nodes) if settings.nodes else "(seed from redis.url)")
-    if settings.mode == "sentinel":
-        return f"sentinel master {settings.master_name} via {','.join(settings.sentinels)}"
-    return "standalone"

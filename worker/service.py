@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
-from redis.exceptions import AuthenticationError, RedisError, ResponseError
+from redis.exceptions import AuthenticationError, ResponseError
 
 from worker import broker_admin, embedded, logs, redis_client
 from worker import consumer as pulsar_adapter
@@ -32,6 +32,7 @@ from worker.fleet.lifecycle import ExpiryWatch, SeekTarget
 from worker.http_server import StatusServer
 from worker.metrics import Metrics
 from worker.oidc import Oidc, Tokens
+from worker.redis_client import REDIS_DOWN
 from worker.signing import SecretStore, SecretUnavailable
 from worker.subscriptions import State, Subscription
 from worker.supervisor import Supervisor, log_task_failure
@@ -195,7 +196,7 @@ class Worker:
                     raise StartupError(f"redis refused the credentials of redis.url ({e}); check the password") \
                         from None
                 self.log.warning("redis not ready; retrying", error=str(e)[:200], in_seconds=delay)
-            except (RedisError, OSError, TimeoutError) as e:
+            except (*REDIS_DOWN, TimeoutError) as e:
                 self.metrics.redis_errors.inc()
                 self.log.warning("redis unreachable; retrying", error=f"{type(e).__name__}: {e}"[:200],
                                  in_seconds=delay)

@@ -14,7 +14,7 @@ import hashlib
 import time
 from typing import TYPE_CHECKING, Any
 
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 
 from worker import keys, logs
 from worker.aio import wait_event
@@ -23,7 +23,7 @@ from worker.fleet import lifecycle
 from worker.fleet.leases import ACQUIRE, RELEASE, RENEW, Lease, assign
 from worker.fleet.registry import Registry, clear_state, safe_text
 from worker.fleet.status import StatusReports
-from worker.redis_client import AsyncClient
+from worker.redis_client import REDIS_DOWN, AsyncClient
 from worker.subscriptions import State, Subscription
 from worker.supervisor import log_task_failure
 
@@ -104,7 +104,7 @@ class Fleet:
     async def _tick_safely(self) -> None:
         try:
             await self.tick()
-        except (RedisError, OSError) as e:
+        except REDIS_DOWN as e:
             self.worker.metrics.redis_errors.inc()
             self.log.warning("fleet tick failed", error=type(e).__name__)
             await self._drop_expired()
@@ -134,10 +134,10 @@ class Fleet:
                         self._start_seek(safe_text(data[5:]))
                     else:
                         self._wake.set()
-            except (RedisError, OSError):
+            except REDIS_DOWN:
                 await asyncio.sleep(1.0)  # the heartbeat resync covers the gap
             finally:
-                with contextlib.suppress(RedisError, OSError):
+                with contextlib.suppress(*REDIS_DOWN):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     async def tick(self) -> None:
@@ -153,7 +153,7 @@ class Fleet:
             results = await pipe.execute(raise_on_error=False)
         await self._renew_unknown_script(held, results)
         for result in results:
-            if isinstance(result, (RedisError, OSError)) and not isinstance(result, ResponseError):
+            if isinstance(result, REDIS_DOWN) and not isinstance(result, ResponseError):
                 raise result  # the connection failed: the whole round did
         if isinstance(results[0], Exception):
             raise results[0]
@@ -265,13 +265,13 @@ class Fleet:
         await self.worker.remove(key, grace=DELETE_GRACE if deleted or expired else None, unsubscribe=expired)
         lease = self.leases.pop(key, None)
         if lease is not None:
-            with contextlib.suppress(RedisError, OSError):
+            with contextlib.suppress(*REDIS_DOWN):
                 await self.client.eval(RELEASE, 1, keys.lease_key(key), self.me)
         if deleted or expired:
-            with contextlib.suppress(RedisError, OSError):
+            with contextlib.suppress(*REDIS_DOWN):
                 await clear_state(self.client, key)
         elif key in self.paused:
-            with contextlib.suppress(RedisError, OSError):
+            with contextlib.suppress(*REDIS_DOWN):
                 await self.client.delete(keys.status_key(key))
         self.log.info("subscription paused" if key in self.paused else "subscription released", subscription=key)
 
@@ -331,6 +331,6 @@ class Fleet:
             for task in stuck:  # bounded: leaving must not wait on a task that did not end on cancel
                 self.log.warning("task did not stop when leaving the fleet", task=task.get_name())
         await asyncio.gather(*(self._hand_over(k) for k in list(self.leases)), return_exceptions=True)
-        with contextlib.suppress(RedisError, OSError):
+        with contextlib.suppress(*REDIS_DOWN):
             await self.client.zrem(self.members_key, self.me)
             await self.client.publish(self.registry.channel, b"members")
