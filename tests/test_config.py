@@ -245,6 +245,7 @@ def test_the_readme_names_every_environment_variable_the_worker_reads():
      "is not used with redis.mode sentinel"),
     ({"sentinels": ["s:26379"]}, "redis.sentinels", "is for redis.mode sentinel only"),
     ({"mode": "cluster", "nodes": ["a:6379"], "tls": "yes"}, "redis.tls", "must be true or false"),
+    ({"url": "redis://a:6379", "tls": True}, "redis.tls", "standalone: a rediss:// URL"),
 ])
 def test_redis_topology_rules_name_the_field(redis_block, field, rule):
     with pytest.raises(ConfigError) as err:

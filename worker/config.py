@@ -174,6 +174,9 @@ def _redis_topology(rd: FieldReader, url: str | None, env: Mapping[str, str]) ->
     tls = rd.data.get("tls", False)
     if not isinstance(tls, bool):
         raise rd.fail("tls", "must be true or false")
+    if mode == "standalone" and (tls or rd.has("tls_ca_file")):
+        raise rd.fail("tls" if tls else "tls_ca_file",
+                      "is for redis.mode cluster or sentinel (standalone: a rediss:// URL)")
     return {"mode": mode, "nodes": nodes, "sentinels": sentinels, "master_name": master_name,
             "username": rd.text("username") if rd.has("username") else None,
             "password": env.get("PUSH_WORKER_REDIS_PASSWORD") or None,

@@ -83,7 +83,7 @@ def _connect(settings: RedisSettings, url: str, options: dict[str, Any], standal
         if settings.nodes:
             return cluster(startup_nodes=[node(*_address(n)) for n in settings.nodes], **_tls(settings),
                            **_cluster_options(settings, options))
-        return cluster.from_url(url, **_cluster_options(settings, options))
+        return cluster.from_url(url, **_tls(settings), **_cluster_options(settings, options))
     if settings.mode == "sentinel":
         sentinels = sentinel([_address(s) for s in settings.sentinels], **_sentinel_options(settings, options))
         return sentinels.master_for(settings.master_name or "")
