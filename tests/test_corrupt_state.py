@@ -104,9 +104,13 @@ def test_garbage_in_every_key_the_fleet_reads_never_stops_valid_subscriptions(br
         for what in ("members", "paused", "expired"):
             if client.type(fleet_key(FLEET, what)) not in (b"none", b"zset" if what == "members" else b"set"):
                 client.delete(fleet_key(FLEET, what))
-        client.delete(registry_key, version_key)
-        client.hset(registry_key, "p-test/registered", json.dumps(registered))
-        client.incr(version_key)
+        # One transaction, as the operator commands write: a worker reading between the delete and
+        # the write saw an empty registry, then kept it while the next example made the key unreadable.
+        with client.pipeline(transaction=True) as pipe:
+            pipe.delete(registry_key, version_key)
+            pipe.hset(registry_key, "p-test/registered", json.dumps(registered))
+            pipe.incr(version_key)
+            pipe.execute()
         client.publish(fleet_key(FLEET, "events"), b"registry")
 
     restore()
