@@ -16,7 +16,6 @@ once (redis-py's cluster pipeline, which follows MOVED and ASK).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +27,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_ji
 
 from worker import keys
 from worker.config import RedisSettings
-from worker.redis_client import REDIS_DOWN, AsyncClient, is_cluster
+from worker.redis_client import REDIS_DOWN, AsyncClient, is_cluster, script_sha
 
 BATCH_LIMIT = 200  # operations per script call: bounds how long one call holds Redis
 
@@ -44,7 +43,7 @@ class BatchScript:
     sha: str = field(init=False)
 
     def __post_init__(self) -> None:  # how Redis names a script
-        object.__setattr__(self, "sha", hashlib.sha1(self.source.encode(), usedforsecurity=False).hexdigest())
+        object.__setattr__(self, "sha", script_sha(self.source))
 
 
 # Corrupt state (a key of the wrong type, a counter that is not an integer) must not fail the whole

@@ -8,6 +8,7 @@ within one hash tag (see `keys`), so each runs in one Cluster slot.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import redis
@@ -26,6 +27,11 @@ AsyncClient = aioredis.Redis | RedisCluster
 # What a Redis outage raises: redis-py's errors, socket errors, and (Cluster) RedisClusterException,
 # which is not a RedisError: "cannot be connected" when no node answers, "slot not covered".
 REDIS_DOWN = (RedisError, RedisClusterException, OSError)
+
+
+def script_sha(source: str) -> str:
+    """How Redis names a Lua script (what EVALSHA takes)."""
+    return hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
 
 
 def _address(text: str) -> tuple[str, int]:

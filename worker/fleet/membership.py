@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +22,7 @@ from worker.fleet import lifecycle
 from worker.fleet.leases import ACQUIRE, RELEASE, RENEW, Lease, assign
 from worker.fleet.registry import Registry, clear_state, safe_text
 from worker.fleet.status import StatusReports
-from worker.redis_client import REDIS_DOWN, AsyncClient
+from worker.redis_client import REDIS_DOWN, AsyncClient, script_sha
 from worker.subscriptions import State, Subscription
 from worker.supervisor import log_task_failure
 
@@ -78,8 +77,8 @@ class Fleet:
         self._tasks: list[asyncio.Task[None]] = []
         self.log = logs.get(worker=worker.worker_id, fleet=settings.name)
         # Renewals go as EVALSHA: renewing a thousand leases a second then sends 40-byte hashes,
-        # not the script text each time (`_renew_all` loads it where Redis lacks it).
-        self._renew_sha = hashlib.sha1(RENEW.encode(), usedforsecurity=False).hexdigest()
+        # not the script text each time (`_renew_unknown_script` sends it where Redis lacks it).
+        self._renew_sha = script_sha(RENEW)
         self.ttl_ms = int(settings.lease_seconds * 1000)
         self.member_ttl_ms = self.ttl_ms
         self.status = StatusReports(worker, client, self.ttl_ms)
