@@ -147,14 +147,15 @@ def start_pulsar(state_dir: Path, port: int | None = None, default_partitions: i
     return service
 
 
-def start_redis(state_dir: Path, port: int | None = None) -> Service:
-    """redis-server on loopback only, with an append-only file so a restart keeps attempt counts."""
+def start_redis(state_dir: Path, port: int | None = None, *extra: str) -> Service:
+    """redis-server on loopback only, with an append-only file so a restart keeps attempt counts;
+    `extra` arguments after the defaults (cluster mode, replicaof)."""
     data = (state_dir / "redis-data").absolute()
     data.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     argv = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
             "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--protected-mode", "yes",
-            "--daemonize", "no"]
+            "--daemonize", "no", *extra]
     log_path = state_dir / "redis.log"
     proc = _spawn(argv, data, log_path)
     wait_for_port(port, proc, "redis-server")

@@ -181,12 +181,14 @@ def _post(url: str) -> None:
         pass
 
 
-def _wait(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
+def _wait(predicate: Any, timeout: float, what: str) -> float:
+    """Poll until `predicate` holds; returns how long that took."""
+    started = time.monotonic()
     while not predicate():
-        if time.monotonic() > deadline:
+        if time.monotonic() > started + timeout:
             raise TimeoutError(f"bench: timed out waiting for {what}")
         time.sleep(POLL_SECONDS)
+    return time.monotonic() - started
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -24,6 +24,7 @@ from worker import keys, logs
 from worker.attempts import AttemptStore, Pipeliner
 from worker.config import FleetSettings, RedisSettings
 from worker.devtools import redis_topologies
+from worker.devtools.bench import _wait
 from worker.fleet import Fleet
 from worker.metrics import Metrics
 from worker.ops.render import table
@@ -87,15 +88,6 @@ def _owners(client: Any, count: int) -> list[bytes | None]:
     for i in range(count):
         pipe.get(keys.lease_key(_subscription(i).key))
     return list(pipe.execute())
-
-
-def _wait(predicate: Callable[[], bool], timeout: float, what: str) -> float:
-    started = time.monotonic()
-    while not predicate():
-        if time.monotonic() - started > timeout:
-            raise TimeoutError(f"bench-fleet: {what} not reached within {timeout:g}s")
-        time.sleep(0.2)
-    return time.monotonic() - started
 
 
 def _measure(settings: RedisSettings, sync: Any, count: int, workers: int, lease: float,

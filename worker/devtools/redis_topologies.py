@@ -53,15 +53,9 @@ def _cluster_port() -> int:
 
 
 def _server(directory: Path, name: str, *extra: str, port: int | None = None) -> Service:
-    data = (directory / name).absolute()
-    data.mkdir(parents=True, exist_ok=True)
-    port = port or free_port()
-    argv = [embedded.redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
-            "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--daemonize", "no", *extra]
-    log_path = data / "redis.log"
-    proc = embedded._spawn(argv, data, log_path)
-    embedded.wait_for_port(port, proc, f"redis-server {name}")
-    return Service(name, proc, port, f"redis://127.0.0.1:{port}/0", argv, data, log_path)
+    service = embedded.start_redis(directory / name, port, *extra)
+    service.name = name  # the topology tells its nodes apart by name
+    return service
 
 
 def _until(check: Any, what: str, timeout: float = 30.0) -> Any:
