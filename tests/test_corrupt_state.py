@@ -70,17 +70,21 @@ TYPES = ["string", "hash", "list", "set", "zset"]
 
 
 def write(client: redis_sync.Redis, key: str, kind: str, value: bytes) -> None:
-    client.delete(key)
-    if kind == "string":
-        client.set(key, value)
-    elif kind == "hash":
-        client.hset(key, value or b"f", value)
-    elif kind == "list":
-        client.rpush(key, value)
-    elif kind == "set":
-        client.sadd(key, value)
-    else:
-        client.zadd(key, {value or b"m": 1e12})
+    # One transaction: a worker reading the registry between a delete and a write saw it empty (a valid
+    # registry: it released the subscriptions), which is not the garbage under test.
+    with client.pipeline(transaction=True) as pipe:
+        pipe.delete(key)
+        if kind == "string":
+            pipe.set(key, value)
+        elif kind == "hash":
+            pipe.hset(key, value or b"f", value)
+        elif kind == "list":
+            pipe.rpush(key, value)
+        elif kind == "set":
+            pipe.sadd(key, value)
+        else:
+            pipe.zadd(key, {value or b"m": 1e12})
+        pipe.execute()
 
 
 def test_garbage_in_every_key_the_fleet_reads_never_stops_valid_subscriptions(broker, redis_url, tmp_path: Path):
@@ -106,10 +110,12 @@ def test_garbage_in_every_key_the_fleet_reads_never_stops_valid_subscriptions(br
                 client.delete(fleet_key(FLEET, what))
         # One transaction, as the operator commands write: a worker reading between the delete and
         # the write saw an empty registry, then kept it while the next example made the key unreadable.
+        # The version a value never used before: workers re-read the registry when the version differs
+        # from the one they saw, and a counter started over at 1 could equal it.
         with client.pipeline(transaction=True) as pipe:
             pipe.delete(registry_key, version_key)
             pipe.hset(registry_key, "p-test/registered", json.dumps(registered))
-            pipe.incr(version_key)
+            pipe.set(version_key, time.time_ns())
             pipe.execute()
         client.publish(fleet_key(FLEET, "events"), b"registry")
 

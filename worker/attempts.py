@@ -16,7 +16,7 @@ once (redis-py's cluster pipeline, which follows MOVED and ASK).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,7 +135,7 @@ GroupKey = tuple[BatchScript, tuple[str, ...], tuple[Any, ...], str]
 Operation = tuple[Sequence[Any], Sequence[Any], "asyncio.Future[Any]"]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # one per attempt: see messages.Envelope
 class AttemptRecord:
     """The attempt number just taken, and the status the previous attempt ended with ('' if none)."""
 
@@ -323,8 +323,8 @@ class AttemptStore:
         last_status = last.decode(errors="replace") if isinstance(last, bytes) else str(last)
         return AttemptRecord(int(n), last_status, discard=state == 1, settled=state == 2, corrupt=bool(corrupt))
 
-    async def record(self, subscription_key: str, message_id: str, entries: list[dict[str, Any]],
-                     settled: bool, last_status: str = "", acked_first_time: bool = False) -> None:
+    def record(self, subscription_key: str, message_id: str, entries: list[dict[str, Any]],
+               settled: bool, last_status: str = "", acked_first_time: bool = False) -> Awaitable[None]:
         """Append `entries` to the message's history (kept `acked_history_ttl_seconds` when it was
         `acked_first_time`, else `history_ttl_seconds`); then, `settled`, mark its counter settled
         (for `settled_ttl_seconds`) and list it among the settled messages (how it ended: the last
@@ -334,7 +334,7 @@ class AttemptStore:
         history_ttl = self.acked_history_ttl_seconds if acked_first_time else self.history_ttl_seconds
         op_args = ("1" if settled else "0", last_status, summary, history_ttl, len(entries),
                    *(orjson.dumps(e) for e in entries))
-        await self._call(lambda: self.pipeliner.operation(
+        return self._call(lambda: self.pipeliner.operation(
             RECORD, (keys.settled_key(subscription_key),),
             (self.history_ttl_seconds, HISTORY_CAP, self.settled_ttl_seconds), op_keys, op_args, subscription_key))
 

@@ -31,7 +31,7 @@ class Result(enum.StrEnum):
     NOT_SENT = "not_sent"  # never sent for a reason an operator can fix (a signing secret is missing)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # one per attempt: see messages.Envelope
 class Outcome:
     """The result of one attempt."""
 

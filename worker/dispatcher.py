@@ -299,14 +299,14 @@ class Dispatcher:
     async def _deliver_until_settled(self, message: Any, env: Envelope) -> Awaitable[None] | None:
         """Deliver until acked, dead-lettered or dropped; returns the settled record still to write."""
         if env.defect is not None:  # no request could carry it faithfully: dead-letter it with the reason
-            if await self._fenced():
+            if self.may_deliver() or await self._fenced():
                 self.log.error("undeliverable message", message_id=env.message_id, defect=env.defect)
                 return await self._give_up(message, env, self.sub, 0, "unreadable",
                                            [event_entry("unreadable", self.ctx.worker_id, detail=env.defect)])
             return None
         if self.sub.filter is not None and not self.sub.filter.matches(env.attributes):
             # Not for this subscription (filters are immutable): acked without a request, recorded.
-            if not await self._fenced():
+            if not (self.may_deliver() or await self._fenced()):
                 return None
             self.m.filtered.inc()
             self.stats.filtered += 1
@@ -315,7 +315,7 @@ class Dispatcher:
                                    acked_first_time=True)
         while not self._stopping.is_set():
             sub = self.sub  # an edit applies from the next attempt on
-            if not await self._fenced():
+            if not (self.may_deliver() or await self._fenced()):
                 return None
             record = await self.attempts.begin(sub.key, env.message_id)
             if record.corrupt:

@@ -41,7 +41,7 @@ class HeaderRefused(ValueError):
     """A request header that cannot be sent safely (CR, LF or NUL in it)."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # one per attempt: see messages.Envelope
 class Answer:
     status: int
     headers: dict[str, str]  # lower-cased names, the last value of each
@@ -61,15 +61,19 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self._waiter: asyncio.Future[None] | None = None
         self._writable = True
-        self._parser: httptools.HttpResponseParser | None = None
-        self._exchange = _Exchange(0)
+        # One parser and one exchange record per connection, reset per request: making a parser per
+        # request cost about 5% of a delivery's CPU (measured). `_parsing` is False between exchanges
+        # and after a broken answer; bytes arriving then are stray.
+        self._exchange = _Exchange()
+        self._parser = self._exchange.parser = httptools.HttpResponseParser(self._exchange)
+        self._parsing = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
 
     def data_received(self, data: bytes) -> None:
         x = self._exchange
-        if self._parser is None:
+        if not self._parsing:
             self.stray = True
             return
         if not x.head_done:
@@ -83,7 +87,7 @@ class _Connection(asyncio.Protocol):
         if not x.head_done and x.head_bytes > HEAD_LIMIT and x.error is None:
             x.error = ProtocolError(f"answer head over {HEAD_LIMIT} bytes")
         if x.error is not None or x.over_cap:
-            self._parser = None  # nothing more is parsed: the connection goes with this exchange
+            self._parsing = False  # nothing more is parsed: the connection goes with this exchange
         self._wake()
 
     def eof_received(self) -> bool:
@@ -132,8 +136,8 @@ class _Connection(asyncio.Protocol):
         """Start an exchange (its answer is parsed from now on, its body counted up to `cap`) and
         send the request."""
         assert self.transport is not None
-        self._exchange = _Exchange(cap)
-        self._parser = self._exchange.parser = httptools.HttpResponseParser(self._exchange)
+        self._exchange.reset(cap)
+        self._parsing = True
         if len(body) <= WRITE_CHUNK:
             self.transport.write(head + body)
             return
@@ -163,14 +167,19 @@ class _Connection(asyncio.Protocol):
                     break
                 raise ProtocolError("connection closed before the answer was complete")
             await self._wait()
-        self._parser = None  # anything after this answer is stray
+        self._parsing = False  # anything after this answer is stray
         return x.status, x.headers, x.done, x.done and x.keep_alive and not x.extra
 
 
 class _Exchange:
     """What the parser found of one answer (httptools calls these methods as bytes arrive)."""
 
-    def __init__(self, cap: int) -> None:
+    def __init__(self) -> None:
+        self.parser: httptools.HttpResponseParser | None = None
+        self.reset(0)
+
+    def reset(self, cap: int) -> None:
+        """Ready for the next answer on the connection, its body counted up to `cap`."""
         self.cap = cap
         self.status = 0
         self.headers: dict[str, str] = {}
@@ -184,7 +193,6 @@ class _Exchange:
         self.keep_alive = False
         self.extra = False  # another answer followed this one (nothing asked for it)
         self.error: ProtocolError | None = None
-        self.parser: httptools.HttpResponseParser | None = None
 
     def on_message_begin(self) -> None:
         if self.done:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import functools
 import re
 import time
@@ -10,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+import pybase64
 
 from worker.subscriptions import Subscription
 
@@ -20,7 +20,9 @@ _VALUE_RE = re.compile(r"^[\t\x20-\x7e]{0,4096}$")
 MAX_ATTRIBUTE_HEADERS = 64
 
 
-@dataclass(frozen=True)
+# Built per message: slotted, not frozen (a frozen dataclass took about 4x as long to build: each
+# field goes through object.__setattr__). Treated as values all the same: nothing changes them.
+@dataclass(slots=True)
 class Envelope:
     """What the worker knows about a message, independent of the Pulsar client objects."""
 
@@ -33,7 +35,7 @@ class Envelope:
     defect: str | None = None  # why the message cannot be delivered as it is (it is dead-lettered unsent)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class PushRequest:
     """A fully built request: send it as is."""
 
@@ -56,6 +58,12 @@ def rfc3339(ms: int) -> str:
 @functools.lru_cache(maxsize=1024)  # messages of one burst share their second
 def _utc_second(seconds: int) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
+
+
+def _base64(data: bytes) -> str:
+    """Standard base64 (RFC 4648, padded). pybase64 (SIMD) encodes 1 MiB in about 0.15 ms where the
+    standard library takes 2.5 ms (measured): the bulk of a large wrapped message's cost."""
+    return pybase64.b64encode(data).decode("ascii")
 
 
 def header_safe(name: str, value: str) -> bool:
@@ -85,7 +93,7 @@ def build_request(sub: Subscription, env: Envelope, attempt: int) -> PushRequest
             "subscription": sub.name,
             "message": {
                 "message_id": env.message_id,
-                "data": base64.b64encode(env.data).decode("ascii"),
+                "data": _base64(env.data),
                 "attributes": env.attributes,
                 "ordering_key": env.ordering_key,
                 "publish_time": rfc3339(env.publish_time_ms),
@@ -159,7 +167,7 @@ def _cloudevent(sub: Subscription, env: Envelope, attempt: int, headers: dict[st
     if payload is not _NOT_JSON:
         event["data"] = payload
     else:
-        event["data_base64"] = base64.b64encode(env.data).decode("ascii")
+        event["data_base64"] = _base64(env.data)
     headers["Content-Type"] = "application/cloudevents+json"
     return PushRequest(headers, orjson.dumps(event), omitted)
 
@@ -185,7 +193,7 @@ def _gcp_body(sub: Subscription, env: Envelope, attempt: int) -> dict[str, Any]:
     left out; the id and publish time also under their snake_case names, as Google sends them)."""
     message: dict[str, Any] = {}
     if env.data:
-        message["data"] = base64.b64encode(env.data).decode("ascii")
+        message["data"] = _base64(env.data)
     if env.attributes:
         message["attributes"] = env.attributes
     published = rfc3339(env.publish_time_ms)

@@ -15,9 +15,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from worker.devtools.bench import run_bench
+    from worker.devtools.bench import SECTIONS, run_bench
 
-    return run_loop(run_bench(messages=args.messages, concurrency=args.concurrency))
+    return run_loop(run_bench(messages=args.messages, concurrency=args.concurrency,
+                              sections=tuple(args.section or SECTIONS), steady_rate=args.steady_rate))
 
 
 def _cmd_bench_fleet(args: argparse.Namespace) -> int:
@@ -44,6 +45,11 @@ def register(cmds: Any) -> None:
     p = cmds.add_parser("bench", help="measure delivery throughput against a bare aiohttp loop")
     p.add_argument("--messages", type=positive_int, default=20000, help="messages per case (default 20000)")
     p.add_argument("--concurrency", type=positive_int, default=64, help="requests at once (default 64)")
+    p.add_argument("--section", action="append", choices=("core", "concurrency", "subscriptions", "payload", "idle"),
+                   help="run only this section (repeatable; default: all)")
+    p.add_argument("--steady-rate", type=positive_number, default=1000.0,
+                   help="msg/s offered in total in the subscriptions section (default 1000: what this "
+                        "project's 2-core machine sustains with broker, Redis, sink and publisher beside the worker)")
     p.set_defaults(func=_cmd_bench)
     p = cmds.add_parser("bench-fleet", help="ownership convergence after a kill, movement on a join")
     p.add_argument("--subscriptions", type=positive_int, default=60, help="subscriptions to spread (default 60)")

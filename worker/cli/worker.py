@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import signal
 from typing import Any
 
@@ -27,9 +28,23 @@ async def _serve(config_path: str) -> int:
         loop.add_signal_handler(sig, worker.request_stop)
     loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)  # what a stuck worker is waiting on
     async with worker:
+        _tune_gc()
         await worker.run_until_stopped()
         logs.get().info("stop requested; draining", grace_seconds=settings.shutdown_grace_seconds)
     return 0
+
+
+# Young objects collected per this many new ones (CPython's default is 700): a delivery allocates
+# dozens of short-lived objects, and the collector's passes cost about a fifth of a delivery's CPU
+# at the default (measured A/B in `make bench`).
+GC_THRESHOLD = (20_000, 50, 100)
+
+
+def _tune_gc() -> None:
+    """Once started: what exists now (modules, config, clients) lives as long as the process, so the
+    collector stops rescanning it (gc.freeze), and young collections run less often."""
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLD)
 
 
 def _dump_tasks() -> None:

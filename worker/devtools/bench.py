@@ -1,8 +1,11 @@
-"""`push-worker bench` / `make bench`: delivery speed measured against a reference in the same run.
+"""`push-worker bench` / `make bench`: delivery speed measured against references in the same run.
 
 Everything runs on this machine: the embedded broker and Redis, a sink endpoint answering 204 (in
-its own process), the reference (a bare aiohttp POST loop at the same concurrency, its own
-process) and one `push-worker run` process. Figures are printed as ratios against the reference.
+its own process), the references and one `push-worker run` process per case. References: a bare
+aiohttp POST loop at the same concurrency sending the same bodies (its own process; its rate and its
+CPU per request), and for latency a bare Pulsar consumer on the same topic. Sections: `core` (1 KiB
+throughput and latency), `subscriptions` (many subscriptions at a steady rate), `payload` (64 KiB
+and 1 MiB bodies), `concurrency` (16 and 256); `make bench` runs them all.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -33,7 +37,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from worker import embedded
 from worker.consumer import CONSUMER_TYPES
 from worker.devtools import apache_pulsar, redis_topologies
+from worker.messages import Envelope, build_request
 from worker.ops.render import table
+from worker.subscriptions import parse_subscription
 
 PAYLOAD = os.urandom(768).hex().encode()[:1024]  # 1 KiB
 LATENCY_RATE = 200.0  # messages/s in the latency phase
@@ -128,7 +134,7 @@ def sink_main(port: int, fail_rate: float) -> None:
 
 # -- the reference (own process) ----------------------------------------------------------------
 
-async def reference_main(url: str, total: int, concurrency: int) -> None:
+async def reference_main(url: str, total: int, concurrency: int, body: bytes) -> None:
     """A bare aiohttp POST loop (on uvloop, like the worker): the most one process can push to this sink."""
     remaining = total
     async with aiohttp.ClientSession() as session:
@@ -136,15 +142,54 @@ async def reference_main(url: str, total: int, concurrency: int) -> None:
             nonlocal remaining
             while remaining > 0:
                 remaining -= 1
-                async with session.post(url, data=PAYLOAD, headers={"Content-Type": "application/octet-stream"}) as r:
+                async with session.post(url, data=body, headers={"Content-Type": "application/octet-stream"}) as r:
                     await r.read()
 
-        started = time.monotonic()
+        started, cpu = time.monotonic(), time.process_time()  # process_time: every thread of the process
         await asyncio.gather(*(loop() for _ in range(concurrency)))
-        print(json.dumps({"elapsed": time.monotonic() - started}))
+        print(json.dumps({"elapsed": time.monotonic() - started, "cpu": time.process_time() - cpu}))
+
+
+# -- the bare Pulsar consumer (own process) -----------------------------------------------------
+
+def bare_consumer_main(service_url: str, topic: str, subscription: str, count: int) -> None:
+    """Receives `count` messages on its own subscription of the topic and prints each one's
+    publish-to-receive latency (the same clock and millisecond publish time the sink uses)."""
+    client = pulsar.Client(service_url, logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
+    consumer = client.subscribe(topic, subscription, consumer_type=pulsar.ConsumerType.Shared,
+                                initial_position=pulsar.InitialPosition.Latest)
+    print("ready", flush=True)
+    latencies = []
+    for _ in range(count):
+        msg = consumer.receive(60_000)
+        latencies.append(time.time() - msg.publish_timestamp() / 1000)
+        consumer.acknowledge(msg)
+    print(json.dumps(latencies), flush=True)
+    client.close()
 
 
 # -- orchestration ------------------------------------------------------------------------------
+
+@dataclass
+class Reference:
+    rate: float  # requests/s
+    cpu_us: float  # CPU per request, every thread of the process
+
+    @staticmethod
+    def around(before: Reference, after: Reference) -> Reference:
+        return Reference((before.rate + after.rate) / 2, (before.cpu_us + after.cpu_us) / 2)
+
+
+@dataclass
+class Steady:
+    subscriptions: int
+    offered: float  # msg/s published
+    rate: float  # msg/s delivered
+    cpu_us: float
+    p50_ms: float
+    p99_ms: float
+    rss_mb: float
+
 
 @dataclass
 class Figures:
@@ -154,8 +199,10 @@ class Figures:
     p99_ms: float
     redis_per_msg: float
     round_trips_per_msg: float
-    cpu_s_per_1k: float
-    rss_mb: float
+    cpu_us: float  # worker CPU per delivered message, every thread, from first to last delivery
+    rss_mb: float  # the worker's peak RSS (sampled while it delivered)
+    bare_p50_ms: float = float("nan")  # the bare Pulsar consumer beside it, same stream
+    bare_p99_ms: float = float("nan")
 
 
 # The bench's own polling runs on the cores the worker needs while it is measured: plain blocking
@@ -181,14 +228,22 @@ def _post(url: str) -> None:
         pass
 
 
-def _wait(predicate: Any, timeout: float, what: str) -> float:
+def _wait(predicate: Any, timeout: float, what: str, poll: float = POLL_SECONDS) -> float:
     """Poll until `predicate` holds; returns how long that took."""
     started = time.monotonic()
     while not predicate():
         if time.monotonic() > started + timeout:
             raise TimeoutError(f"bench: timed out waiting for {what}")
-        time.sleep(POLL_SECONDS)
+        time.sleep(poll)
     return time.monotonic() - started
+
+
+def _failed_into(failures: list[str]) -> Any:
+    """A send callback that notes every failed publish."""
+    def done(result: Any, _message_id: Any) -> None:
+        if result != pulsar.Result.Ok:
+            failures.append(str(result))
+    return done
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -228,26 +283,36 @@ class Bench:
         embedded.wait_for_port(port, proc, "sink")
         return f"http://127.0.0.1:{port}"
 
-    def reference(self, sink: str) -> float:
+    def reference(self, sink: str, body: bytes = PAYLOAD, messages: int | None = None,
+                  concurrency: int | None = None) -> Reference:
+        messages = messages or self.messages
+        body_file = self.dir / f"body-{len(body)}-{hash(body) & 0xffff}"
+        body_file.write_bytes(body)
         out = subprocess.run([sys.executable, "-m", "worker.devtools.bench", "reference", sink + "/push",
-                              str(self.messages), str(self.concurrency)], capture_output=True, text=True, check=True)
-        return self.messages / float(json.loads(out.stdout)["elapsed"])
+                              str(messages), str(concurrency or self.concurrency), str(body_file)],
+                             capture_output=True, text=True, check=True)
+        figures = json.loads(out.stdout)
+        return Reference(messages / float(figures["elapsed"]), 1e6 * float(figures["cpu"]) / messages)
 
-    def publish(self, topic: str, n: int, keys: int = 0, rate: float = 0.0) -> None:
-        producer = self.client.create_producer(topic, batching_enabled=not rate, batching_max_publish_delay_ms=5,
-                                               block_if_queue_full=True)
+    def publish(self, topic: str, n: int, keys: int = 0, rate: float = 0.0, payload: bytes = PAYLOAD) -> None:
+        # Batched when the payload is small and the rate free (the client's batches hold 128 KiB at most).
+        producer = self.client.create_producer(topic, batching_enabled=not rate and len(payload) < 64 * 1024,
+                                               batching_max_publish_delay_ms=5, block_if_queue_full=True)
+        failures: list[str] = []
         started = time.monotonic()
         for i in range(n):
             kwargs: dict[str, Any] = {}
             if keys:
                 kwargs["partition_key"] = f"key-{i % keys}"
-            producer.send_async(PAYLOAD, None, **kwargs)
-            if rate and i % 50 == 0:
+            producer.send_async(payload, _failed_into(failures), **kwargs)
+            if rate:  # evenly spaced: a burst would measure queueing, not the path
                 ahead = i / rate - (time.monotonic() - started)
                 if ahead > 0:
                     time.sleep(ahead)
         producer.flush()
         producer.close()
+        if failures:
+            raise RuntimeError(f"bench: {len(failures)} of {n} messages were not published ({failures[0]})")
 
     def redis_config(self, mode: str) -> dict[str, Any]:
         if mode == "cluster":
@@ -260,50 +325,132 @@ class Bench:
         path = self.dir / f"worker-{time.monotonic_ns()}.yaml"
         path.write_text(yaml.safe_dump({
             "pulsar": {"service_url": self.broker.url}, "redis": self.redis_config(redis_mode),
-            "http": {"port": 0}, "destinations": {"allow_private": True}, "log": {"format": "json", "level": "error"},
-            "state_dir": str(self.dir / "worker"), "subscriptions": subs}))
+            "http": {"port": 0}, "destinations": {"allow_private": True, "max_request_bytes": 4 * 2**20},
+            "log": {"format": "json", "level": "error"}, "state_dir": str(self.dir / "worker"),
+            "subscriptions": subs}))
         return path
 
-    def sub(self, name: str, topic: str, url: str, kind: str = "shared") -> dict[str, Any]:
-        return {"name": name, "topic": topic, "type": kind, "max_ack_pending": self.concurrency, "max_deliver": 1000,
-                "retry": {"min_backoff_seconds": 0.05, "max_backoff_seconds": 0.5},
-                "deliver": {"mode": "push", "push": {"url": url, "content": "raw"}}}
+    def sub(self, name: str, topic: str, url: str, kind: str = "shared", content: str = "raw",
+            concurrency: int | None = None) -> dict[str, Any]:
+        return {"name": name, "topic": topic, "type": kind, "max_ack_pending": concurrency or self.concurrency,
+                "max_deliver": 1000, "retry": {"min_backoff_seconds": 0.05, "max_backoff_seconds": 0.5},
+                "deliver": {"mode": "push", "push": {"url": url, "content": content}}}
 
     def start_worker(self, config: Path) -> subprocess.Popen[bytes]:
         return subprocess.Popen([sys.executable, "-m", "worker.cli", "run", "--config", str(config)],
                                 stderr=open(self.dir / "worker.log", "ab"))
 
+    def start_bare_consumer(self, topic: str, count: int) -> subprocess.Popen[str]:
+        proc = subprocess.Popen([sys.executable, "-m", "worker.devtools.bench", "bare-consumer", self.broker.url,
+                                 topic, "bare", str(count)], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("bench: the bare consumer did not start")
+        return proc
+
     def run_worker(self, name: str, kind: str = "shared", keys: int = 0, fail_rate: float = 0.0,
-                   redis_mode: str = "standalone") -> Figures:
+                   redis_mode: str = "standalone", concurrency: int | None = None, payload: bytes = PAYLOAD,
+                   content: str = "raw", messages: int | None = None, beside_bare: bool = False,
+                   latency: bool = True) -> Figures:
+        """Throughput on a backlog of `messages`, then latency on a steady stream (beside a bare
+        consumer of the same topic with `beside_bare`)."""
+        messages = messages or self.messages
         sink = self.sink(fail_rate)
         topic = f"persistent://p-bench/main/{name}"
         # Create the cursor first, with the consumer type the worker will use: a cursor created with one
         # type and consumed with another got every message redelivered on pulsar-lite.
         self.client.subscribe(topic, name, consumer_type=CONSUMER_TYPES[kind]).close()
-        self.publish(topic, self.messages, keys=keys)
-        proc = self.start_worker(self.config([self.sub(name, topic, sink + "/push", kind)], redis_mode))
+        self.publish(topic, messages, keys=keys, payload=payload)
+        proc = self.start_worker(self.config([self.sub(name, topic, sink + "/push", kind, content, concurrency)],
+                                             redis_mode))
         ps = psutil.Process(proc.pid)
+        peak_rss = 0
+
+        def delivered(n: int) -> bool:
+            nonlocal peak_rss
+            peak_rss = max(peak_rss, ps.memory_info().rss)
+            return bool(_get(sink + "/stats")["acked"] >= n)
+
         try:
-            _wait(lambda: _get(sink + "/stats")["acked"] >= self.messages, 600, f"{name}: all acked")
+            # CPU from the first delivery to the last: start-up (imports, subscribing) is not a message's cost.
+            _wait(lambda: _get(sink + "/stats")["count"] > 0, 120, f"{name}: first delivery", poll=0.005)
+            cpu0 = sum(ps.cpu_times()[:2])
+            _wait(lambda: delivered(messages), 600, f"{name}: all acked")
             stats = _get(sink + "/stats")
-            cpu = ps.cpu_times()
-            rss = ps.memory_info().rss
-            redis_per_msg = _metric(ps, "pushworker_redis_commands_total") / self.messages
+            cpu = sum(ps.cpu_times()[:2]) - cpu0
+            redis_per_msg = _metric(ps, "pushworker_redis_commands_total") / messages
             round_trips = _metric(ps, "pushworker_redis_round_trips_total")
-            rate = self.messages / (stats["last"] - stats["first"])
-            # Latency phase: a steady stream, publish-to-ack. At a modest rate so that it measures the
-            # worker's path, not a 2-core machine saturated by broker, Redis, sink and publisher.
-            _post(sink + "/reset")
-            n = int(LATENCY_RATE * 5)
-            self.publish(topic, n, keys=keys, rate=LATENCY_RATE)
-            _wait(lambda: _get(sink + "/stats")["acked"] >= n, 120, f"{name}: latency phase")
-            latency = _get(sink + "/latency")
+            rate = messages / (stats["last"] - stats["first"])
+            # Latency phase: a steady stream, publish-to-endpoint. At a modest rate so that it measures
+            # the worker's path, not a 2-core machine saturated by broker, Redis, sink and publisher.
+            latencies: list[float] = []
+            bare_latencies: list[float] = []
+            if latency:
+                _post(sink + "/reset")
+                n = int(LATENCY_RATE * 5)
+                bare = self.start_bare_consumer(topic, n) if beside_bare else None
+                self.publish(topic, n, keys=keys, rate=LATENCY_RATE, payload=payload)
+                _wait(lambda: _get(sink + "/stats")["acked"] >= n, 120, f"{name}: latency phase")
+                latencies = _get(sink + "/latency")
+                bare_latencies = json.loads(bare.communicate(timeout=60)[0]) if bare is not None else []
         finally:
             proc.terminate()
             proc.wait(30)
-        return Figures(name, rate, 1000 * _percentile(latency, 0.5), 1000 * _percentile(latency, 0.99),
-                       redis_per_msg, round_trips / self.messages,
-                       1000 * (cpu.user + cpu.system) / (self.messages + n), rss / 2**20)
+        return Figures(name, rate, 1000 * _percentile(latencies, 0.5), 1000 * _percentile(latencies, 0.99),
+                       redis_per_msg, round_trips / messages, 1e6 * cpu / messages, peak_rss / 2**20,
+                       1000 * _percentile(bare_latencies, 0.5), 1000 * _percentile(bare_latencies, 0.99))
+
+    def steady(self, subscriptions: int, total_rate: float, seconds: float = 10.0) -> Steady:
+        """`subscriptions` subscriptions on one worker, each its own topic and endpoint path, sharing a
+        steady `total_rate` msg/s: worker CPU per message and publish-to-endpoint latency over
+        `seconds`, after a warm-up."""
+        sink = self.sink()
+        run = time.monotonic_ns()
+        topics = [f"persistent://p-bench/main/steady-{run}-{i}" for i in range(subscriptions)]
+        subs = [self.sub(f"steady-{run}-{i}", topic, f"{sink}/push/{i}") for i, topic in enumerate(topics)]
+        proc = self.start_worker(self.config(subs))
+        ps = psutil.Process(proc.pid)
+        producers = [self.client.create_producer(t, batching_enabled=False, block_if_queue_full=True)
+                     for t in topics]
+        stop = threading.Event()
+        published = 0
+        failures: list[str] = []
+
+        def publish() -> None:  # round-robin over the topics, evenly spaced
+            nonlocal published
+            started = time.monotonic()
+            while not stop.is_set():
+                producers[published % subscriptions].send_async(PAYLOAD, _failed_into(failures))
+                published += 1
+                ahead = published / total_rate - (time.monotonic() - started)
+                if ahead > 0:
+                    time.sleep(ahead)
+
+        publisher = threading.Thread(target=publish, daemon=True)
+        try:
+            _wait(lambda: _worker_ready(ps), 300, f"{subscriptions} subscriptions")
+            publisher.start()
+            time.sleep(3.0)  # warm-up: connections, slow start of the endpoint window
+            _post(sink + "/reset")
+            acked0, cpu0, t0 = _get(sink + "/stats")["acked"], sum(ps.cpu_times()[:2]), time.monotonic()
+            time.sleep(seconds)
+            acked1, cpu1, t1 = _get(sink + "/stats")["acked"], sum(ps.cpu_times()[:2]), time.monotonic()
+            rss = ps.memory_info().rss
+            latency = _get(sink + "/latency")
+        finally:
+            stop.set()
+            if publisher.is_alive():
+                publisher.join(10)
+            for producer in producers:
+                producer.flush()
+                producer.close()
+            proc.terminate()
+            proc.wait(60)
+        if failures:
+            raise RuntimeError(f"bench: {len(failures)} messages were not published ({failures[0]})")
+        delivered = acked1 - acked0
+        return Steady(subscriptions, total_rate, delivered / (t1 - t0), 1e6 * (cpu1 - cpu0) / max(1, delivered),
+                      1000 * _percentile(latency, 0.5), 1000 * _percentile(latency, 0.99), rss / 2**20)
 
     def idle(self, count: int = 1000) -> tuple[float, float, float]:
         sink = self.sink()
@@ -346,37 +493,137 @@ def _metric(ps: psutil.Process, name: str) -> float:
     return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)
 
 
-async def run_bench(messages: int = 20000, concurrency: int = 64) -> int:
+SECTIONS = ("core", "concurrency", "subscriptions", "payload", "idle")
+KIB = 1024
+
+
+def _ratio_table(rows: list[tuple[Figures, Reference]]) -> str:
+    return table([{"case": f.name, "deliveries/s": f"{f.rate:,.0f}", "x ref rate": f"{f.rate / ref.rate:.2f}",
+                   "cpu us/msg": f"{f.cpu_us:.0f}", "ref cpu us/req": f"{ref.cpu_us:.0f}",
+                   "x ref cpu": f"{f.cpu_us / ref.cpu_us:.2f}", "p50 ms": f"{f.p50_ms:.1f}",
+                   "p99 ms": f"{f.p99_ms:.1f}", "redis cmd/msg": f"{f.redis_per_msg:.2f}",
+                   "round trips/msg": f"{f.round_trips_per_msg:.2f}", "peak rss MiB": f"{f.rss_mb:.0f}"}
+                  for f, ref in rows],
+                 ["case", "deliveries/s", "x ref rate", "cpu us/msg", "ref cpu us/req", "x ref cpu", "p50 ms",
+                  "p99 ms", "redis cmd/msg", "round trips/msg", "peak rss MiB"],
+                 right=("deliveries/s", "x ref rate", "cpu us/msg", "ref cpu us/req", "x ref cpu", "p50 ms",
+                        "p99 ms", "redis cmd/msg", "round trips/msg", "peak rss MiB"))
+
+
+def _wrapped_body(payload: bytes) -> bytes:
+    """The body `content: wrapped` sends for `payload` (built by the worker's own code)."""
+    sub = parse_subscription({"name": "bench", "topic": "persistent://p-bench/main/wrapped",
+                              "deliver": {"mode": "push", "push": {"url": "http://127.0.0.1/push"}}})
+    env = Envelope("1:2:-1:-1", payload, sub.topic, int(time.time() * 1000))
+    return build_request(sub, env, 1).body
+
+
+class Run:
+    """One `make bench`: each case compared with references measured just before and just after it
+    (this machine's speed drifts by tens of percent from minute to minute: shared cores)."""
+
+    def __init__(self, bench: Bench) -> None:
+        self.bench = bench
+        self.ref_sink = bench.sink()
+        self.shared: Figures | None = None
+
+    def against_reference(self, run_case: Any, body: bytes = PAYLOAD, messages: int | None = None,
+                          concurrency: int | None = None) -> tuple[Figures, Reference]:
+        before = self.bench.reference(self.ref_sink, body, messages, concurrency)
+        figures = run_case()
+        after = self.bench.reference(self.ref_sink, body, messages, concurrency)
+        return figures, Reference.around(before, after)
+
+    def core(self) -> None:
+        b = self.bench
+        rows = [self.against_reference(lambda: b.run_worker("shared", beside_bare=True)),
+                self.against_reference(lambda: b.run_worker("keyshared", "key-shared", 1000)),
+                self.against_reference(lambda: b.run_worker("failing10", "shared", fail_rate=0.10)),
+                self.against_reference(lambda: b.run_worker("shared-cluster", "shared", redis_mode="cluster"))]
+        print(f"core: {b.messages} messages of 1 KiB, concurrency {b.concurrency}; reference: a bare aiohttp POST "
+              "loop (one process, uvloop) to the same sink, measured before and after each case")
+        print(_ratio_table(rows))
+        shared, keyshared = rows[0][0], rows[1][0]
+        self.shared = shared
+        print(f"key-shared (1,000 keys) / shared: deliveries {keyshared.rate / shared.rate:.2f}x, "
+              f"cpu per message {keyshared.cpu_us / shared.cpu_us:.2f}x")
+        print(f"latency at {LATENCY_RATE:.0f} msg/s, publish to endpoint: worker p50 {shared.p50_ms:.1f} ms, "
+              f"p99 {shared.p99_ms:.1f} ms; a bare Pulsar consumer of the same stream p50 {shared.bare_p50_ms:.1f} ms, "
+              f"p99 {shared.bare_p99_ms:.1f} ms; p50 difference {shared.p50_ms - shared.bare_p50_ms:+.1f} ms\n")
+
+    def concurrency(self) -> None:
+        b = self.bench
+        rows = [self.against_reference(lambda c=c: b.run_worker(f"shared-c{c}", concurrency=c), concurrency=c)
+                for c in (16, 64, 256)]
+        print("concurrency (max_ack_pending and the reference's concurrency), shared, 1 KiB:")
+        print(_ratio_table(rows) + "\n")
+
+    def subscriptions(self, rate: float) -> None:
+        rows = [self.bench.steady(n, rate) for n in (1, 100, 1000)]
+        one = rows[0].cpu_us
+        single = self.shared.cpu_us if self.shared else float("nan")
+        print(f"subscriptions: one worker, {rate:,.0f} msg/s of 1 KiB offered in total, spread evenly over "
+              "the subscriptions (each its own topic and endpoint path); 10 s after a 3 s warm-up")
+        print(table([{"subscriptions": f"{s.subscriptions:,}", "msg/s each": f"{s.offered / s.subscriptions:,.1f}",
+                      "delivered/s": f"{s.rate:,.0f}", "cpu us/msg": f"{s.cpu_us:.0f}",
+                      "x 1 subscription": f"{s.cpu_us / one:.2f}", "x core shared": f"{s.cpu_us / single:.2f}",
+                      "p50 ms": f"{s.p50_ms:.1f}", "p99 ms": f"{s.p99_ms:.1f}", "rss MiB": f"{s.rss_mb:.0f}"}
+                     for s in rows],
+                    ["subscriptions", "msg/s each", "delivered/s", "cpu us/msg", "x 1 subscription", "x core shared",
+                     "p50 ms", "p99 ms", "rss MiB"],
+                    right=("subscriptions", "msg/s each", "delivered/s", "cpu us/msg", "x 1 subscription",
+                           "x core shared", "p50 ms", "p99 ms", "rss MiB")) + "\n")
+
+    def payload(self) -> None:
+        b = self.bench
+        base_rss = self.shared.rss_mb if self.shared else float("nan")
+        rows = []
+        # 1 MiB at concurrency 32: pulsar-lite sends a consumer at most about 20 MiB per flow request and
+        # drops the rest of its permits, so a receiver queue of 64 such messages (new permits after 32)
+        # stalls there; Apache Pulsar does not.
+        for size, messages, concurrency in ((64 * KIB, 2000, 64), (1024 * KIB, 300, 32)):
+            payload = os.urandom(size)
+            held = 2 * concurrency  # the window's messages and as many prefetched by the client
+            for content in ("raw", "wrapped"):
+                body = payload if content == "raw" else _wrapped_body(payload)
+                figures, ref = self.against_reference(
+                    lambda name=f"payload-{size // KIB}k-{content}", payload=payload, content=content,
+                    messages=messages, concurrency=concurrency: b.run_worker(
+                        name, payload=payload, content=content, messages=messages, concurrency=concurrency,
+                        latency=False), body, messages, concurrency)
+                mb = size / 2**20
+                rows.append({"payload": f"{size // KIB} KiB", "content": content, "body KiB": f"{len(body) / KIB:,.0f}",
+                             "concurrency": str(concurrency), "MB/s": f"{figures.rate * mb:,.1f}",
+                             "ref MB/s": f"{ref.rate * mb:,.1f}", "x ref": f"{figures.rate / ref.rate:.2f}",
+                             "cpu us/msg": f"{figures.cpu_us:,.0f}", "ref cpu us/req": f"{ref.cpu_us:,.0f}",
+                             "peak rss MiB": f"{figures.rss_mb:.0f}",
+                             "KiB per held msg": f"{(figures.rss_mb - base_rss) * 1024 / held:,.0f}"})
+        print("payload: MB/s of payload, the reference sending the same bodies at the same concurrency; memory per "
+              "held message: peak RSS above the 1 KiB shared case's, over twice the concurrency (the window's "
+              "messages and as many prefetched)")
+        columns = list(rows[0])
+        print(table(rows, columns, right=tuple(columns[2:])) + "\n")
+
+
+async def run_bench(messages: int = 20000, concurrency: int = 64, sections: tuple[str, ...] = SECTIONS,
+                    steady_rate: float = 1000.0) -> int:
     def work() -> int:
         bench = Bench(messages, concurrency)
         try:
-            print(f"push-worker bench: {messages} messages of 1 KiB, concurrency {concurrency}, "
-                  f"{os.cpu_count()} cores\n")
-            # This machine's speed drifts by tens of percent from minute to minute (shared cores), so
-            # each case is compared with the reference measured just before and just after it.
-            ref_sink = bench.sink()
-            references = [bench.reference(ref_sink)]
-            rows: list[tuple[Figures, float]] = []
-            for case in (("shared",), ("keyshared", "key-shared", 1000), ("failing10", "shared", 0, 0.10),
-                         ("shared-cluster", "shared", 0, 0.0, "cluster")):  # Redis Cluster, 3 masters
-                figures = bench.run_worker(*case)
-                references.append(bench.reference(ref_sink))
-                rows.append((figures, (references[-2] + references[-1]) / 2))
-            print("reference (bare aiohttp POST loop, one process, on uvloop): "
-                  + ", ".join(f"{r:,.0f}" for r in references) + " req/s, measured around each case")
-            print(f"latency: publish-to-ack on a steady {LATENCY_RATE:.0f} msg/s stream\n")
-            print(table([{"case": f.name, "deliveries/s": f"{f.rate:,.0f}", "reference": f"{reference:,.0f}",
-                          "x reference": f"{f.rate / reference:.2f}", "p50 ms": f"{f.p50_ms:.1f}",
-                          "p99 ms": f"{f.p99_ms:.1f}", "redis cmd/msg": f"{f.redis_per_msg:.2f}",
-                          "round trips/msg": f"{f.round_trips_per_msg:.2f}", "cpu s/1k msg": f"{f.cpu_s_per_1k:.3f}",
-                          "rss MiB": f"{f.rss_mb:.0f}"} for f, reference in rows],
-                        ["case", "deliveries/s", "reference", "x reference", "p50 ms", "p99 ms", "redis cmd/msg",
-                         "round trips/msg", "cpu s/1k msg", "rss MiB"],
-                        right=("deliveries/s", "reference", "x reference", "p50 ms", "p99 ms", "redis cmd/msg",
-                               "round trips/msg", "cpu s/1k msg", "rss MiB")))
-            ready, cpu, rss = bench.idle()
-            print(f"\nidle: 1000 push subscriptions ready in {ready:.1f}s; idle CPU {100 * cpu:.1f}% of a core; "
-                  f"RSS {rss:.0f} MiB")
+            print(f"push-worker bench: {', '.join(sections)}; {os.cpu_count()} cores\n")
+            run = Run(bench)
+            if "core" in sections:
+                run.core()
+            if "concurrency" in sections:
+                run.concurrency()
+            if "subscriptions" in sections:
+                run.subscriptions(steady_rate)
+            if "payload" in sections:
+                run.payload()
+            if "idle" in sections:
+                ready, cpu, rss = bench.idle()
+                print(f"idle: 1000 push subscriptions ready in {ready:.1f}s; idle CPU {100 * cpu:.1f}% of a core; "
+                      f"RSS {rss:.0f} MiB")
             return 0
         finally:
             bench.close()
@@ -387,5 +634,8 @@ async def run_bench(messages: int = 20000, concurrency: int = 64) -> int:
 if __name__ == "__main__":
     if sys.argv[1] == "sink":
         sink_main(int(sys.argv[2]), float(sys.argv[3]))
-    elif sys.argv[1] == "reference":
-        uvloop.run(reference_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))  # as the worker runs
+    elif sys.argv[1] == "reference":  # URL, messages, concurrency, a file holding the body
+        uvloop.run(reference_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),
+                                  Path(sys.argv[5]).read_bytes()))  # on uvloop, as the worker runs
+    elif sys.argv[1] == "bare-consumer":
+        bare_consumer_main(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
