@@ -238,6 +238,13 @@ def _wait(predicate: Any, timeout: float, what: str, poll: float = POLL_SECONDS)
     return time.monotonic() - started
 
 
+def _pace(started: float, sent: int, rate: float) -> None:
+    """Sleep until the `sent`th message of a stream of `rate` msg/s begun at `started` is due."""
+    ahead = sent / rate - (time.monotonic() - started)
+    if ahead > 0:
+        time.sleep(ahead)
+
+
 def _failed_into(failures: list[str]) -> Any:
     """A send callback that notes every failed publish."""
     def done(result: Any, _message_id: Any) -> None:
@@ -306,9 +313,7 @@ class Bench:
                 kwargs["partition_key"] = f"key-{i % keys}"
             producer.send_async(payload, _failed_into(failures), **kwargs)
             if rate:  # evenly spaced: a burst would measure queueing, not the path
-                ahead = i / rate - (time.monotonic() - started)
-                if ahead > 0:
-                    time.sleep(ahead)
+                _pace(started, i, rate)
         producer.flush()
         producer.close()
         if failures:
@@ -422,9 +427,7 @@ class Bench:
             while not stop.is_set():
                 producers[published % subscriptions].send_async(PAYLOAD, _failed_into(failures))
                 published += 1
-                ahead = published / total_rate - (time.monotonic() - started)
-                if ahead > 0:
-                    time.sleep(ahead)
+                _pace(started, published, total_rate)
 
         publisher = threading.Thread(target=publish, daemon=True)
         try:
