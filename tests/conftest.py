@@ -28,6 +28,7 @@ from worker import embedded
 from worker.config import HttpSettings, PulsarSettings, RedisSettings, Settings
 from worker.destinations import DestinationPolicy
 from worker.devtools import redis_topologies
+from worker.messages import format_message_id
 from worker.service import Worker
 from worker.subscriptions import RetryPolicy, Subscription
 
@@ -303,7 +304,7 @@ class Client:
             if key is not None:
                 kwargs["partition_key"] = key
             mid = producer.send(p, **kwargs)
-            ids.append(f"{mid.ledger_id()}:{mid.entry_id()}:{mid.partition()}:{mid.batch_index()}")
+            ids.append(format_message_id(mid))
         producer.close()
         return ids
 

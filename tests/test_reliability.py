@@ -25,6 +25,7 @@ from tests.conftest import Client, Endpoint
 from tests.helpers import eventually, http_get, spawn_worker
 from worker import embedded
 from worker.embedded import free_port, terminate
+from worker.messages import format_message_id
 
 
 def config_file(path: Path, broker_url: str | None, redis_url: str | None, topic: str, url: str,
@@ -75,14 +76,23 @@ async def test_kill_9_right_after_2xx_answers_never_repeats_an_attempt_number(
     config = config_file(tmp_path / "w.yaml", own_broker.url, redis_url, topic, endpoint.url + "?raw")
     publisher = Client(own_broker.url)
     published: list[str] = []
+    unconfirmed: list[int] = []  # sends that failed while pulsar-lite restarted: maybe stored, maybe not
     stop_publishing = threading.Event()
 
     def publish() -> None:
+        # One send at a time, each id kept as soon as it is confirmed: a send refused during a broker
+        # restart must neither lose the ids confirmed before it nor end the stream.
+        producer = publisher.client.create_producer(topic, batching_enabled=False)
         i = 0
         while not stop_publishing.is_set():
-            published.extend(publisher.publish(topic, [str(i).encode() for i in range(i, i + 10)]))
-            i += 10
-            time.sleep(0.05)
+            try:
+                published.append(format_message_id(producer.send(str(i).encode())))
+            except Exception:
+                unconfirmed.append(i)
+            i += 1
+            if i % 10 == 0:
+                time.sleep(0.05)
+        producer.close()
 
     feeder = threading.Thread(target=publish)
     feeder.start()
@@ -136,7 +146,8 @@ async def test_kill_9_right_after_2xx_answers_never_repeats_an_attempt_number(
     numbering = attempts_by_id(endpoint)
     went_back = {mid: n for mid, n in numbering.items() if n != sorted(set(n))}
     assert not went_back, f"attempt numbers repeated or went back: {dict(list(went_back.items())[:5])}"
-    assert set(numbering) == set(published)
+    assert set(published) <= set(numbering)
+    assert len(set(numbering) - set(published)) <= len(unconfirmed), "delivered ids nobody published"
     by_id = endpoint.by_id()
     resent = {mid for mid, rs in by_id.items() if any(r.acked for r in rs[:-1])}
     print(f"\n{len(published)} published over 5 kills; {len(resent)} sent again after an acked attempt "

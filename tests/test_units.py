@@ -6,6 +6,7 @@ import ipaddress
 import random
 from typing import Any
 
+import pulsar
 import pytest
 
 from worker.backoff import retry_delay
@@ -22,7 +23,7 @@ def sub(**kw) -> Subscription:
 
 
 def test_message_id_format():
-    assert format_message_id(12, 7, -1, -1) == "12:7:-1:-1"
+    assert format_message_id(pulsar.MessageId(-1, 12, 7, -1)) == "12:7:-1:-1"
 
 
 def test_rfc3339():

@@ -68,7 +68,7 @@ async def open_client(settings: PulsarSettings) -> AsyncIterator[pulsar_async.Cl
 
 def message_id_of(msg: pulsar.Message) -> str:
     mid = msg.message_id()
-    return format_message_id(mid.ledger_id(), mid.entry_id(), mid.partition(), mid.batch_index())
+    return format_message_id(mid)
 
 
 def to_envelope(msg: pulsar.Message) -> Envelope:

@@ -95,7 +95,7 @@ class DeliveryContext:
 def _raw_id(message: Any) -> str:
     try:
         mid = message.message_id()
-        return format_message_id(mid.ledger_id(), mid.entry_id(), mid.partition(), mid.batch_index())
+        return format_message_id(mid)
     except Exception:
         return f"unreadable-{id(message)}"
 

@@ -44,9 +44,10 @@ class PushRequest:
     omitted_attributes: int = 0
 
 
-def format_message_id(ledger: int, entry: int, partition: int, batch: int) -> str:
-    """`ledgerId:entryId:partition:batchIndex`, the id endpoints see; stable across redeliveries."""
-    return f"{ledger}:{entry}:{partition}:{batch}"
+def format_message_id(mid: Any) -> str:
+    """A Pulsar MessageId as `ledgerId:entryId:partition:batchIndex`, the id endpoints see; stable
+    across redeliveries."""
+    return f"{mid.ledger_id()}:{mid.entry_id()}:{mid.partition()}:{mid.batch_index()}"
 
 
 def rfc3339(ms: int) -> str:

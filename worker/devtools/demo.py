@@ -103,7 +103,7 @@ def _publish(url: str, messages: int) -> set[str]:
 
     def sent(result: pulsar.Result, mid: pulsar.MessageId) -> None:
         if result == pulsar.Result.Ok:
-            ids.add(format_message_id(mid.ledger_id(), mid.entry_id(), mid.partition(), mid.batch_index()))
+            ids.add(format_message_id(mid))
 
     try:
         # Subscribe to the dead-letter topic first so nothing parked there is missed.

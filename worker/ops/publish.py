@@ -18,6 +18,6 @@ def publish(url: str, topic: str, data: bytes, attributes: dict[str, str], key: 
         if key is not None:
             kwargs["partition_key"] = key
         mid = producer.send(data, **kwargs)
-        return format_message_id(mid.ledger_id(), mid.entry_id(), mid.partition(), mid.batch_index())
+        return format_message_id(mid)
     finally:
         client.close()
