@@ -120,6 +120,7 @@ class PulsarConsumer:
         # it is asked only after a message was found waiting. A subscription of a few messages a
         # second then never asks in vain; a busy one drains its queue in bursts.
         self._maybe_more = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def fast_path(self) -> bool:
@@ -128,7 +129,9 @@ class PulsarConsumer:
     async def receive(self) -> Any:
         if self._raw is None:
             return await self._consumer.receive()
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()  # kept: a lookup is a getpid() on Python 3.11
         future: asyncio.Future[Any] = loop.create_future()
         self._raw.receive_async(functools.partial(_received, loop, future, threading.get_ident()))
         self._maybe_more = future.done()  # completed during the call: the message was waiting

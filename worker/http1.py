@@ -54,6 +54,7 @@ class _Connection(asyncio.Protocol):
     parser owns HTTP (framing, chunk sizes, conflicting lengths, obs-fold: all refused by llhttp)."""
 
     def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()  # kept: a lookup is a getpid() system call on Python 3.11
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.expired = False
@@ -111,7 +112,7 @@ class _Connection(asyncio.Protocol):
             self._waiter.set_result(None)
 
     async def _wait(self) -> None:
-        self._waiter = asyncio.get_running_loop().create_future()
+        self._waiter = self.loop.create_future()
         try:
             await self._waiter
         finally:
@@ -252,6 +253,7 @@ class Client:
         self.ssl_context = ssl_context or ssl.create_default_context()
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
         self._dns: dict[tuple[str, int], tuple[float, list[str]]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def post(self, url: URL, headers: dict[str, str], body: bytes, cap: int,
                    deadline: float | None = None) -> Answer:
@@ -261,7 +263,9 @@ class Client:
         is dropped. Raises ProtocolError, OSError (connect, TLS and resolver refusals) or HeaderRefused."""
         head = _head(url, headers, len(body), self.user_agent)
         endpoint = (url.scheme, url.raw_host or "", url.port or 0)
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()  # kept: a lookup is a getpid() on Python 3.11
         expires = None if deadline is None else loop.time() + deadline
         conn = self._idle_connection(endpoint)
         if conn is None:
