@@ -18,7 +18,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from worker.devtools.bench import SECTIONS, run_bench
 
     return run_loop(run_bench(messages=args.messages, concurrency=args.concurrency,
-                              sections=tuple(args.section or SECTIONS), steady_rate=args.steady_rate))
+                              sections=tuple(args.section or SECTIONS), steady_rate=args.steady_rate,
+                              rounds=args.rounds))
 
 
 def _cmd_bench_fleet(args: argparse.Namespace) -> int:
@@ -47,6 +48,9 @@ def register(cmds: Any) -> None:
     p.add_argument("--concurrency", type=positive_int, default=64, help="requests at once (default 64)")
     p.add_argument("--section", action="append", choices=("core", "concurrency", "subscriptions", "payload", "idle"),
                    help="run only this section (repeatable; default: all)")
+    p.add_argument("--rounds", type=positive_int, default=3,
+                   help="runs of the shared case, each between references of its own; the median is "
+                        "reported (default 3: one run's ratio varies by tens of percent on a shared machine)")
     p.add_argument("--steady-rate", type=positive_number, default=1000.0,
                    help="msg/s offered in total in the subscriptions section (default 1000: what this "
                         "project's 2-core machine sustains with broker, Redis, sink and publisher beside the worker)")
