@@ -526,7 +526,7 @@ class Run:
     """One `make bench`: each case compared with references measured just before and just after it
     (this machine's speed drifts by tens of percent from minute to minute: shared cores)."""
 
-    def __init__(self, bench: Bench, rounds: int = 1) -> None:
+    def __init__(self, bench: Bench, rounds: int) -> None:
         self.bench = bench
         self.rounds = rounds
         self.ref_sink = bench.sink()
@@ -547,7 +547,8 @@ class Run:
         rounds = [self.against_reference(lambda r=r: b.run_worker(f"shared-{r + 1}", beside_bare=True))
                   for r in range(self.rounds)]
         ratios = [f.cpu_us / ref.cpu_us for f, ref in rounds]
-        median, median_ref = rounds[sorted(range(len(rounds)), key=ratios.__getitem__)[(len(rounds) - 1) // 2]]
+        # median_low: with an even count the printed median is the round the table shows, not an average
+        median, median_ref = rounds[ratios.index(statistics.median_low(ratios))]
         rows = [(replace(median, name="shared"), median_ref),
                 self.against_reference(lambda: b.run_worker("keyshared", "key-shared", 1000)),
                 self.against_reference(lambda: b.run_worker("failing10", "shared", fail_rate=0.10)),
@@ -559,7 +560,7 @@ class Run:
         self.shared = shared
         if len(rounds) > 1:
             print(f"shared, {len(rounds)} rounds (the table shows the median round): x ref cpu "
-                  f"{', '.join(f'{x:.2f}' for x in ratios)}; median {statistics.median(ratios):.2f}")
+                  f"{', '.join(f'{x:.2f}' for x in ratios)}; median {statistics.median_low(ratios):.2f}")
         print(f"key-shared (1,000 keys) / shared: deliveries {keyshared.rate / shared.rate:.2f}x, "
               f"cpu per message {keyshared.cpu_us / shared.cpu_us:.2f}x")
         differences = [f.p50_ms - f.bare_p50_ms for f, _ in rounds]
@@ -597,8 +598,9 @@ class Run:
         rows = []
         # 1 MiB at concurrency 16: pulsar-lite sends a consumer at most about 20 MiB per flow request and
         # drops the rest of its permits, so a receiver queue of 64 such messages (new permits after 32)
-        # stalls there, and one of 32 stalled in at least 4 of 26 runs (the broker's own metrics: all it
-        # had sent acked, a backlog left, nothing sent). 16 MiB stays under it. Apache Pulsar does not.
+        # stalls there, and one of 32 stalled in at least 4 of 26 runs (the worker holding nothing; in the
+        # one stall whose broker metrics were read, all it had sent acked and a backlog left). 16 MiB stays
+        # under it. Apache Pulsar does not.
         for size, messages, concurrency in ((64 * KIB, 2000, 64), (1024 * KIB, 300, 16)):
             payload = os.urandom(size)
             held = 2 * concurrency  # the window's messages and as many prefetched by the client
