@@ -14,7 +14,9 @@ from aiohttp import web
 
 from tests.conftest import Client, Endpoint, make_sub
 from tests.helpers import cli, eventually, push_sub, worker_yaml
+from worker import keys
 from worker.config import FleetSettings, PulsarSettings
+from worker.fleet import leases, lifecycle
 from worker.fleet.registry import Registry
 from worker.subscriptions import RetryPolicy
 
@@ -319,3 +321,93 @@ async def test_queue_history_discard_and_purge(start_worker, endpoint: Endpoint,
     await eventually(lambda: time.monotonic() > settle, what="settle")
     assert not set(backlog) & {r.headers["Pubsub-Message-Id"] for r in endpoint.requests[purged_at:]}
     assert len(endpoint.by_id()[retry_me]) == attempts_at_discard  # discarded: never tried again
+
+
+async def test_a_fleet_round_during_a_purge_starts_no_consumer_before_the_cursor_moved(
+        start_worker, endpoint: Endpoint, client: Client, topic, redis_url, broker, tmp_path, monkeypatch):
+    failing = True
+    endpoint.behaviour = lambda rec: web.Response(status=500 if failing else 204)
+    config, settings = worker_yaml(tmp_path, broker.url, redis_url, push_sub(
+        "purge-race", topic, endpoint.url, max_deliver=-1,
+        retry={"min_backoff_seconds": 0.2, "max_backoff_seconds": 0.2}))
+    [sub] = settings.subscriptions
+    w = await start_worker(sub)
+    backlog = client.publish(topic, [b"backlog-%d" % i for i in range(5)])
+    await eventually(lambda: all(len(endpoint.by_id().get(m, [])) >= 2 for m in backlog), what="backlog retrying")
+
+    seek_with_own_consumer = lifecycle.seek_with_own_consumer
+    served_while_seeking: list[bool] = []
+
+    async def seek_after_a_fleet_round(pulsar_client, seek_sub, target):
+        # The fleet's rounds come on a timer of their own, so at any moment of a seek: here, right
+        # before the cursor moves (the round once started a consumer there, which kept the backlog).
+        assert w.fleet is not None
+        await w.fleet.tick()
+        served_while_seeking.append(await w.started(sub.key) is not None)
+        await seek_with_own_consumer(pulsar_client, seek_sub, target)
+
+    monkeypatch.setattr(lifecycle, "seek_with_own_consumer", seek_after_a_fleet_round)
+    code, out, err = await cli("purge", sub.name, "--yes", "--config", config)
+    assert code == 0 and "purged" in out, err
+    assert served_while_seeking == [False]
+    purged_at = len(endpoint.requests)
+    failing = False
+    [after] = client.publish(topic, [b"after"])
+    await eventually(lambda: after in endpoint.by_id(), what="a message after the purge delivered")
+    settle = time.monotonic() + 1.0  # five retry periods: a backlog message not purged would show up
+    await eventually(lambda: time.monotonic() > settle, what="settle")
+    assert not set(backlog) & {r.headers["Pubsub-Message-Id"] for r in endpoint.requests[purged_at:]}
+
+async def test_a_command_seeking_alone_holds_the_lease_so_no_worker_starts_meanwhile(redis_url):
+    client = aioredis.Redis.from_url(redis_url)
+    lease = keys.lease_key("p-test/alone")
+    try:
+        async with leases.hold(client, "p-test/alone", "seek-command-1", ttl_seconds=0.3) as held:
+            assert held
+            until = time.monotonic() + 1.0  # over three times the lease's time to live: it is renewed
+            while time.monotonic() < until:
+                assert await client.eval(leases.ACQUIRE, 1, lease, "w1", 10_000) == 0  # what a worker runs
+                await asyncio.sleep(0.05)
+            async with leases.hold(client, "p-test/alone", "seek-command-2", ttl_seconds=1) as second:
+                assert not second
+            assert await client.get(lease) == b"seek-command-1"
+        assert await client.get(lease) is None  # released at once, not left to expire
+    finally:
+        await client.aclose()
+
+async def test_purge_and_seek_move_every_partition_of_a_partitioned_topic(
+        partitioned_broker, redis_url, start_worker, endpoint: Endpoint, partitioned_topic, tmp_path):
+    topic = partitioned_topic
+    failing = True
+    endpoint.behaviour = lambda rec: web.Response(status=500 if failing else 204)
+    config, settings = worker_yaml(tmp_path, partitioned_broker.url, redis_url, push_sub(
+        "purge-parts", topic, endpoint.url, max_deliver=-1,
+        retry={"min_backoff_seconds": 0.2, "max_backoff_seconds": 0.2}))
+    [sub] = settings.subscriptions
+    await start_worker(sub, broker_url=partitioned_broker.url)
+    client = Client(partitioned_broker.url)
+    try:
+        old = [mid for i in range(9) for mid in client.publish(topic, [b"old-%d" % i], key=f"k{i}")]
+        assert {mid.split(":")[2] for mid in old} == {"0", "1", "2"}  # every partition has some
+        await eventually(lambda: all(len(endpoint.by_id().get(m, [])) >= 2 for m in old), what="all retrying")
+        code, out, err = await cli("purge", sub.name, "--yes", "--config", config)
+        assert code == 0 and "purged" in out, err
+        purged_at = len(endpoint.requests)
+        failing = False
+        after = [mid for i in range(9) for mid in client.publish(topic, [b"after-%d" % i], key=f"k{i}")]
+        await eventually(lambda: set(after) <= set(endpoint.by_id()), what="messages after the purge delivered")
+        settle = time.monotonic() + 1.0  # five retry periods: a message not purged would show up
+        await eventually(lambda: time.monotonic() > settle, what="settle")
+        assert not set(old) & {r.headers["Pubsub-Message-Id"] for r in endpoint.requests[purged_at:]}
+
+        # Paused, the command seeks with consumers of its own: every partition goes back to the start.
+        assert (await cli("subs", "pause", sub.name, "--config", config))[0] == 0
+        before = len(endpoint.requests)
+        code, out, err = await cli("subs", "seek", sub.name, "--to-earliest", "--config", config)
+        assert code == 0 and "this command" in out, err
+        assert (await cli("subs", "resume", sub.name, "--config", config))[0] == 0
+        await eventually(lambda: set(old + after) <= {r.headers["Pubsub-Message-Id"]
+                                                      for r in endpoint.requests[before:] if r.acked},
+                         what="everything again from the earliest, on every partition")
+    finally:
+        client.client.close()

@@ -84,6 +84,7 @@ class Worker:
         self.dispatchers: dict[str, Dispatcher] = {}
         self._starting: dict[str, asyncio.Task[None]] = {}
         self._starting_subs: dict[str, Subscription] = {}
+        self._seeking: set[str] = set()  # served, with no consumer of ours while the cursor moves
         self._orphans: set[asyncio.Future[None]] = set()
         self._services: list[embedded.Service] = []
         self._stack = contextlib.AsyncExitStack()  # what start() started, released in reverse by close()
@@ -206,7 +207,7 @@ class Worker:
 
     def add(self, sub: Subscription, may_deliver: Callable[[], bool] | None = None) -> None:
         """Start serving a subscription (subscribing retries until the broker answers)."""
-        if sub.key in self.dispatchers or sub.key in self._starting or self.stopping:
+        if sub.key in self.dispatchers or sub.key in self._starting or sub.key in self._seeking or self.stopping:
             return
         task = asyncio.create_task(self._subscribe_and_run(sub, may_deliver), name=f"subscribe {sub.key}")
         self._starting[sub.key] = task
@@ -252,13 +253,18 @@ class Worker:
         if dispatcher is None:
             raise PushWorkerError("the subscription is not being served here")
         sub, may_deliver = dispatcher.sub, dispatcher.may_deliver
-        await self.remove(key, grace=0)
-        self.metrics.set_state(sub.tenant, sub.name, State.SEEKING)
+        # Still served while it has no dispatcher: a fleet round must not start one now. A consumer
+        # attached before the cursor moves keeps the messages it took, and would deliver them after
+        # the seek with their counts forgotten (seen: a purged message delivered again, attempt 1).
+        self._seeking.add(key)
         try:
+            await self.remove(key, grace=0)
+            self.metrics.set_state(sub.tenant, sub.name, State.SEEKING)
             await lifecycle.seek_with_own_consumer(self.pulsar, sub, target)
             assert self.redis is not None
             return await lifecycle.forget_attempts(self.redis, key)
         finally:
+            self._seeking.discard(key)
             self.add(sub, may_deliver)
 
     async def started(self, key: str) -> Dispatcher | None:
@@ -275,8 +281,8 @@ class Worker:
 
     @property
     def serving(self) -> set[str]:
-        """Keys with a dispatcher or a subscribe under way."""
-        return set(self.dispatchers) | set(self._starting)
+        """Keys with a dispatcher, a subscribe or a seek under way."""
+        return set(self.dispatchers) | set(self._starting) | self._seeking
 
     def _close_orphan(self, subscribing: asyncio.Future[Any]) -> None:
         if subscribing.cancelled() or subscribing.exception() is not None:

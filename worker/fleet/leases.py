@@ -9,9 +9,15 @@ else can start.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+from worker import keys
+from worker.errors import InfrastructureError
 
 RENEW = """
 local holder = redis.pcall('GET', KEYS[1])
@@ -73,3 +79,39 @@ class Lease:
         """Renew once less than half the lease is left: every ~ttl/3 instead of every heartbeat
         (with a thousand subscriptions, renewing each second was most of an idle worker's CPU)."""
         return self.valid_until - now < self.ttl / 2
+
+
+class LeaseLost(InfrastructureError):
+    """A lease held with `hold` could not be renewed in time."""
+
+
+@contextlib.asynccontextmanager
+async def hold(client: Any, sub_key: str, holder: str, ttl_seconds: float) -> AsyncIterator[bool]:
+    """Hold a subscription's lease as `holder` for the duration of the block, as a worker would
+    (renewed every third of `ttl_seconds`), so no worker starts serving it meanwhile. Yields False,
+    holding nothing, when someone holds it already; raises LeaseLost at the end of the block when a
+    renewal failed."""
+    lease, ttl_ms = keys.lease_key(sub_key), int(ttl_seconds * 1000)
+    if await client.eval(ACQUIRE, 1, lease, holder, ttl_ms) != 1:
+        yield False
+        return
+
+    async def renew() -> None:
+        while True:
+            if await client.eval(RENEW, 1, lease, holder, ttl_ms) != 1:
+                return
+            await asyncio.sleep(ttl_seconds / 3)
+
+    renewing = asyncio.create_task(renew(), name=f"hold {sub_key}")
+    try:
+        yield True
+    finally:
+        lost = renewing.done()  # it ends on its own only when a renewal failed
+        renewing.cancel()
+        await asyncio.gather(renewing, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await client.eval(RELEASE, 1, lease, holder)
+    if lost:
+        raise LeaseLost(f"{sub_key}: the lease this command held could not be renewed, so a worker may have "
+                        "started on the subscription meanwhile; run the command again")
+

@@ -33,7 +33,7 @@ from worker.config import (
 )
 from worker.embedded import recorded_endpoints
 from worker.errors import ConfigError, NotFound, PushWorkerError
-from worker.fleet import lifecycle
+from worker.fleet import leases, lifecycle
 from worker.fleet.lifecycle import SeekTarget
 from worker.fleet.registry import Registry, clear_state, safe_text
 from worker.messages import rfc3339
@@ -147,6 +147,7 @@ class Admin:
         self.client = target.redis("subs")
         self.registry = Registry(self.client, target.fleet)
         self.static = {s.key: s for s in target.settings.subscriptions}
+        self.lease_seconds = target.settings.fleet.lease_seconds
 
     async def existing(self, name: str) -> str:
         """The key of a subscription in the registry, the given config, or served by a worker (a
@@ -184,8 +185,17 @@ class Admin:
         key = await self.existing(name)
         await self.registry.refuse_if_expired(key, "seek")
         request_id = uuid.uuid4().hex
-        owner = await self.client.get(keys.lease_key(key))
-        if owner:
+        result: dict[str, Any] | None = None
+        if not await self.client.get(keys.lease_key(key)):
+            # The command holds the lease while it seeks: a worker starting meanwhile would attach a
+            # consumer before the cursor moved and deliver what it took from the old position.
+            async with leases.hold(self.client, key, f"seek-command-{request_id[:8]}", self.lease_seconds) as held:
+                if held:
+                    await self._seek_directly(await self.definition(name), target, pulsar)
+                    result = {"status": "done", "worker": "this command (no worker serves it)",
+                              "forgotten_attempts": await lifecycle.forget_attempts(self.client, key)}
+        if result is None:  # a worker serves it (or took it on just now): it seeks
+            owner = await self.client.get(keys.lease_key(key)) or b"unknown"
             await lifecycle.request_seek(self.client, self.registry.channel, key, target, request_id)
             deadline = time.monotonic() + wait
             while (result := await lifecycle.seek_result(self.client, key, request_id)) is None:
@@ -193,11 +203,6 @@ class Admin:
                     raise PushWorkerError(f"{key}: worker {safe_text(owner)} did not answer the seek within "
                                           f"{wait:g}s (the request stays for {lifecycle.SEEK_TTL_SECONDS}s)")
                 await asyncio.sleep(0.2)
-        else:
-            sub = await self.definition(name)
-            await self._seek_directly(sub, target, pulsar)
-            result = {"status": "done", "worker": "this command (no worker serves it)",
-                      "forgotten_attempts": await lifecycle.forget_attempts(self.client, key)}
         if result.get("status") != "done":
             tries = result.get("tries", 1)
             raise PushWorkerError(f"{key}: the seek failed on worker {result.get('worker')} after {tries} tries: "
