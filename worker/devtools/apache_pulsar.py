@@ -261,14 +261,17 @@ def start(state_dir: Path, port: int | None = None, http_port: int | None = None
     lib = ensure_resolved()
     state_dir = state_dir.absolute()
     shutil.rmtree(state_dir / "data", ignore_errors=True)
-    state_dir.mkdir(parents=True, exist_ok=True)
+    # The JVM's temporary files (RocksDB unpacks a 13 MB library there at every start) go with the
+    # data: /tmp would keep one per start, a kill leaves them behind.
+    tmp = state_dir / "data" / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
     port, http_port = port or free_port(), http_port or free_port()
     conf = state_dir / "standalone.conf"
     conf.write_text(CONFIG.format(cluster=CLUSTER, port=port, http_port=http_port))
     level = log_level or os.environ.get("APACHE_PULSAR_LOG_LEVEL", "warn")
     (state_dir / "log4j2.yaml").write_text(LOG4J.replace("{level}", level))
     argv = [java_binary(), *MEMORY, "-cp", f"{state_dir}:{lib}/*",
-            "-Dlog4j.configurationFile=log4j2.yaml", *JVM_OPTIONS,
+            "-Dlog4j.configurationFile=log4j2.yaml", f"-Djava.io.tmpdir={tmp}", *JVM_OPTIONS,
             "org.apache.pulsar.PulsarStandaloneStarter", "-c", str(conf), "-nfw", "-nss", "-a", "127.0.0.1",
             "--metadata-dir", str(state_dir / "data" / "metadata"),
             "--bookkeeper-dir", str(state_dir / "data" / "bookkeeper")]
