@@ -18,7 +18,7 @@ from worker import keys
 from worker.config import FleetSettings, PulsarSettings
 from worker.fleet import leases, lifecycle
 from worker.fleet.registry import Registry
-from worker.subscriptions import RetryPolicy
+from worker.subscriptions import RetryPolicy, Subscription
 
 
 async def test_max_deliver_minus_one_retries_forever(start_worker, endpoint: Endpoint, client: Client, topic):
@@ -315,22 +315,39 @@ async def test_queue_history_discard_and_purge(start_worker, endpoint: Endpoint,
     assert code == 0 and "purged" in out, err
     purged_at = len(endpoint.requests)
     mode["all_fail"] = False
+    await only_new_messages_come(client, topic, endpoint, backlog, since=purged_at)
+    assert len(endpoint.by_id()[retry_me]) == attempts_at_discard  # discarded: never tried again
+
+
+async def only_new_messages_come(client: Client, topic: str, endpoint: Endpoint, purged: list[str], since: int) -> None:
+    """After a purge: a message published now is delivered, and none of `purged` is (within a second,
+    several retry periods: one not purged would show up)."""
     [after] = client.publish(topic, [b"after"])
     await eventually(lambda: after in endpoint.by_id(), what="a message after the purge delivered")
-    settle = time.monotonic() + 1.0  # two retry periods: a backlog message not purged would show up
+    settle = time.monotonic() + 1.0
     await eventually(lambda: time.monotonic() > settle, what="settle")
-    assert not set(backlog) & {r.headers["Pubsub-Message-Id"] for r in endpoint.requests[purged_at:]}
-    assert len(endpoint.by_id()[retry_me]) == attempts_at_discard  # discarded: never tried again
+    assert not set(purged) & {r.headers["Pubsub-Message-Id"] for r in endpoint.requests[since:]}
+
+def failing_until_told(endpoint: Endpoint) -> dict[str, bool]:
+    """The endpoint answers 500 until `switch["failing"]` is set False, then 204."""
+    switch = {"failing": True}
+    endpoint.behaviour = lambda rec: web.Response(status=500 if switch["failing"] else 204)
+    return switch
+
+
+def retrying_without_end(tmp_path, broker_url: str, redis_url: str, name: str, topic: str,
+                         endpoint: Endpoint) -> tuple[str, Subscription]:
+    """A config file with one subscription retrying every 0.2 s without a limit, and that subscription."""
+    config, settings = worker_yaml(tmp_path, broker_url, redis_url, push_sub(
+        name, topic, endpoint.url, max_deliver=-1, retry={"min_backoff_seconds": 0.2, "max_backoff_seconds": 0.2}))
+    [sub] = settings.subscriptions
+    return config, sub
 
 
 async def test_a_fleet_round_during_a_purge_starts_no_consumer_before_the_cursor_moved(
         start_worker, endpoint: Endpoint, client: Client, topic, redis_url, broker, tmp_path, monkeypatch):
-    failing = True
-    endpoint.behaviour = lambda rec: web.Response(status=500 if failing else 204)
-    config, settings = worker_yaml(tmp_path, broker.url, redis_url, push_sub(
-        "purge-race", topic, endpoint.url, max_deliver=-1,
-        retry={"min_backoff_seconds": 0.2, "max_backoff_seconds": 0.2}))
-    [sub] = settings.subscriptions
+    switch = failing_until_told(endpoint)
+    config, sub = retrying_without_end(tmp_path, broker.url, redis_url, "purge-race", topic, endpoint)
     w = await start_worker(sub)
     backlog = client.publish(topic, [b"backlog-%d" % i for i in range(5)])
     await eventually(lambda: all(len(endpoint.by_id().get(m, [])) >= 2 for m in backlog), what="backlog retrying")
@@ -351,12 +368,8 @@ async def test_a_fleet_round_during_a_purge_starts_no_consumer_before_the_cursor
     assert code == 0 and "purged" in out, err
     assert served_while_seeking == [False]
     purged_at = len(endpoint.requests)
-    failing = False
-    [after] = client.publish(topic, [b"after"])
-    await eventually(lambda: after in endpoint.by_id(), what="a message after the purge delivered")
-    settle = time.monotonic() + 1.0  # five retry periods: a backlog message not purged would show up
-    await eventually(lambda: time.monotonic() > settle, what="settle")
-    assert not set(backlog) & {r.headers["Pubsub-Message-Id"] for r in endpoint.requests[purged_at:]}
+    switch["failing"] = False
+    await only_new_messages_come(client, topic, endpoint, backlog, since=purged_at)
 
 async def test_a_command_seeking_alone_holds_the_lease_so_no_worker_starts_meanwhile(redis_url):
     client = aioredis.Redis.from_url(redis_url)
@@ -375,15 +388,12 @@ async def test_a_command_seeking_alone_holds_the_lease_so_no_worker_starts_meanw
     finally:
         await client.aclose()
 
+
 async def test_purge_and_seek_move_every_partition_of_a_partitioned_topic(
         partitioned_broker, redis_url, start_worker, endpoint: Endpoint, partitioned_topic, tmp_path):
     topic = partitioned_topic
-    failing = True
-    endpoint.behaviour = lambda rec: web.Response(status=500 if failing else 204)
-    config, settings = worker_yaml(tmp_path, partitioned_broker.url, redis_url, push_sub(
-        "purge-parts", topic, endpoint.url, max_deliver=-1,
-        retry={"min_backoff_seconds": 0.2, "max_backoff_seconds": 0.2}))
-    [sub] = settings.subscriptions
+    switch = failing_until_told(endpoint)
+    config, sub = retrying_without_end(tmp_path, partitioned_broker.url, redis_url, "purge-parts", topic, endpoint)
     await start_worker(sub, broker_url=partitioned_broker.url)
     client = Client(partitioned_broker.url)
     try:
@@ -393,7 +403,7 @@ async def test_purge_and_seek_move_every_partition_of_a_partitioned_topic(
         code, out, err = await cli("purge", sub.name, "--yes", "--config", config)
         assert code == 0 and "purged" in out, err
         purged_at = len(endpoint.requests)
-        failing = False
+        switch["failing"] = False
         after = [mid for i in range(9) for mid in client.publish(topic, [b"after-%d" % i], key=f"k{i}")]
         await eventually(lambda: set(after) <= set(endpoint.by_id()), what="messages after the purge delivered")
         settle = time.monotonic() + 1.0  # five retry periods: a message not purged would show up
