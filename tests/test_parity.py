@@ -17,6 +17,7 @@ from tests.helpers import cli, eventually, push_sub, worker_yaml
 from worker import keys
 from worker.config import FleetSettings, PulsarSettings
 from worker.fleet import leases, lifecycle
+from worker.fleet.lifecycle import SeekTarget
 from worker.fleet.registry import Registry
 from worker.subscriptions import RetryPolicy, Subscription
 
@@ -370,6 +371,21 @@ async def test_a_fleet_round_during_a_purge_starts_no_consumer_before_the_cursor
     purged_at = len(endpoint.requests)
     switch["failing"] = False
     await only_new_messages_come(client, topic, endpoint, backlog, since=purged_at)
+
+async def test_a_subscription_paused_during_its_seek_is_not_served_when_the_seek_ends(
+        start_worker, endpoint: Endpoint, topic, redis_url, broker, tmp_path, monkeypatch):
+    config, sub = retrying_without_end(tmp_path, broker.url, redis_url, "pause-mid-seek", topic, endpoint)
+    w = await start_worker(sub)
+    seek_with_own_consumer = lifecycle.seek_with_own_consumer
+
+    async def seek_while_an_operator_pauses(pulsar_client, seek_sub, target):
+        code, _, err = await cli("subs", "pause", sub.name, "--config", config)  # returns once the lease is released
+        assert code == 0, err
+        await seek_with_own_consumer(pulsar_client, seek_sub, target)
+
+    monkeypatch.setattr(lifecycle, "seek_with_own_consumer", seek_while_an_operator_pauses)
+    await w.seek(sub.key, SeekTarget("latest"))  # what the owner runs for `subs seek` and `purge`
+    assert sub.key not in w.serving  # it ran on after the pause until a fleet round stopped it
 
 async def test_a_command_seeking_alone_holds_the_lease_so_no_worker_starts_meanwhile(redis_url):
     client = aioredis.Redis.from_url(redis_url)

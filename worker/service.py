@@ -258,14 +258,15 @@ class Worker:
         # the seek with their counts forgotten (seen: a purged message delivered again, attempt 1).
         self._seeking.add(key)
         try:
-            await self.remove(key, grace=0)
+            await self._stop_serving(key, grace=0)
             self.metrics.set_state(sub.tenant, sub.name, State.SEEKING)
             await lifecycle.seek_with_own_consumer(self.pulsar, sub, target)
             assert self.redis is not None
             return await lifecycle.forget_attempts(self.redis, key)
         finally:
-            self._seeking.discard(key)
-            self.add(sub, may_deliver)
+            if key in self._seeking:  # else stopped meanwhile (handed over, deleted, lease lost): stays so
+                self._seeking.discard(key)
+                self.add(sub, may_deliver)
 
     async def started(self, key: str) -> Dispatcher | None:
         """The subscription's dispatcher, once a subscribe under way has ended (None if it failed)."""
@@ -317,6 +318,10 @@ class Worker:
     async def remove(self, key: str, grace: float | None = None, unsubscribe: bool = False) -> None:
         """Stop serving a subscription; its unsettled messages go back to the broker (or, with
         `unsubscribe`, the broker subscription and its backlog are deleted)."""
+        self._seeking.discard(key)  # a seek under way does not serve it again when it ends
+        await self._stop_serving(key, grace, unsubscribe)
+
+    async def _stop_serving(self, key: str, grace: float | None = None, unsubscribe: bool = False) -> None:
         starting = self._starting.pop(key, None)
         if starting is not None:
             starting.cancel()
