@@ -114,4 +114,3 @@ async def hold(client: Any, sub_key: str, holder: str, ttl_seconds: float) -> As
     if lost:
         raise LeaseLost(f"{sub_key}: the lease this command held could not be renewed, so a worker may have "
                         "started on the subscription meanwhile; run the command again")
-
