@@ -19,6 +19,7 @@ from worker.config import FleetSettings, PulsarSettings
 from worker.fleet import leases, lifecycle
 from worker.fleet.lifecycle import SeekTarget
 from worker.fleet.registry import Registry
+from worker.ops.admin import SEEK_COMMAND
 from worker.subscriptions import RetryPolicy, Subscription
 
 
@@ -404,6 +405,21 @@ async def test_a_command_seeking_alone_holds_the_lease_so_no_worker_starts_meanw
     finally:
         await client.aclose()
 
+
+async def test_a_seek_command_waits_for_another_one_instead_of_asking_it_as_a_worker(
+        endpoint: Endpoint, topic, redis_url, broker, tmp_path):
+    config, sub = retrying_without_end(tmp_path, broker.url, redis_url, "two-seeks", topic, endpoint)
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        async with leases.hold(client, sub.key, SEEK_COMMAND + "first", ttl_seconds=10):
+            second = asyncio.ensure_future(cli("subs", "seek", sub.name, "--to-latest", "--config", config))
+            settle = time.monotonic() + 1.0
+            await eventually(lambda: time.monotonic() > settle, what="settle")
+            assert not second.done() and not await client.exists(keys.seek_key(sub.key))  # no request to a "worker"
+        code, out, err = await second
+        assert code == 0 and "this command" in out, err
+    finally:
+        await client.aclose()
 
 async def test_purge_and_seek_move_every_partition_of_a_partitioned_topic(
         partitioned_broker, redis_url, start_worker, endpoint: Endpoint, partitioned_topic, tmp_path):

@@ -140,6 +140,9 @@ def _status(entry: dict[str, Any]) -> str:
     return str(entry.get("status", entry.get("topic", "")))
 
 
+SEEK_COMMAND = "seek-command-"  # how a lease held by a seek or purge command (not a worker) starts
+
+
 class Admin:
     """The `subs` and `show` commands; each returns the text to print."""
 
@@ -185,23 +188,25 @@ class Admin:
         key = await self.existing(name)
         await self.registry.refuse_if_expired(key, "seek")
         request_id = uuid.uuid4().hex
+        deadline = time.monotonic() + wait
         result: dict[str, Any] | None = None
-        if not await self.client.get(keys.lease_key(key)):
-            # The command holds the lease while it seeks: a worker starting meanwhile would attach a
-            # consumer before the cursor moved and deliver what it took from the old position.
-            async with leases.hold(self.client, key, f"seek-command-{request_id[:8]}", self.lease_seconds) as held:
-                if held:
-                    await self._seek_directly(await self.definition(name), target, pulsar)
-                    result = {"status": "done", "worker": "this command (no worker serves it)",
-                              "forgotten_attempts": await lifecycle.forget_attempts(self.client, key)}
-        if result is None:  # a worker serves it (or took it on just now): it seeks
-            owner = await self.client.get(keys.lease_key(key)) or b"unknown"
-            await lifecycle.request_seek(self.client, self.registry.channel, key, target, request_id)
-            deadline = time.monotonic() + wait
-            while (result := await lifecycle.seek_result(self.client, key, request_id)) is None:
-                if time.monotonic() > deadline:
-                    raise PushWorkerError(f"{key}: worker {safe_text(owner)} did not answer the seek within "
-                                          f"{wait:g}s (the request stays for {lifecycle.SEEK_TTL_SECONDS}s)")
+        while result is None:
+            owner = await self.client.get(keys.lease_key(key))
+            if not owner:
+                # The command holds the lease while it seeks: a worker starting meanwhile would attach a
+                # consumer before the cursor moved and deliver what it took from the old position.
+                holder = SEEK_COMMAND + request_id[:8]
+                async with leases.hold(self.client, key, holder, self.lease_seconds) as held:
+                    if held:
+                        await self._seek_directly(await self.definition(name), target, pulsar)
+                        result = {"status": "done", "worker": "this command (no worker serves it)",
+                                  "forgotten_attempts": await lifecycle.forget_attempts(self.client, key)}
+            elif not safe_text(owner).startswith(SEEK_COMMAND):
+                result = await self._seek_by_worker(key, target, request_id, safe_text(owner), deadline, wait)
+            elif time.monotonic() > deadline:
+                raise PushWorkerError(f"{key}: another seek or purge of it ({safe_text(owner)}) did not end "
+                                      f"within {wait:g}s; run the command again once it has")
+            else:  # another seek or purge command is moving the cursor: this one goes after it
                 await asyncio.sleep(0.2)
         if result.get("status") != "done":
             tries = result.get("tries", 1)
@@ -212,6 +217,16 @@ class Admin:
                "attempt_counters_reset": result.get("forgotten_attempts", 0)}
         return Output(out, f"{key}: sought to {target.describe()} by {out['by']}; "
                            f"{out['attempt_counters_reset']} attempt counter(s) reset")
+
+    async def _seek_by_worker(self, key: str, target: SeekTarget, request_id: str, owner: str,
+                              deadline: float, wait: float) -> dict[str, Any]:
+        await lifecycle.request_seek(self.client, self.registry.channel, key, target, request_id)
+        while (result := await lifecycle.seek_result(self.client, key, request_id)) is None:
+            if time.monotonic() > deadline:
+                raise PushWorkerError(f"{key}: worker {owner} did not answer the seek within {wait:g}s (the request "
+                                      f"stays for {lifecycle.SEEK_TTL_SECONDS}s)")
+            await asyncio.sleep(0.2)
+        return result
 
     @staticmethod
     async def _seek_directly(sub: Subscription, target: SeekTarget, settings: PulsarSettings) -> None:
