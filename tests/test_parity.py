@@ -321,14 +321,18 @@ async def test_queue_history_discard_and_purge(start_worker, endpoint: Endpoint,
     assert len(endpoint.by_id()[retry_me]) == attempts_at_discard  # discarded: never tried again
 
 
-async def only_new_messages_come(client: Client, topic: str, endpoint: Endpoint, purged: list[str], since: int) -> None:
-    """After a purge: a message published now is delivered, and none of `purged` is (within a second,
-    several retry periods: one not purged would show up)."""
-    [after] = client.publish(topic, [b"after"])
-    await eventually(lambda: after in endpoint.by_id(), what="a message after the purge delivered")
+async def only_new_messages_come(client: Client, topic: str, endpoint: Endpoint, purged: list[str], since: int,
+                                 keys_: tuple[str | None, ...] = (None,)) -> list[str]:
+    """After a purge: a message published now (one per key in `keys_`) is delivered, and none of
+    `purged` is (within a second, several retry periods: one not purged would show up). Returns
+    the new messages' ids."""
+    after = [mid for key in keys_ for mid in client.publish(topic, [b"after"], key=key)]
+    await eventually(lambda: set(after) <= set(endpoint.by_id()), what="messages after the purge delivered")
     settle = time.monotonic() + 1.0
     await eventually(lambda: time.monotonic() > settle, what="settle")
     assert not set(purged) & {r.headers["Pubsub-Message-Id"] for r in endpoint.requests[since:]}
+    return after
+
 
 def failing_until_told(endpoint: Endpoint) -> dict[str, bool]:
     """The endpoint answers 500 until `switch["failing"]` is set False, then 204."""
@@ -373,6 +377,7 @@ async def test_a_fleet_round_during_a_purge_starts_no_consumer_before_the_cursor
     switch["failing"] = False
     await only_new_messages_come(client, topic, endpoint, backlog, since=purged_at)
 
+
 async def test_a_subscription_paused_during_its_seek_is_not_served_when_the_seek_ends(
         start_worker, endpoint: Endpoint, topic, redis_url, broker, tmp_path, monkeypatch):
     config, sub = retrying_without_end(tmp_path, broker.url, redis_url, "pause-mid-seek", topic, endpoint)
@@ -387,6 +392,7 @@ async def test_a_subscription_paused_during_its_seek_is_not_served_when_the_seek
     monkeypatch.setattr(lifecycle, "seek_with_own_consumer", seek_while_an_operator_pauses)
     await w.seek(sub.key, SeekTarget("latest"))  # what the owner runs for `subs seek` and `purge`
     assert sub.key not in w.serving  # it ran on after the pause until a fleet round stopped it
+
 
 async def test_a_command_seeking_alone_holds_the_lease_so_no_worker_starts_meanwhile(redis_url):
     client = aioredis.Redis.from_url(redis_url)
@@ -421,6 +427,7 @@ async def test_a_seek_command_waits_for_another_one_instead_of_asking_it_as_a_wo
     finally:
         await client.aclose()
 
+
 async def test_purge_and_seek_move_every_partition_of_a_partitioned_topic(
         partitioned_broker, redis_url, start_worker, endpoint: Endpoint, partitioned_topic, tmp_path):
     topic = partitioned_topic
@@ -436,11 +443,8 @@ async def test_purge_and_seek_move_every_partition_of_a_partitioned_topic(
         assert code == 0 and "purged" in out, err
         purged_at = len(endpoint.requests)
         switch["failing"] = False
-        after = [mid for i in range(9) for mid in client.publish(topic, [b"after-%d" % i], key=f"k{i}")]
-        await eventually(lambda: set(after) <= set(endpoint.by_id()), what="messages after the purge delivered")
-        settle = time.monotonic() + 1.0  # five retry periods: a message not purged would show up
-        await eventually(lambda: time.monotonic() > settle, what="settle")
-        assert not set(old) & {r.headers["Pubsub-Message-Id"] for r in endpoint.requests[purged_at:]}
+        after = await only_new_messages_come(client, topic, endpoint, old, since=purged_at,
+                                             keys_=tuple(f"k{i}" for i in range(9)))
 
         # Paused, the command seeks with consumers of its own: every partition goes back to the start.
         assert (await cli("subs", "pause", sub.name, "--config", config))[0] == 0

@@ -548,7 +548,7 @@ class Run:
         pairs = [(self.against_reference(lambda r=r: b.run_worker(f"shared-{r + 1}", beside_bare=True)),
                   self.against_reference(lambda r=r: b.run_worker(f"keyshared-{r + 1}", "key-shared", 1000)))
                  for r in range(self.rounds)]
-        rounds = [shared for shared, _ in pairs]
+        rounds = [s for s, _ in pairs]
         ratios = [f.cpu_us / ref.cpu_us for f, ref in rounds]
         keyed_ratios = [k.rate / s.rate for (s, _), (k, _) in pairs]
         # median_low: with an even count the printed median is the round the table shows, not an average

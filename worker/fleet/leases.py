@@ -14,10 +14,10 @@ import contextlib
 import hashlib
 import time
 from collections.abc import AsyncIterator, Iterable
-from typing import Any
 
 from worker import keys
 from worker.errors import InfrastructureError
+from worker.redis_client import AsyncClient
 
 RENEW = """
 local holder = redis.pcall('GET', KEYS[1])
@@ -86,7 +86,7 @@ class LeaseLost(InfrastructureError):
 
 
 @contextlib.asynccontextmanager
-async def hold(client: Any, sub_key: str, holder: str, ttl_seconds: float) -> AsyncIterator[bool]:
+async def hold(client: AsyncClient, sub_key: str, holder: str, ttl_seconds: float) -> AsyncIterator[bool]:
     """Hold a subscription's lease as `holder` for the duration of the block, as a worker would
     (renewed every third of `ttl_seconds`), so no worker starts serving it meanwhile. Yields False,
     holding nothing, when someone holds it already; raises LeaseLost at the end of the block when a
