@@ -197,11 +197,19 @@ def _drain_dead_letters(url: str, dlq: str, ids: set[str], timeout: float = 60.0
     from tests.conftest import quiet_logger
 
     client = pulsar.Client(url, logger=quiet_logger(), operation_timeout_seconds=10)
-    reader = client.create_reader(dlq, pulsar.MessageId.earliest)
     out: list[str] = []
     deadline = time.monotonic() + timeout
-    quiet_since = time.monotonic()
     try:
+        # Right after a broker restart, loading the topic can outlast one operation timeout (seen on
+        # Apache Pulsar after a kill): try again within the same deadline.
+        while True:
+            try:
+                reader = client.create_reader(dlq, pulsar.MessageId.earliest)
+                break
+            except pulsar.Timeout:
+                if time.monotonic() > deadline:
+                    raise
+        quiet_since = time.monotonic()
         while time.monotonic() < deadline:
             try:
                 msg = reader.read_next(timeout_millis=200)
