@@ -3,7 +3,9 @@
 Everything runs on this machine: the embedded broker and Redis, a sink endpoint answering 204 (in
 its own process), the references and one `push-worker run` process per case. References: a bare
 aiohttp POST loop at the same concurrency sending the same bodies (its own process; its rate and its
-CPU per request), and for latency a bare Pulsar consumer on the same topic. Sections: `core` (1 KiB
+CPU per request), for latency a bare Pulsar consumer on the same topic, and in `core` the floor: a
+process that only receives, POSTs and acks, as the worker does but with nothing else (what the
+worker spends above it is what the delivery contract costs). Sections: `core` (1 KiB
 throughput and latency), `subscriptions` (many subscriptions at a steady rate), `payload` (64 KiB
 and 1 MiB bodies), `concurrency` (16 and 256); `make bench` runs them all.
 """
@@ -30,14 +32,18 @@ from typing import Any
 import aiohttp
 import psutil
 import pulsar
+import pulsar.asyncio as pulsar_async
 import redis
 import uvloop
 import yaml
+import yarl
 from prometheus_client.parser import text_string_to_metric_families
 
 from worker import embedded
-from worker.consumer import CONSUMER_TYPES
+from worker.consumer import CONSUMER_TYPES, PulsarConsumer, to_envelope
+from worker.destinations import DestinationPolicy, GuardedResolver
 from worker.devtools import apache_pulsar, redis_topologies
+from worker.http1 import Client
 from worker.messages import Envelope, build_request
 from worker.ops.render import table
 from worker.subscriptions import parse_subscription
@@ -167,6 +173,39 @@ def bare_consumer_main(service_url: str, topic: str, subscription: str, count: i
         consumer.acknowledge(msg)
     print(json.dumps(latencies), flush=True)
     client.close()
+
+
+# -- the floor (own process) --------------------------------------------------------------------
+
+async def floor_main(service_url: str, topic: str, subscription: str, url: str, total: int,
+                     concurrency: int) -> None:
+    """The least a Python process does to push a message: receive it (the worker's consumer and
+    reading), POST it (the worker's HTTP client, request and headers) and ack it, in `concurrency`
+    loops; no attempt records, lanes, windows or metrics. What the worker spends above this is what
+    the delivery contract costs. CPU from the first message received to the last ack."""
+    sub = parse_subscription({"name": subscription, "topic": topic,
+                              "deliver": {"mode": "push", "push": {"url": url, "content": "raw"}}})
+    client = pulsar_async.Client(service_url, logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
+    consumer = PulsarConsumer(await client.subscribe(topic, subscription, consumer_type=pulsar.ConsumerType.Shared,
+                                                     receiver_queue_size=concurrency))
+    http = Client(GuardedResolver(DestinationPolicy(allow_private=True)))
+    endpoint = yarl.URL(url)
+    remaining, started = total, (0.0, 0.0)
+
+    async def loop() -> None:
+        nonlocal remaining, started
+        while remaining > 0:
+            remaining -= 1
+            message = consumer.receive_ready() or await consumer.receive()
+            if not started[0]:
+                started = (time.monotonic(), time.process_time())
+            request = build_request(sub, to_envelope(message), 1)
+            await http.post(endpoint, request.headers, request.body, 65536, float(sub.ack_deadline_seconds))
+            await consumer.acknowledge(message)
+
+    await asyncio.gather(*(loop() for _ in range(concurrency)))
+    print(json.dumps({"elapsed": time.monotonic() - started[0], "cpu": time.process_time() - started[1]}), flush=True)
+    os._exit(0)  # the client's threads need not be waited for: the figure is out
 
 
 # -- orchestration ------------------------------------------------------------------------------
@@ -301,6 +340,18 @@ class Bench:
                              capture_output=True, text=True, check=True)
         figures = json.loads(out.stdout)
         return Reference(messages / float(figures["elapsed"]), 1e6 * float(figures["cpu"]) / messages)
+
+    def floor(self, name: str) -> Reference:
+        """The floor program (`floor_main`) on a backlog like the shared case's, to the same kind of sink."""
+        sink = self.sink()
+        topic = f"persistent://p-bench/main/{name}"
+        self.client.subscribe(topic, name, consumer_type=CONSUMER_TYPES["shared"]).close()
+        self.publish(topic, self.messages)
+        out = subprocess.run([sys.executable, "-m", "worker.devtools.bench", "floor", self.broker.url, topic, name,
+                              sink + "/push", str(self.messages), str(self.concurrency)],
+                             capture_output=True, text=True, check=True, timeout=600)
+        figures = json.loads(out.stdout.splitlines()[-1])
+        return Reference(self.messages / float(figures["elapsed"]), 1e6 * float(figures["cpu"]) / self.messages)
 
     def publish(self, topic: str, n: int, keys: int = 0, rate: float = 0.0, payload: bytes = PAYLOAD) -> None:
         # Batched when the payload is small and the rate free (the client's batches hold 128 KiB at most).
@@ -543,11 +594,16 @@ class Run:
         b = self.bench
         # The shared case in several rounds, each between references of its own: one round's ratio
         # swung 0.93-1.43x for identical code on this machine (an A/A run), so the table shows the
-        # median round and every round's figure is printed below it. Key-shared runs right after
-        # each shared round and is compared with that round (0.77-1.05x single runs on three days).
-        pairs = [(self.against_reference(lambda r=r: b.run_worker(f"shared-{r + 1}", beside_bare=True)),
-                  self.against_reference(lambda r=r: b.run_worker(f"keyshared-{r + 1}", "key-shared", 1000)))
-                 for r in range(self.rounds)]
+        # median round and every round's figure is printed below it. The floor runs right after each
+        # shared round, inside the same references; key-shared runs next and is compared with that
+        # shared round (0.77-1.05x single runs on three days).
+        pairs, floors = [], []
+        for r in range(self.rounds):
+            before = b.reference(self.ref_sink)
+            round_figures = b.run_worker(f"shared-{r + 1}", beside_bare=True)
+            floors.append(b.floor(f"floor-{r + 1}"))  # between the same references as the shared round
+            pairs.append(((round_figures, Reference.around(before, b.reference(self.ref_sink))),
+                          self.against_reference(lambda r=r: b.run_worker(f"keyshared-{r + 1}", "key-shared", 1000))))
         rounds = [s for s, _ in pairs]
         ratios = [f.cpu_us / ref.cpu_us for f, ref in rounds]
         keyed_ratios = [k.rate / s.rate for (s, _), (k, _) in pairs]
@@ -569,6 +625,13 @@ class Run:
         print(f"key-shared (1,000 keys) / the shared round before it: deliveries "
               f"{', '.join(f'{x:.2f}' for x in keyed_ratios)}x (median {statistics.median_low(keyed_ratios):.2f}; "
               f"the table shows that round), cpu per message {', '.join(f'{x:.2f}' for x in cpu)}x")
+        floor_ratios = [fl.cpu_us / ref.cpu_us for fl, (_, ref) in zip(floors, rounds, strict=True)]
+        over_floor = [f.cpu_us / fl.cpu_us for fl, (f, _) in zip(floors, rounds, strict=True)]
+        print(f"floor (receive, POST with the worker's HTTP client and request, ack; no Redis, lanes or windows), "
+              f"beside each shared round: {', '.join(f'{fl.cpu_us:.0f}' for fl in floors)} us/msg, x ref cpu "
+              f"{', '.join(f'{x:.2f}' for x in floor_ratios)} (median {statistics.median(floor_ratios):.2f}); "
+              f"the worker {', '.join(f'{x:.2f}' for x in over_floor)}x the floor "
+              f"(median {statistics.median(over_floor):.2f})")
         differences = [f.p50_ms - f.bare_p50_ms for f, _ in rounds]
         print(f"latency at {LATENCY_RATE:.0f} msg/s, publish to endpoint: worker p50 {shared.p50_ms:.1f} ms, "
               f"p99 {shared.p99_ms:.1f} ms; a bare Pulsar consumer of the same stream p50 {shared.bare_p50_ms:.1f} ms, "
@@ -663,5 +726,7 @@ if __name__ == "__main__":
     elif sys.argv[1] == "reference":  # URL, messages, concurrency, a file holding the body
         uvloop.run(reference_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),
                                   Path(sys.argv[5]).read_bytes()))  # on uvloop, as the worker runs
+    elif sys.argv[1] == "floor":  # service URL, topic, subscription, endpoint URL, messages, concurrency
+        uvloop.run(floor_main(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], int(sys.argv[6]), int(sys.argv[7])))
     elif sys.argv[1] == "bare-consumer":
         bare_consumer_main(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
