@@ -220,6 +220,15 @@ class Reference:
         return Reference((before.rate + after.rate) / 2, (before.cpu_us + after.cpu_us) / 2)
 
 
+def _measured_process(args: list[str], messages: int) -> Reference:
+    """Run `python -m worker.devtools.bench *args` (the reference or the floor) and read the figures
+    it prints last: its rate and CPU per message."""
+    out = subprocess.run([sys.executable, "-m", "worker.devtools.bench", *args], capture_output=True, text=True,
+                         check=True, timeout=600)
+    figures = json.loads(out.stdout.splitlines()[-1])
+    return Reference(messages / float(figures["elapsed"]), 1e6 * float(figures["cpu"]) / messages)
+
+
 @dataclass
 class Steady:
     subscriptions: int
@@ -335,23 +344,24 @@ class Bench:
         messages = messages or self.messages
         body_file = self.dir / f"body-{len(body)}-{hash(body) & 0xffff}"
         body_file.write_bytes(body)
-        out = subprocess.run([sys.executable, "-m", "worker.devtools.bench", "reference", sink + "/push",
-                              str(messages), str(concurrency or self.concurrency), str(body_file)],
-                             capture_output=True, text=True, check=True)
-        figures = json.loads(out.stdout)
-        return Reference(messages / float(figures["elapsed"]), 1e6 * float(figures["cpu"]) / messages)
+        return _measured_process(["reference", sink + "/push", str(messages), str(concurrency or self.concurrency),
+                                  str(body_file)], messages)
 
     def floor(self, name: str) -> Reference:
         """The floor program (`floor_main`) on a backlog like the shared case's, to the same kind of sink."""
         sink = self.sink()
+        topic = self.backlog(name, "shared", self.messages)
+        return _measured_process(["floor", self.broker.url, topic, name, sink + "/push", str(self.messages),
+                                  str(self.concurrency)], self.messages)
+
+    def backlog(self, name: str, kind: str, messages: int, keys: int = 0, payload: bytes = PAYLOAD) -> str:
+        """A topic holding `messages` for subscription `name`; returns the topic."""
         topic = f"persistent://p-bench/main/{name}"
-        self.client.subscribe(topic, name, consumer_type=CONSUMER_TYPES["shared"]).close()
-        self.publish(topic, self.messages)
-        out = subprocess.run([sys.executable, "-m", "worker.devtools.bench", "floor", self.broker.url, topic, name,
-                              sink + "/push", str(self.messages), str(self.concurrency)],
-                             capture_output=True, text=True, check=True, timeout=600)
-        figures = json.loads(out.stdout.splitlines()[-1])
-        return Reference(self.messages / float(figures["elapsed"]), 1e6 * float(figures["cpu"]) / self.messages)
+        # Create the cursor first, with the consumer type the worker will use: a cursor created with one
+        # type and consumed with another got every message redelivered on pulsar-lite.
+        self.client.subscribe(topic, name, consumer_type=CONSUMER_TYPES[kind]).close()
+        self.publish(topic, messages, keys=keys, payload=payload)
+        return topic
 
     def publish(self, topic: str, n: int, keys: int = 0, rate: float = 0.0, payload: bytes = PAYLOAD) -> None:
         # Batched when the payload is small and the rate free (the client's batches hold 128 KiB at most).
@@ -413,11 +423,7 @@ class Bench:
         consumer of the same topic with `beside_bare`)."""
         messages = messages or self.messages
         sink = self.sink(fail_rate)
-        topic = f"persistent://p-bench/main/{name}"
-        # Create the cursor first, with the consumer type the worker will use: a cursor created with one
-        # type and consumed with another got every message redelivered on pulsar-lite.
-        self.client.subscribe(topic, name, consumer_type=CONSUMER_TYPES[kind]).close()
-        self.publish(topic, messages, keys=keys, payload=payload)
+        topic = self.backlog(name, kind, messages, keys, payload)
         proc = self.start_worker(self.config([self.sub(name, topic, sink + "/push", kind, content, concurrency)],
                                              redis_mode))
         ps = psutil.Process(proc.pid)
