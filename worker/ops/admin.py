@@ -191,7 +191,8 @@ class Admin:
         deadline = time.monotonic() + wait
         result: dict[str, Any] | None = None
         while result is None:
-            owner = await self.client.get(keys.lease_key(key))
+            lease = await self.client.get(keys.lease_key(key))
+            owner = safe_text(lease) if lease else ""
             if not owner:
                 # The command holds the lease while it seeks: a worker starting meanwhile would attach a
                 # consumer before the cursor moved and deliver what it took from the old position.
@@ -201,10 +202,10 @@ class Admin:
                         await self._seek_directly(await self.definition(name), target, pulsar)
                         result = {"status": "done", "worker": "this command (no worker serves it)",
                                   "forgotten_attempts": await lifecycle.forget_attempts(self.client, key)}
-            elif not safe_text(owner).startswith(SEEK_COMMAND):
-                result = await self._seek_by_worker(key, target, request_id, safe_text(owner), deadline, wait)
+            elif not owner.startswith(SEEK_COMMAND):
+                result = await self._seek_by_worker(key, target, request_id, owner, deadline, wait)
             elif time.monotonic() > deadline:
-                raise PushWorkerError(f"{key}: another seek or purge of it ({safe_text(owner)}) did not end "
+                raise PushWorkerError(f"{key}: another seek or purge of it ({owner}) did not end "
                                       f"within {wait:g}s; run the command again once it has")
             else:  # another seek or purge command is moving the cursor: this one goes after it
                 await asyncio.sleep(0.2)
