@@ -21,10 +21,11 @@ from hypothesis import strategies as st
 from tests.conftest import Client
 from tests.helpers import spawn_worker, wait_sync
 from worker import keys
-from worker.attempts import AttemptStore, Pipeliner
+from worker.attempts import AttemptStore
 from worker.config import RedisSettings
 from worker.embedded import terminate
 from worker.keys import fleet_key
+from worker.redis_batch import Pipeliner
 
 FLEET = "garbage"
 

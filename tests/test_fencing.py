@@ -9,7 +9,7 @@ import redis.asyncio as aioredis
 
 from tests.conftest import Endpoint, make_sub
 from tests.helpers import assert_stays, eventually
-from worker.attempts import AttemptStore, Pipeliner
+from worker.attempts import AttemptStore
 from worker.config import RedisSettings
 from worker.deadletter import DeadLetterPublisher
 from worker.delivery import Deliverer
@@ -17,6 +17,7 @@ from worker.destinations import DestinationPolicy
 from worker.dispatcher import DeliveryContext, Dispatcher
 from worker.messages import Envelope
 from worker.metrics import Metrics
+from worker.redis_batch import Pipeliner
 
 
 class OneMessage:

@@ -19,7 +19,7 @@ from redis.exceptions import AuthenticationError, ResponseError
 from worker import broker_admin, embedded, logs, redis_client
 from worker import consumer as pulsar_adapter
 from worker.aio import wait_event
-from worker.attempts import AttemptStore, Pipeliner
+from worker.attempts import AttemptStore
 from worker.backlog import BacklogReader, BacklogReadError, make_session
 from worker.config import Settings
 from worker.deadletter import DeadLetterPublisher
@@ -32,6 +32,7 @@ from worker.fleet.lifecycle import ExpiryWatch, SeekTarget
 from worker.http_server import StatusServer
 from worker.metrics import Metrics
 from worker.oidc import Oidc, Tokens
+from worker.redis_batch import Pipeliner
 from worker.redis_client import REDIS_DOWN
 from worker.signing import SecretStore, SecretUnavailable
 from worker.subscriptions import State, Subscription

@@ -21,13 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from worker import keys, logs
-from worker.attempts import AttemptStore, Pipeliner
+from worker.attempts import AttemptStore
 from worker.config import FleetSettings, RedisSettings
 from worker.devtools import redis_topologies
 from worker.devtools.bench import _wait
 from worker.fleet import Fleet
 from worker.metrics import Metrics
 from worker.ops.render import table
+from worker.redis_batch import Pipeliner
 from worker.redis_client import connect, connect_sync
 from worker.subscriptions import RetryPolicy, Subscription
 from worker.supervisor import Supervisor

@@ -32,7 +32,7 @@ from aiolimiter import AsyncLimiter
 
 from worker import consumer as pulsar_adapter
 from worker import keys, logs
-from worker.attempts import AttemptStore, Pipeliner
+from worker.attempts import AttemptStore
 from worker.config import PulsarSettings
 from worker.deadletter import DeadLetterPublisher, subscribe_cursor
 from worker.delivery import Deliverer
@@ -42,6 +42,7 @@ from worker.messages import Envelope, rfc3339
 from worker.metrics import Metrics
 from worker.ops.admin import Admin, Target
 from worker.ops.render import Output, table
+from worker.redis_batch import Pipeliner
 from worker.service import check_secrets
 from worker.signing import SecretStore
 from worker.subscriptions import Subscription
