@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Iterable
 
 from worker import keys
 from worker.errors import InfrastructureError
+from worker.redis_batch import BatchScript
 from worker.redis_client import AsyncClient
 
 RENEW = """
@@ -24,6 +25,15 @@ local holder = redis.pcall('GET', KEYS[1])
 if holder == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0
 """
+# The renewal of many leases in one call (`redis_batch`): shared ARGV the holder and the TTL (ms);
+# per operation the lease key; 1 renewed, 0 not ours (any more).
+RENEW_MANY = BatchScript("""
+local out = {}
+for i = 1, #KEYS do
+  if redis.pcall('GET', KEYS[i]) == ARGV[1] then out[i] = redis.call('PEXPIRE', KEYS[i], ARGV[2]) else out[i] = 0 end
+end
+return out
+""", width=1)
 RELEASE = """
 if redis.pcall('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0

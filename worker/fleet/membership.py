@@ -11,18 +11,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ResponseError
 
 from worker import keys, logs
 from worker.aio import wait_event
 from worker.config import FleetSettings
 from worker.fleet import lifecycle
-from worker.fleet.leases import ACQUIRE, RELEASE, RENEW, Lease, assign
+from worker.fleet.leases import ACQUIRE, RELEASE, RENEW_MANY, Lease, assign
 from worker.fleet.registry import Registry, clear_state, safe_text
 from worker.fleet.status import StatusReports
-from worker.redis_client import REDIS_DOWN, AsyncClient, script_sha
+from worker.redis_batch import Pipeliner
+from worker.redis_client import REDIS_DOWN, AsyncClient
 from worker.subscriptions import State, Subscription
 from worker.supervisor import log_task_failure
 
@@ -76,12 +77,13 @@ class Fleet:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self.log = logs.get(worker=worker.worker_id, fleet=settings.name)
-        # Renewals go as EVALSHA: renewing a thousand leases a second then sends 40-byte hashes,
-        # not the script text each time (`_renew_unknown_script` sends it where Redis lacks it).
-        self._renew_sha = script_sha(RENEW)
         self.ttl_ms = int(settings.lease_seconds * 1000)
         self.member_ttl_ms = self.ttl_ms
-        self.status = StatusReports(worker, client, self.ttl_ms)
+        # Renewals and status reports of a thousand subscriptions as a few script calls in one round
+        # trip, on a connection of their own: as separate commands through redis-py they held the
+        # event loop for tens of milliseconds at a time, and every delivery waited.
+        self.batch = Pipeliner(client)
+        self.status = StatusReports(worker, self.batch, self.ttl_ms)
 
     @property
     def me(self) -> str:
@@ -143,18 +145,16 @@ class Fleet:
         """One round: heartbeat, read the registry if it changed, renew, release, acquire."""
         sent_at = time.monotonic()
         held = [key for key, lease in self.leases.items() if lease.due(sent_at)]
-        async with self.client.pipeline(transaction=False) as pipe:
-            pipe.eval(_HEARTBEAT, 1, self.members_key, self.me, self.member_ttl_ms)
-            pipe.get(self.registry.version_key)
-            for key in held:
-                # execute_command: redis-py's cluster pipeline blocks its evalsha() (not EVALSHA itself)
-                pipe.execute_command("EVALSHA", self._renew_sha, 1, keys.lease_key(key), self.me, self.ttl_ms)
-            results = await pipe.execute(raise_on_error=False)
-        await self._renew_unknown_script(held, results)
+        results = await asyncio.gather(
+            self.batch.submit("EVAL", _HEARTBEAT, 1, self.members_key, self.me, self.member_ttl_ms),
+            self.batch.submit("GET", self.registry.version_key),
+            *(self.batch.operation(RENEW_MANY, (), (self.me, self.ttl_ms), (keys.lease_key(key),), (), key)
+              for key in held),
+            return_exceptions=True)
         for result in results:
             if isinstance(result, REDIS_DOWN) and not isinstance(result, ResponseError):
                 raise result  # the connection failed: the whole round did
-        if isinstance(results[0], Exception):
+        if isinstance(results[0], BaseException):
             raise results[0]
         *members, dropped = results[0]
         if dropped:
@@ -166,7 +166,7 @@ class Fleet:
             self._ignore("registry version", str(version))
             version = object()  # unreadable: read the registry every round until it is repaired
         for key, renewed in zip(held, results[2:], strict=True):
-            if renewed is True or (not isinstance(renewed, Exception) and renewed):
+            if isinstance(renewed, list) and renewed[0] == 1:
                 self.leases[key].renewed(sent_at)
             else:
                 await self._lost(key)
@@ -174,19 +174,6 @@ class Fleet:
             await self._read_registry()
             self._registry_version = version
         await self._reconcile()
-
-    async def _renew_unknown_script(self, held: list[str], results: list[Any]) -> None:
-        """Renew again, sending the script itself, where Redis did not know it (a fresh or restarted
-        server, a promoted replica, a Cluster master that never saw it)."""
-        missing = [i for i, r in enumerate(results[2:]) if isinstance(r, NoScriptError)]
-        if not missing:
-            return
-        async with self.client.pipeline(transaction=False) as pipe:
-            for i in missing:
-                pipe.eval(RENEW, 1, keys.lease_key(held[i]), self.me, self.ttl_ms)
-            again = await pipe.execute(raise_on_error=False)
-        for i, result in zip(missing, again, strict=True):
-            results[2 + i] = result
 
     async def _read_registry(self) -> None:
         """The registry, paused and expired sets. One that cannot be read (a key of the wrong type)
@@ -333,3 +320,4 @@ class Fleet:
         with contextlib.suppress(*REDIS_DOWN):
             await self.client.zrem(self.members_key, self.me)
             await self.client.publish(self.registry.channel, b"members")
+        await self.batch.close()
