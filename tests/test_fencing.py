@@ -102,3 +102,55 @@ async def test_lease_lost_before_the_request_sends_and_settles_nothing(redis_url
         assert consumer.closed
     finally:
         await close()
+
+
+class Messages(OneMessage):
+    """An in-memory consumer holding `count` messages, all at hand at once."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.left = list(range(count))
+
+    async def receive(self) -> object:
+        if not self.left:
+            await asyncio.Event().wait()
+        return self.left.pop(0)
+
+    def receive_ready(self) -> object | None:  # type: ignore[override]
+        return self.left.pop(0) if self.left else None
+
+
+async def test_fenced_messages_wait_on_one_poll_not_one_each(redis_url, endpoint: Endpoint, topic):
+    # A thousand subscriptions holding messages while Redis paused for 7 s: each message polling its
+    # lease ten times a second starved the renewals, and the worker never recovered (0 deliveries,
+    # a full core). Now the dispatcher polls once for all of them.
+    count = 300
+    sub = make_sub(topic, endpoint.url, max_ack_pending=count)
+    lease = {"valid": False, "checks": 0}
+
+    def may_deliver() -> bool:
+        lease["checks"] += 1
+        return lease["valid"]
+
+    client = aioredis.Redis.from_url(redis_url)
+    pipeliner = Pipeliner(client)
+    deliverer = Deliverer(DestinationPolicy(allow_private=True))
+    consumer = Messages(count)
+    ctx = DeliveryContext(deliverer, AttemptStore(pipeliner, RedisSettings(attempts_ttl_seconds=3600)),
+                          DeadLetterPublisher(None), Metrics())  # type: ignore[arg-type]
+    dispatcher = Dispatcher(sub, consumer, lambda m: Envelope(f"{m}:1:-1:-1", b"x", topic, 0), ctx, may_deliver)
+    try:
+        dispatcher.start()
+        await eventually(lambda: dispatcher.unsettled == count, what="every message taken")
+        before = lease["checks"]
+        await asyncio.sleep(1.0)  # a measuring window: how often the fenced messages look at the lease
+        checks = lease["checks"] - before
+        assert checks <= 20, f"{checks} lease checks in 1 s for {count} fenced messages"
+        lease["valid"] = True
+        await eventually(lambda: len(consumer.acked) == count, what="all delivered once the lease is renewed")
+        assert sorted(consumer.acked) == list(range(count)) and len(endpoint.requests) == count
+    finally:
+        await dispatcher.stop(grace=1)
+        await pipeliner.close()
+        await client.aclose()
+        await deliverer.close()

@@ -32,7 +32,7 @@ from worker.signing import SecretStore, SecretUnavailable, auth_headers
 from worker.subscriptions import State, Subscription
 from worker.supervisor import Supervisor
 
-FENCED_POLL_SECONDS = 0.1  # how often a fenced message checks whether the lease was renewed
+FENCED_POLL_SECONDS = 0.1  # how often a fenced dispatcher checks whether its lease was renewed
 
 _SINGLE_LANE = "\x00total-order"
 CLOSE_TIMEOUT = 5.0  # seconds a broker close may take before shutdown goes on without it
@@ -139,6 +139,7 @@ class Dispatcher:
         self._active: set[str] = set()  # message ids taken and not yet settled
         self._stopping = asyncio.Event()
         self._receiver: asyncio.Task[None] | None = None
+        self._fence_poll: asyncio.Task[None] | None = None  # the one poll fenced messages wait on
         self._loop: asyncio.AbstractEventLoop | None = None
         self.log = logs.get(project=sub.tenant, subscription=sub.name)
 
@@ -201,11 +202,26 @@ class Dispatcher:
         """True while this worker may deliver. While it may not (its lease could not be renewed in
         time: Redis slow or failing over), wait: a renewal lets the message go on; a lost lease stops
         the dispatcher (False). Waiting for the stop alone stranded the message for good when the
-        renewal came through after all (seen in a Redis Cluster failover: unacked, never redelivered)."""
+        renewal came through after all (seen in a Redis Cluster failover: unacked, never redelivered).
+        Every fenced message of the dispatcher waits on one poll: a poll each, with a thousand
+        subscriptions holding messages, woke the loop so often that the lease renewals starved and
+        a worker never recovered from a 7 s Redis pause."""
         while not self.may_deliver():
-            if await wait_event(self._stopping, FENCED_POLL_SECONDS):
+            if self._stopping.is_set():
                 return False
+            if self._fence_poll is None:
+                assert self._loop is not None
+                self._fence_poll = self._loop.create_task(self._poll_fence())
+            await asyncio.shield(self._fence_poll)  # a waiter's cancellation must not end the others' poll
         return True
+
+    async def _poll_fence(self) -> None:
+        try:
+            while not self.may_deliver():
+                if await wait_event(self._stopping, FENCED_POLL_SECONDS):
+                    return
+        finally:
+            self._fence_poll = None
 
     # -- intake ------------------------------------------------------------------------------
 
