@@ -44,14 +44,15 @@ class OneMessage:
         self.closed = True
 
 
-def run_one(redis_url: str, sub, topic: str, may_deliver):
+def run_one(redis_url: str, sub, topic: str, may_deliver, consumer: OneMessage | None = None,
+            message_id=lambda m: "1:2:-1:-1"):
     client = aioredis.Redis.from_url(redis_url)
     pipeliner = Pipeliner(client)
     deliverer = Deliverer(DestinationPolicy(allow_private=True))
-    consumer = OneMessage()
+    consumer = consumer or OneMessage()
     ctx = DeliveryContext(deliverer, AttemptStore(pipeliner, RedisSettings(attempts_ttl_seconds=3600)),
                           DeadLetterPublisher(None), Metrics())  # type: ignore[arg-type]
-    dispatcher = Dispatcher(sub, consumer, lambda m: Envelope("1:2:-1:-1", b"x", topic, 0), ctx, may_deliver)
+    dispatcher = Dispatcher(sub, consumer, lambda m: Envelope(message_id(m), b"x", topic, 0), ctx, may_deliver)
 
     async def close() -> None:
         await pipeliner.close()
@@ -132,13 +133,8 @@ async def test_fenced_messages_wait_on_one_poll_not_one_each(redis_url, endpoint
         lease["checks"] += 1
         return lease["valid"]
 
-    client = aioredis.Redis.from_url(redis_url)
-    pipeliner = Pipeliner(client)
-    deliverer = Deliverer(DestinationPolicy(allow_private=True))
     consumer = Messages(count)
-    ctx = DeliveryContext(deliverer, AttemptStore(pipeliner, RedisSettings(attempts_ttl_seconds=3600)),
-                          DeadLetterPublisher(None), Metrics())  # type: ignore[arg-type]
-    dispatcher = Dispatcher(sub, consumer, lambda m: Envelope(f"{m}:1:-1:-1", b"x", topic, 0), ctx, may_deliver)
+    dispatcher, _, close = run_one(redis_url, sub, topic, may_deliver, consumer, lambda m: f"{m}:1:-1:-1")
     try:
         dispatcher.start()
         await eventually(lambda: dispatcher.unsettled == count, what="every message taken")
@@ -151,6 +147,4 @@ async def test_fenced_messages_wait_on_one_poll_not_one_each(redis_url, endpoint
         assert sorted(consumer.acked) == list(range(count)) and len(endpoint.requests) == count
     finally:
         await dispatcher.stop(grace=1)
-        await pipeliner.close()
-        await client.aclose()
-        await deliverer.close()
+        await close()

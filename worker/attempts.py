@@ -112,7 +112,6 @@ return out
 HISTORY_CAP = 100  # entries kept per message (the newest); the settled list keeps 10x as many messages
 
 
-
 @dataclass(slots=True)  # one per attempt: see messages.Envelope
 class AttemptRecord:
     """The attempt number just taken, and the status the previous attempt ended with ('' if none)."""

@@ -20,14 +20,9 @@ from worker.errors import InfrastructureError
 from worker.redis_batch import BatchScript
 from worker.redis_client import AsyncClient
 
-RENEW = """
-local holder = redis.pcall('GET', KEYS[1])
-if holder == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return 0
-"""
-# The renewal of many leases in one call (`redis_batch`): shared ARGV the holder and the TTL (ms);
-# per operation the lease key; 1 renewed, 0 not ours (any more).
-RENEW_MANY = BatchScript("""
+# The renewal of leases, many in one call (`redis_batch`; `hold` renews one): ARGV the holder and the
+# TTL (ms); a lease key per operation; 1 renewed, 0 not ours (any more).
+RENEW = BatchScript("""
 local out = {}
 for i = 1, #KEYS do
   if redis.pcall('GET', KEYS[i]) == ARGV[1] then out[i] = redis.call('PEXPIRE', KEYS[i], ARGV[2]) else out[i] = 0 end
@@ -108,7 +103,7 @@ async def hold(client: AsyncClient, sub_key: str, holder: str, ttl_seconds: floa
 
     async def renew() -> None:
         while True:
-            if await client.eval(RENEW, 1, lease, holder, ttl_ms) != 1:
+            if await client.eval(RENEW.source, 1, lease, holder, ttl_ms) != [1]:
                 return
             await asyncio.sleep(ttl_seconds / 3)
 

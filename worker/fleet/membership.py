@@ -19,7 +19,7 @@ from worker import keys, logs
 from worker.aio import wait_event
 from worker.config import FleetSettings
 from worker.fleet import lifecycle
-from worker.fleet.leases import ACQUIRE, RELEASE, RENEW_MANY, Lease, assign
+from worker.fleet.leases import ACQUIRE, RELEASE, RENEW, Lease, assign
 from worker.fleet.registry import Registry, clear_state, safe_text
 from worker.fleet.status import StatusReports
 from worker.redis_batch import Pipeliner
@@ -148,7 +148,7 @@ class Fleet:
         results = await asyncio.gather(
             self.batch.submit("EVAL", _HEARTBEAT, 1, self.members_key, self.me, self.member_ttl_ms),
             self.batch.submit("GET", self.registry.version_key),
-            *(self.batch.operation(RENEW_MANY, (), (self.me, self.ttl_ms), (keys.lease_key(key),), (), key)
+            *(self.batch.operation(RENEW, (), (self.me, self.ttl_ms), (keys.lease_key(key),), (), key)
               for key in held),
             return_exceptions=True)
         for result in results:
