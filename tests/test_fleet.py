@@ -19,6 +19,7 @@ from tests.conftest import Client, Endpoint, serve
 from tests.fleet_harness import FleetHarness, delivered, fleet_sub, settled_ownership, topics
 from tests.helpers import assert_stays, eventually, stays_sync, wait_sync
 from tests.redis_targets import ALL_REDIS
+from worker.fleet import assign
 
 pytestmark = pytest.mark.slow
 
@@ -302,6 +303,38 @@ async def test_rolling_restart_under_load_loses_nothing(fleet: FleetHarness, end
     duplicates = sum(c - 1 for c in acks.values())
     print(f"\nrolling restart: {total} messages x subscriptions, lost 0, duplicates {duplicates} "
           f"({100 * duplicates / total:.2f}%)")
+
+
+async def test_a_slow_hand_over_does_not_cost_the_worker_the_subscriptions_it_keeps(
+        fleet: FleetHarness, endpoint: Endpoint, client: Client):
+    # A second worker joins while every subscription has requests under way that take longer than
+    # the lease (3 s). The first worker drains what it hands over; its rounds, heartbeat and renewals
+    # must go on meanwhile. They used to wait for the drains: the leases it kept lapsed, its member
+    # entry too, and the other worker took everything, then gave half of it back.
+    async def slow(rec):
+        await asyncio.sleep(4)
+        return web.Response(status=204)
+
+    endpoint.behaviour = slow
+    names = [f"s{i}" for i in range(8)]
+    ts = topics(8)
+    assert fleet.apply([fleet_sub(n, t, endpoint.url, ack_deadline_seconds=10)
+                        for n, t in zip(names, ts, strict=True)]).returncode == 0
+    for t in ts:
+        client.publish(t, [b"slow"] * 100)
+    first = fleet.start()
+    keys = [f"p-fleet/{n}" for n in names]
+    await asyncio.to_thread(wait_sync, lambda: len(first.owned()) == 8, 30, "the first worker owns all")
+    await eventually(lambda: {r.headers["Pubsub-Subscription"] for r in endpoint.requests} == set(names),
+                     timeout=30, what="requests under way on every subscription")
+    second = fleet.start()
+    kept = [k for k, owner in assign(keys, [first.id, second.id]).items() if owner == first.id]
+    assert 0 < len(kept) < 8
+    # Longer than the drains (4 s) and the lease: the first worker held what it keeps throughout.
+    await asyncio.to_thread(stays_sync, lambda: all(o == first.id for o in fleet.owners(kept).values()), 8,
+                            "the first worker's leases on what it keeps")
+    await asyncio.to_thread(settled_ownership, fleet, [first, second], keys, 4)
+    assert "lease lost" not in (fleet.tmp / f"{first.id}.log").read_text()
 
 
 @ALL_REDIS

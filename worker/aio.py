@@ -17,3 +17,13 @@ async def wait_event(event: asyncio.Event, seconds: float) -> bool:
     except TimeoutError:
         return False
     return True
+
+
+async def wait_any(*events: asyncio.Event, seconds: float) -> None:
+    """Wait until one of `events` is set or `seconds` pass."""
+    waiters = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()

@@ -25,7 +25,7 @@ from worker.config import Settings
 from worker.deadletter import DeadLetterPublisher
 from worker.delivery import Deliverer
 from worker.destinations import check_host
-from worker.dispatcher import DeliveryContext, Dispatcher
+from worker.dispatcher import DeliveryContext, Dispatcher, Fence
 from worker.errors import ConfigError, DestinationRefused, PushWorkerError, StartupError
 from worker.fleet import Fleet, lifecycle
 from worker.fleet.lifecycle import ExpiryWatch, SeekTarget
@@ -206,17 +206,17 @@ class Worker:
             delay = min(delay * 2, 10.0)
         return False
 
-    def add(self, sub: Subscription, may_deliver: Callable[[], bool] | None = None) -> None:
+    def add(self, sub: Subscription, lease: Fence | None = None) -> None:
         """Start serving a subscription (subscribing retries until the broker answers)."""
         if sub.key in self.dispatchers or sub.key in self._starting or sub.key in self._seeking or self.stopping:
             return
-        task = asyncio.create_task(self._subscribe_and_run(sub, may_deliver), name=f"subscribe {sub.key}")
+        task = asyncio.create_task(self._subscribe_and_run(sub, lease), name=f"subscribe {sub.key}")
         self._starting[sub.key] = task
         self._starting_subs[sub.key] = sub
         task.add_done_callback(functools.partial(self._forget_start, sub.key))
         task.add_done_callback(log_task_failure(self.supervisor, "subscribe"))  # the fleet tries again
 
-    async def _subscribe_and_run(self, sub: Subscription, may_deliver: Callable[[], bool] | None) -> None:
+    async def _subscribe_and_run(self, sub: Subscription, lease: Fence | None) -> None:
         delay = 0.5
         while True:
             subscribing = asyncio.ensure_future(pulsar_adapter.subscribe(self.pulsar, sub, self.worker_id))
@@ -235,7 +235,7 @@ class Worker:
                 self.log.warning("subscribe failed; retrying", subscription=sub.key, error=str(e), in_seconds=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
-        dispatcher = Dispatcher(sub, consumer, pulsar_adapter.to_envelope, self.delivery, may_deliver)
+        dispatcher = Dispatcher(sub, consumer, pulsar_adapter.to_envelope, self.delivery, lease)
         dispatcher.health.error_after = self.settings.fleet.error_after_seconds
         self.dispatchers[sub.key] = dispatcher
         dispatcher.start()
@@ -253,7 +253,7 @@ class Worker:
         dispatcher = await self.started(key)
         if dispatcher is None:
             raise PushWorkerError("the subscription is not being served here")
-        sub, may_deliver = dispatcher.sub, dispatcher.may_deliver
+        sub, lease = dispatcher.sub, dispatcher.lease
         # Still served while it has no dispatcher: a fleet round must not start one now. A consumer
         # attached before the cursor moves keeps the messages it took, and would deliver them after
         # the seek with their counts forgotten (seen: a purged message delivered again, attempt 1).
@@ -267,7 +267,7 @@ class Worker:
         finally:
             if key in self._seeking:  # else stopped meanwhile (handed over, deleted, lease lost): stays so
                 self._seeking.discard(key)
-                self.add(sub, may_deliver)
+                self.add(sub, lease)
 
     async def started(self, key: str) -> Dispatcher | None:
         """The subscription's dispatcher, once a subscribe under way has ended (None if it failed)."""

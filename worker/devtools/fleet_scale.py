@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from worker.attempts import AttemptStore
 from worker.config import FleetSettings, RedisSettings
 from worker.devtools import redis_topologies
 from worker.devtools.bench import _wait
+from worker.dispatcher import Fence
 from worker.fleet import Fleet
 from worker.metrics import Metrics
 from worker.ops.render import table
@@ -45,7 +45,7 @@ class SimulatedWorker:
         self.serving: set[str] = set()
         self.stopping = False
 
-    def add(self, sub: Subscription, may_deliver: Callable[[], bool] | None = None) -> None:
+    def add(self, sub: Subscription, lease: Fence | None = None) -> None:
         self.serving.add(sub.key)
 
     async def remove(self, key: str, grace: float | None = None, unsubscribe: bool = False) -> None:

@@ -72,10 +72,13 @@ class Lease:
     def __init__(self, ttl: float, margin: float) -> None:
         self.ttl, self.margin = ttl, margin
         self.valid_until = 0.0
+        self.renewal = asyncio.Event()  # set at the next renewal (then replaced): a fenced dispatcher's wake-up
 
     def renewed(self, sent_at: float) -> None:
         # Counted from when the renew was *sent*: Redis set its expiry later than that.
         self.valid_until = sent_at + self.ttl - self.margin
+        self.renewal.set()
+        self.renewal = asyncio.Event()
 
     def valid(self) -> bool:
         return time.monotonic() < self.valid_until

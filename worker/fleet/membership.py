@@ -70,6 +70,11 @@ class Fleet:
         self._state_reported: set[str] = set()  # paused/expired keys assigned here, exported as a state metric
         self._assigned_reported: set[str] = set()  # keys exported as pushworker_subscription_assigned
         self._seeks: set[asyncio.Task[None]] = set()
+        # Hand-overs draining in the background, by key: the lease stays held (and renewed) until the
+        # drain ends. Drained inside the round, one after another, they held up the heartbeat and the
+        # renewals of every other lease: a drain longer than the lease lost the subscriptions this
+        # worker kept, and the member entry lapsed (seen: a join under load moved them back and forth).
+        self._handovers: dict[str, asyncio.Task[None]] = {}
         self._registry_version: object = None  # as read from Redis (compared, never parsed)
         self._ignored: set[tuple[str, str]] = set()  # what was logged as ignored (once each)
         self._assignment: dict[str, str] = {}
@@ -165,11 +170,13 @@ class Fleet:
         if isinstance(version, Exception):
             self._ignore("registry version", str(version))
             version = object()  # unreadable: read the registry every round until it is repaired
+        lost = []
         for key, renewed in zip(held, results[2:], strict=True):
             if isinstance(renewed, list) and renewed[0] == 1:
                 self.leases[key].renewed(sent_at)
             else:
-                await self._lost(key)
+                lost.append(key)
+        await self._lose(lost)
         if version != self._registry_version:
             await self._read_registry()
             self._registry_version = version
@@ -209,17 +216,18 @@ class Fleet:
         wanted = {k for k in self.subscriptions if owners.get(k) == self.me and k not in held_back}
         self._report_held_back_states({k for k in held_back if owners.get(k) == self.me})
         self._report_assigned({k for k in self.subscriptions if owners.get(k) == self.me})
-        for key in [k for k in self.leases if k not in wanted]:
-            await self._hand_over(key)
-        for key in sorted(wanted - set(self.leases)):
+        for key in [k for k in self.leases if k not in wanted and k not in self._handovers]:
+            self._start_hand_over(key)
+        for key in sorted(wanted - set(self.leases) - set(self._handovers)):
             if self.worker.stopping:
                 break  # leaving: take on nothing new
             await self._try_acquire(key)
         for key in self.worker.serving - set(self.leases):  # safety net: nothing runs without a lease
             await self.worker.remove(key, grace=0)
-        for key in (wanted & set(self.leases)) - self.worker.serving:  # a start that failed: try again
-            self.worker.add(self.subscriptions[key], may_deliver=self.leases[key].valid)
-        for key in wanted & set(self.leases):
+        settled = set(self.leases) - set(self._handovers)  # wanted again mid-drain: acquired anew after it
+        for key in (wanted & settled) - self.worker.serving:  # a start that failed: try again
+            self.worker.add(self.subscriptions[key], lease=self.leases[key])
+        for key in wanted & settled:
             dispatcher = self.worker.dispatchers.get(key)
             sub = self.subscriptions[key]
             if dispatcher is not None and dispatcher.sub != sub:
@@ -237,9 +245,15 @@ class Fleet:
         lease = Lease(self.settings.lease_seconds, margin=min(2.0, self.settings.lease_seconds / 4))
         lease.renewed(sent_at)
         self.leases[key] = lease
-        self.worker.add(self.subscriptions[key], may_deliver=lease.valid)
+        self.worker.add(self.subscriptions[key], lease=lease)
         self.log.info("subscription acquired", subscription=key)
         self._start_seek(key)  # a seek asked for while nobody held it
+
+    def _start_hand_over(self, key: str) -> None:
+        task = asyncio.create_task(self._hand_over(key), name=f"hand over {key}")
+        self._handovers[key] = task
+        task.add_done_callback(lambda _: self._handovers.pop(key, None))
+        task.add_done_callback(log_task_failure(self.worker.supervisor, "hand over"))
 
     async def _hand_over(self, key: str) -> None:
         """Deleted, paused, or now someone else's: drain, then release at once so the next owner starts.
@@ -261,15 +275,17 @@ class Fleet:
                 await self.client.delete(keys.status_key(key))
         self.log.info("subscription paused" if key in self.paused else "subscription released", subscription=key)
 
-    async def _lost(self, key: str) -> None:
-        """The lease is gone (expired while we were paused or cut off): stop at once."""
-        self.leases.pop(key, None)
-        await self.worker.remove(key, grace=0)
-        self.log.warning("lease lost; stopped delivering", subscription=key)
+    async def _lose(self, lost: list[str]) -> None:
+        """The leases are gone (expired while we were paused or cut off): stop at once, all together
+        (a thousand stops one after another held up the round for seconds)."""
+        for key in lost:
+            self.leases.pop(key, None)
+        await asyncio.gather(*(self.worker.remove(key, grace=0) for key in lost))
+        for key in lost:
+            self.log.warning("lease lost; stopped delivering", subscription=key)
 
     async def _drop_expired(self) -> None:
-        for key in [k for k, lease in self.leases.items() if not lease.valid()]:
-            await self._lost(key)
+        await self._lose([k for k, lease in self.leases.items() if not lease.valid()])
 
     def _report_held_back_states(self, keys: set[str]) -> None:
         """Paused and Expired subscriptions have no dispatcher; the worker they are assigned to
@@ -294,7 +310,7 @@ class Fleet:
         self._assigned_reported = keys
 
     def _start_seek(self, key: str) -> None:
-        if key not in self.leases:
+        if key not in self.leases or key in self._handovers:
             return  # the holder of the lease does it (or the operator's command, when nobody holds it)
         task = asyncio.create_task(self._seek(key), name=f"seek {key}")
         self._seeks.add(task)
@@ -316,7 +332,9 @@ class Fleet:
             _, stuck = await asyncio.wait(tasks, timeout=10)
             for task in stuck:  # bounded: leaving must not wait on a task that did not end on cancel
                 self.log.warning("task did not stop when leaving the fleet", task=task.get_name())
-        await asyncio.gather(*(self._hand_over(k) for k in list(self.leases)), return_exceptions=True)
+        await asyncio.gather(*self._handovers.values(),
+                             *(self._hand_over(k) for k in list(self.leases) if k not in self._handovers),
+                             return_exceptions=True)
         with contextlib.suppress(*REDIS_DOWN):
             await self.client.zrem(self.members_key, self.me)
             await self.client.publish(self.registry.channel, b"members")
