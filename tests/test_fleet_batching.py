@@ -11,7 +11,7 @@ from typing import Any
 from tests.redis_targets import ALL_REDIS, RedisTarget
 from worker import keys, redis_client
 from worker.config import FleetSettings
-from worker.devtools.fleet_scale import SimulatedWorker, _subscription
+from worker.devtools.fleet_scale import SimulatedWorker, scale_subscription
 from worker.fleet import Fleet
 
 COUNT = 1000
@@ -26,7 +26,7 @@ def _script_calls(client: Any, mode: str) -> int:
 
 @ALL_REDIS
 async def test_a_thousand_leases_renew_and_report_in_a_few_commands(redis_target: RedisTarget):
-    subs = tuple(_subscription(i) for i in range(COUNT))
+    subs = tuple(scale_subscription(i) for i in range(COUNT))
     client = redis_client.connect(redis_target.settings, socket_timeout=10)
     sync = redis_target.client()
     fleet = Fleet(SimulatedWorker("w-batch"), client,  # type: ignore[arg-type]

@@ -19,7 +19,6 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -43,6 +42,7 @@ from worker import embedded
 from worker.consumer import CONSUMER_TYPES, PulsarConsumer, to_envelope
 from worker.destinations import DestinationPolicy, GuardedResolver
 from worker.devtools import apache_pulsar, redis_topologies
+from worker.devtools.scratch import scratch_dir
 from worker.http1 import Client
 from worker.messages import Envelope, build_request
 from worker.ops.render import table
@@ -319,10 +319,10 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 class Bench:
-    def __init__(self, messages: int, concurrency: int) -> None:
+    def __init__(self, messages: int, concurrency: int, directory: Path) -> None:
         self.messages = messages
         self.concurrency = concurrency
-        self.dir = Path(tempfile.mkdtemp(prefix="push-worker-bench-"))
+        self.dir = directory
         self.broker: Any = (apache_pulsar.broker_from_environment(("p-bench",))
                             or embedded.start_pulsar(self.dir / "pulsar"))
         self.redis_service = embedded.start_redis(self.dir / "redis")
@@ -715,8 +715,8 @@ class Run:
 
 async def run_bench(messages: int = 20000, concurrency: int = 64, sections: tuple[str, ...] = SECTIONS,
                     steady_rate: float = 1000.0, rounds: int = 3) -> int:
-    def work() -> int:
-        bench = Bench(messages, concurrency)
+    def run_in(directory: Path) -> int:
+        bench = Bench(messages, concurrency, directory)
         try:
             print(f"push-worker bench: {', '.join(sections)}; {os.cpu_count()} cores\n")
             run = Run(bench, rounds)
@@ -735,6 +735,10 @@ async def run_bench(messages: int = 20000, concurrency: int = 64, sections: tupl
             return 0
         finally:
             bench.close()
+
+    def work() -> int:
+        with scratch_dir("push-worker-bench-") as directory:
+            return run_in(directory)
 
     return await asyncio.to_thread(work)
 

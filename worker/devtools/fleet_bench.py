@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -17,13 +16,18 @@ import redis
 import yaml
 
 from worker import embedded
+from worker.devtools.scratch import scratch_dir
 from worker.fleet import assign
 from worker.fleet.registry import safe_text
 from worker.keys import lease_key
 
 
 def run_fleet_bench(subscriptions: int = 60, workers: int = 3, lease_seconds: float = 5.0) -> int:
-    tmp = Path(tempfile.mkdtemp(prefix="push-worker-fleet-bench-"))
+    with scratch_dir("push-worker-fleet-bench-") as tmp:
+        return _run_in(tmp, subscriptions, workers, lease_seconds)
+
+
+def _run_in(tmp: Path, subscriptions: int, workers: int, lease_seconds: float) -> int:
     broker, redis_service = embedded.start_pulsar(tmp / "pulsar"), embedded.start_redis(tmp / "redis")
     client = redis.Redis.from_url(redis_service.url)
     config = tmp / "worker.yaml"
@@ -72,7 +76,7 @@ def run_fleet_bench(subscriptions: int = 60, workers: int = 3, lease_seconds: fl
         after = owners()
         moved = sum(before[k] != after[k] for k in keys) / subscriptions
         ideal = 1 / (workers + 1)
-        print(f"join:  a worker joins 3 -> {workers + 1}: balanced again in {join_time:.1f}s; "
+        print(f"join:  a worker joins, {workers} -> {workers + 1}: balanced again in {join_time:.1f}s; "
               f"{100 * moved:.1f}% of subscriptions moved (ideal {100 * ideal:.1f}%)")
         victim = "w0"
         procs[victim].send_signal(signal.SIGKILL)

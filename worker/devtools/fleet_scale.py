@@ -14,9 +14,7 @@ import asyncio
 import json
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from worker import keys, logs
@@ -24,6 +22,7 @@ from worker.attempts import AttemptStore
 from worker.config import FleetSettings, RedisSettings
 from worker.devtools import redis_topologies
 from worker.devtools.bench import _wait
+from worker.devtools.scratch import scratch_dir
 from worker.dispatcher import Fence
 from worker.fleet import Fleet
 from worker.metrics import Metrics
@@ -55,7 +54,8 @@ class SimulatedWorker:
         return 0
 
 
-def _subscription(i: int) -> Subscription:
+def scale_subscription(i: int) -> Subscription:
+    """The i-th of the scale run's subscriptions (its endpoint never answers: nothing is delivered)."""
     return Subscription(name=f"s{i:05d}", topic=f"persistent://p-scale/main/t{i}", url="http://127.0.0.1:9/never",
                         ack_deadline_seconds=10, max_deliver=5, retry=RetryPolicy(1.0, 60.0))
 
@@ -75,7 +75,7 @@ async def simulated_worker_main(worker_id: str, settings_json: str) -> None:
     worker.devtools.fleet_scale <id> <json>`; runs until killed."""
     spec = json.loads(settings_json)
     settings = RedisSettings(mode="cluster", nodes=tuple(spec["nodes"]))
-    subs = tuple(_subscription(i) for i in range(spec["count"]))
+    subs = tuple(scale_subscription(i) for i in range(spec["count"]))
     client = connect(settings, socket_timeout=10, socket_connect_timeout=5)
     await client.ping()  # as a worker does before joining (and it maps the slots)
     fleet = Fleet(SimulatedWorker(worker_id), client,  # type: ignore[arg-type]
@@ -87,7 +87,7 @@ async def simulated_worker_main(worker_id: str, settings_json: str) -> None:
 def _owners(client: Any, count: int) -> list[bytes | None]:
     pipe = client.pipeline()
     for i in range(count):
-        pipe.get(keys.lease_key(_subscription(i).key))
+        pipe.get(keys.lease_key(scale_subscription(i).key))
     return list(pipe.execute())
 
 
@@ -142,40 +142,40 @@ async def _in_flight_memory(settings: RedisSettings, sync: Any, messages: int = 
 async def run_scale(sizes: tuple[int, ...] = (1_000, 10_000), workers: int = 10, lease: float = 10.0,
                     idle_seconds: float = 10.0) -> int:
     logs.configure("json", "error")
-    directory = Path(tempfile.mkdtemp(prefix="push-worker-fleet-scale-"))
-    topology = await asyncio.to_thread(redis_topologies.start_cluster, directory)
-    settings = topology.settings()
-    sync = connect_sync(settings)
-    try:
-        print(f"push-worker bench-fleet --simulated: Redis Cluster of 3 masters + 3 replicas, {workers} simulated "
-              f"workers (the real ownership code, no delivery), lease {lease:g}s, heartbeat 1s\n")
-        rows = []
-        for n in sizes:
-            print(f"measuring {n:,} subscriptions ...", file=sys.stderr, flush=True)
-            rows.append(await asyncio.to_thread(_measure, settings, sync, n, workers, lease, idle_seconds))
-        print(table([{"subscriptions": f"{r['subscriptions']:,}", "owned in s": f"{r['owned_in_s']:.1f}",
-                      "redis cmd/s": f"{r['commands_per_s']:,.0f}", "cmd/s per sub": f"{r['per_sub']:.3f}",
-                      "memory/sub B": f"{r['memory_per_sub']:,.0f}",
-                      "re-owned after kill s": f"{r['reowned_in_s']:.1f} ({r['orphaned']:,} subs)"} for r in rows],
-                    ["subscriptions", "owned in s", "redis cmd/s", "cmd/s per sub", "memory/sub B",
-                     "re-owned after kill s"],
-                    right=("subscriptions", "owned in s", "redis cmd/s", "cmd/s per sub", "memory/sub B")))
-        per_message = await _in_flight_memory(settings, sync)
-        print(f"\nin flight: {per_message:,.0f} bytes of Redis per message between its first attempt and settling")
-        if len(rows) > 1:
-            first, last = rows[0], rows[-1]
-            growth = last["subscriptions"] / first["subscriptions"]
-            added = last["subscriptions"] - first["subscriptions"]
-            marginal = (last["memory_per_sub"] * last["subscriptions"]
-                        - first["memory_per_sub"] * first["subscriptions"]) / added
-            print(f"growth {first['subscriptions']:,} -> {last['subscriptions']:,} subscriptions (x{growth:g}): "
-                  f"Redis commands/s x{last['commands_per_s'] / first['commands_per_s']:.1f}, re-own time "
-                  f"x{last['reowned_in_s'] / first['reowned_in_s']:.1f}; Redis memory per added subscription "
-                  f"{marginal:,.0f} bytes (the fixed part: connections, scripts, cluster state)")
-        return 0
-    finally:
-        sync.close()
-        topology.stop()
+    with scratch_dir("push-worker-fleet-scale-") as directory:
+        topology = await asyncio.to_thread(redis_topologies.start_cluster, directory)
+        settings = topology.settings()
+        sync = connect_sync(settings)
+        try:
+            print(f"push-worker bench-fleet --simulated: Redis Cluster of 3 masters + 3 replicas, {workers} simulated "
+                  f"workers (the real ownership code, no delivery), lease {lease:g}s, heartbeat 1s\n")
+            rows = []
+            for n in sizes:
+                print(f"measuring {n:,} subscriptions ...", file=sys.stderr, flush=True)
+                rows.append(await asyncio.to_thread(_measure, settings, sync, n, workers, lease, idle_seconds))
+            print(table([{"subscriptions": f"{r['subscriptions']:,}", "owned in s": f"{r['owned_in_s']:.1f}",
+                          "redis cmd/s": f"{r['commands_per_s']:,.0f}", "cmd/s per sub": f"{r['per_sub']:.3f}",
+                          "memory/sub B": f"{r['memory_per_sub']:,.0f}",
+                          "re-owned after kill s": f"{r['reowned_in_s']:.1f} ({r['orphaned']:,} subs)"} for r in rows],
+                        ["subscriptions", "owned in s", "redis cmd/s", "cmd/s per sub", "memory/sub B",
+                         "re-owned after kill s"],
+                        right=("subscriptions", "owned in s", "redis cmd/s", "cmd/s per sub", "memory/sub B")))
+            per_message = await _in_flight_memory(settings, sync)
+            print(f"\nin flight: {per_message:,.0f} bytes of Redis per message between its first attempt and settling")
+            if len(rows) > 1:
+                first, last = rows[0], rows[-1]
+                growth = last["subscriptions"] / first["subscriptions"]
+                added = last["subscriptions"] - first["subscriptions"]
+                marginal = (last["memory_per_sub"] * last["subscriptions"]
+                            - first["memory_per_sub"] * first["subscriptions"]) / added
+                print(f"growth {first['subscriptions']:,} -> {last['subscriptions']:,} subscriptions (x{growth:g}): "
+                      f"Redis commands/s x{last['commands_per_s'] / first['commands_per_s']:.1f}, re-own time "
+                      f"x{last['reowned_in_s'] / first['reowned_in_s']:.1f}; Redis memory per added subscription "
+                      f"{marginal:,.0f} bytes (the fixed part: connections, scripts, cluster state)")
+            return 0
+        finally:
+            sync.close()
+            topology.stop()
 
 
 if __name__ == "__main__":
