@@ -215,8 +215,8 @@ class Dispatcher:
         renewal came through after all (seen in a Redis Cluster failover: unacked, never redelivered).
         Every fenced message of the dispatcher shares one wait, woken by the renewal: a poll each (a
         thousand subscriptions holding messages) woke the loop so often that the lease renewals starved
-        and a worker never recovered from a 7 s Redis pause; one poll each subscription still took
-        30-77% of a core while fenced."""
+        and a worker never recovered from a 7 s Redis pause; a poll a subscription still cost a worker
+        of a thousand fenced subscriptions a fifth of a core."""
         while not self.may_deliver():
             if self._stopping.is_set():
                 return False

@@ -277,7 +277,8 @@ class Fleet:
 
     async def _lose(self, lost: list[str]) -> None:
         """The leases are gone (expired while we were paused or cut off): stop at once, all together
-        (a thousand stops one after another held up the round for seconds)."""
+        (one after another, a broker that does not answer closes would hold up the round for
+        `dispatcher.CLOSE_TIMEOUT` per subscription)."""
         for key in lost:
             self.leases.pop(key, None)
         await asyncio.gather(*(self.worker.remove(key, grace=0) for key in lost))
