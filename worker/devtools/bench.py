@@ -715,30 +715,27 @@ class Run:
 
 async def run_bench(messages: int = 20000, concurrency: int = 64, sections: tuple[str, ...] = SECTIONS,
                     steady_rate: float = 1000.0, rounds: int = 3) -> int:
-    def run_in(directory: Path) -> int:
-        bench = Bench(messages, concurrency, directory)
-        try:
-            print(f"push-worker bench: {', '.join(sections)}; {os.cpu_count()} cores\n")
-            run = Run(bench, rounds)
-            if "core" in sections:
-                run.core()
-            if "concurrency" in sections:
-                run.concurrency()
-            if "subscriptions" in sections:
-                run.subscriptions(steady_rate)
-            if "payload" in sections:
-                run.payload()
-            if "idle" in sections:
-                ready, cpu, rss = bench.idle()
-                print(f"idle: 1000 push subscriptions ready in {ready:.1f}s; idle CPU {100 * cpu:.1f}% of a core; "
-                      f"RSS {rss:.0f} MiB")
-            return 0
-        finally:
-            bench.close()
-
     def work() -> int:
         with scratch_dir("push-worker-bench-") as directory:
-            return run_in(directory)
+            bench = Bench(messages, concurrency, directory)
+            try:
+                print(f"push-worker bench: {', '.join(sections)}; {os.cpu_count()} cores\n")
+                run = Run(bench, rounds)
+                if "core" in sections:
+                    run.core()
+                if "concurrency" in sections:
+                    run.concurrency()
+                if "subscriptions" in sections:
+                    run.subscriptions(steady_rate)
+                if "payload" in sections:
+                    run.payload()
+                if "idle" in sections:
+                    ready, cpu, rss = bench.idle()
+                    print(f"idle: 1000 push subscriptions ready in {ready:.1f}s; idle CPU {100 * cpu:.1f}% of a core; "
+                          f"RSS {rss:.0f} MiB")
+                return 0
+            finally:
+                bench.close()
 
     return await asyncio.to_thread(work)
 
