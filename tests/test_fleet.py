@@ -337,6 +337,51 @@ async def test_a_slow_hand_over_does_not_cost_the_worker_the_subscriptions_it_ke
     assert "lease lost" not in (fleet.tmp / f"{first.id}.log").read_text()
 
 
+async def test_a_stopping_worker_holds_its_leases_until_its_requests_under_way_end(
+        fleet: FleetHarness, endpoint: Endpoint, client: Client):
+    # SIGTERM while requests under way take longer than the lease (3 s): the worker drains them and
+    # only then releases. Its leases used to lapse mid-drain, and the next worker started on the
+    # subscriptions while the first one's requests were still out.
+    answered: list[tuple[float, float]] = []  # (arrived, answered)
+
+    async def slow(rec):
+        await asyncio.sleep(5)
+        answered.append((rec.at, time.monotonic()))
+        return web.Response(status=204)
+
+    endpoint.behaviour = slow
+    names = ["d0", "d1"]
+    ts = topics(2)
+    assert fleet.apply([fleet_sub(n, t, endpoint.url, ack_deadline_seconds=10)
+                        for n, t in zip(names, ts, strict=True)]).returncode == 0
+    for t in ts:
+        client.publish(t, [b"slow"] * 20)
+    first = fleet.start()
+    keys = [f"p-fleet/{n}" for n in names]
+    await eventually(lambda: {r.headers["Pubsub-Subscription"] for r in endpoint.requests if r.status is None}
+                     == set(names), timeout=30, what="requests under way on both subscriptions")
+    first.signal(signal.SIGTERM)
+    stopped_at = time.monotonic()
+    second = fleet.start()
+    taken: dict[str, float] = {}  # when the second worker first held each lease
+
+    def watch() -> None:
+        while len(taken) < len(keys) and time.monotonic() - stopped_at < 40:
+            now = time.monotonic()
+            for key, owner in fleet.owners(keys).items():
+                if owner == second.id:
+                    taken.setdefault(key, now)
+            time.sleep(0.02)
+
+    await asyncio.to_thread(watch)
+    assert await asyncio.to_thread(first.stop) == 0
+    assert set(taken) == set(keys), "the second worker took over"
+    drained = max(done for arrived, done in answered if arrived < stopped_at)
+    assert drained - stopped_at > 3, "the drain outlasted the lease"
+    assert min(taken.values()) >= drained, (
+        f"a lease moved {drained - min(taken.values()):.1f}s before the first worker's requests ended")
+
+
 @ALL_REDIS
 async def test_live_edits_take_effect_immutable_edits_refused_delete_stops(
         fleet: FleetHarness, endpoint: Endpoint, client: Client, broker, tmp_path):

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import ResponseError
 
@@ -153,8 +154,7 @@ class Fleet:
         results = await asyncio.gather(
             self.batch.submit("EVAL", _HEARTBEAT, 1, self.members_key, self.me, self.member_ttl_ms),
             self.batch.submit("GET", self.registry.version_key),
-            *(self.batch.operation(RENEW, (), (self.me, self.ttl_ms), (keys.lease_key(key),), (), key)
-              for key in held),
+            *(self._renewal(key) for key in held),
             return_exceptions=True)
         for result in results:
             if isinstance(result, REDIS_DOWN) and not isinstance(result, ResponseError):
@@ -170,17 +170,27 @@ class Fleet:
         if isinstance(version, Exception):
             self._ignore("registry version", str(version))
             version = object()  # unreadable: read the registry every round until it is repaired
-        lost = []
-        for key, renewed in zip(held, results[2:], strict=True):
-            if isinstance(renewed, list) and renewed[0] == 1:
-                self.leases[key].renewed(sent_at)
-            else:
-                lost.append(key)
-        await self._lose(lost)
+        await self._lose(self._renewed(held, results[2:], sent_at))
         if version != self._registry_version:
             await self._read_registry()
             self._registry_version = version
         await self._reconcile()
+
+    def _renewal(self, key: str) -> asyncio.Future[Any]:
+        return self.batch.operation(RENEW, (), (self.me, self.ttl_ms), (keys.lease_key(key),), (), key)
+
+    def _renewed(self, held: list[str], results: Sequence[Any], sent_at: float) -> list[str]:
+        """Mark the leases renewed; returns those that were not (someone else's now, or Redis failed)."""
+        lost = []
+        for key, renewed in zip(held, results, strict=True):
+            lease = self.leases.get(key)
+            if lease is None:  # released meanwhile (a hand-over that ended while the renewal was out)
+                continue
+            if isinstance(renewed, list) and renewed[0] == 1:
+                lease.renewed(sent_at)
+            else:
+                lost.append(key)
+        return lost
 
     async def _read_registry(self) -> None:
         """The registry, paused and expired sets. One that cannot be read (a key of the wrong type)
@@ -325,7 +335,10 @@ class Fleet:
             self._ignore("seek request", f"{key}: {e}")
 
     async def leave(self) -> None:
-        """Clean scale-down: drain and release every lease, leave the member set, tell the others."""
+        """Clean scale-down: leave the member set at once, so the others take each subscription as
+        soon as its lease is released; drain every subscription and release its lease. The leases are
+        renewed while their subscriptions drain: left to lapse, a drain longer than the lease let the
+        next owner start while this worker's requests were still under way."""
         tasks = [*self._tasks, *self._seeks]
         for task in tasks:
             task.cancel()
@@ -333,10 +346,26 @@ class Fleet:
             _, stuck = await asyncio.wait(tasks, timeout=10)
             for task in stuck:  # bounded: leaving must not wait on a task that did not end on cancel
                 self.log.warning("task did not stop when leaving the fleet", task=task.get_name())
-        await asyncio.gather(*self._handovers.values(),
-                             *(self._hand_over(k) for k in list(self.leases) if k not in self._handovers),
-                             return_exceptions=True)
         with contextlib.suppress(*REDIS_DOWN):
             await self.client.zrem(self.members_key, self.me)
             await self.client.publish(self.registry.channel, b"members")
+        for key in list(self.leases):
+            if key not in self._handovers:
+                self._start_hand_over(key)
+        renewing = asyncio.create_task(self._renew_while_draining(), name="renew while leaving")
+        try:
+            await asyncio.gather(*self._handovers.values(), return_exceptions=True)
+        finally:
+            renewing.cancel()
+            await asyncio.gather(renewing, return_exceptions=True)
         await self.batch.close()
+
+    async def _renew_while_draining(self) -> None:
+        # A renewal that fails leaves the lease to lapse: its dispatcher is fenced (no new attempt),
+        # and the release at the end of the drain only deletes a lease that is still ours.
+        while self.leases:
+            sent_at = time.monotonic()
+            held = [key for key, lease in self.leases.items() if lease.due(sent_at)]
+            results = await asyncio.gather(*(self._renewal(key) for key in held), return_exceptions=True)
+            self._renewed(held, results, sent_at)
+            await asyncio.sleep(self.settings.heartbeat_seconds)
