@@ -5,12 +5,16 @@ delivery waited (p99 latency of 60-100 ms with a thousand subscriptions)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
+import redis
+
+from tests.helpers import eventually
 from tests.redis_targets import ALL_REDIS, RedisTarget
 from worker import keys, redis_client
-from worker.config import FleetSettings
+from worker.config import FleetSettings, RedisSettings
 from worker.devtools.fleet_scale import SimulatedWorker, scale_subscription
 from worker.fleet import Fleet
 
@@ -62,6 +66,34 @@ async def test_a_thousand_leases_renew_and_report_in_a_few_commands(redis_target
         # subscription: a script call stays within one slot, and each subscription has its own.
         limit = COUNT + 2 if redis_target.mode == "cluster" else 10
         assert calls <= limit, f"{calls} script calls for {COUNT} renewals"
+    finally:
+        await fleet.batch.close()
+        await client.aclose()
+        sync.close()
+
+
+async def test_a_lease_released_while_its_renewal_was_out_does_not_fail_the_round(redis_url: str):
+    # Hand-overs drain in the background and drop their lease when they end, which can fall between
+    # a round sending its renewals and reading the answers. The round looked the lease up again
+    # and failed (KeyError): the fleet loop, heartbeat and renewals of every other lease with it.
+    subs = tuple(scale_subscription(i) for i in range(2))
+    client = redis_client.connect(RedisSettings(url=redis_url), socket_timeout=10)
+    sync = redis.Redis.from_url(redis_url)
+    fleet = Fleet(SimulatedWorker("w-race"), client,  # type: ignore[arg-type]
+                  FleetSettings(name=f"race-{time.monotonic_ns()}", lease_seconds=6.0, heartbeat_seconds=1.0), subs)
+    try:
+        await fleet.tick()
+        assert len(fleet.leases) == 2
+        for lease in fleet.leases.values():
+            lease.valid_until = time.monotonic()  # both due for renewal this round
+        sync.execute_command("CLIENT", "PAUSE", 500, "ALL")  # the renewals wait in Redis
+        round_ = asyncio.create_task(fleet.tick())
+        await eventually(lambda: fleet.batch._flusher is not None and not fleet.batch._flusher.done(),
+                         what="the renewals sent")
+        released = subs[0].key
+        del fleet.leases[released]  # what a hand-over does when its drain ends
+        await asyncio.wait_for(round_, timeout=10)
+        assert fleet.leases[subs[1].key].valid(), "the other lease was renewed"
     finally:
         await fleet.batch.close()
         await client.aclose()
