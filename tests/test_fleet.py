@@ -337,6 +337,26 @@ async def test_a_slow_hand_over_does_not_cost_the_worker_the_subscriptions_it_ke
     assert "lease lost" not in (fleet.tmp / f"{first.id}.log").read_text()
 
 
+async def test_a_clean_stop_hands_over_at_once_not_at_the_next_heartbeat(
+        tmp_path, broker, redis_url: str, endpoint: Endpoint):
+    # The leaving worker tells the others when its leases are free: with heartbeats 5 s apart, the
+    # others must not wait for their next round to take over.
+    fleet = FleetHarness(tmp_path, broker.url, redis_url, lease_seconds=10, heartbeat_seconds=5)
+    try:
+        names = [f"h{i}" for i in range(4)]
+        assert fleet.apply([fleet_sub(n, t, endpoint.url) for n, t in zip(names, topics(4), strict=True)]
+                           ).returncode == 0
+        leaving, staying = fleet.start(), fleet.start()
+        keys = [f"p-fleet/{n}" for n in names]
+        await asyncio.to_thread(settled_ownership, fleet, [leaving, staying], keys, 2)
+        leaving.signal(signal.SIGTERM)
+        await asyncio.to_thread(wait_sync, lambda: all(o == staying.id for o in fleet.owners(keys).values()), 2.5,
+                                "the staying worker holds every lease")
+        assert await asyncio.to_thread(leaving.stop) == 0
+    finally:
+        fleet.close()
+
+
 async def test_a_stopping_worker_holds_its_leases_until_its_requests_under_way_end(
         fleet: FleetHarness, endpoint: Endpoint, client: Client):
     # SIGTERM while requests under way take longer than the lease (3 s): the worker drains them and

@@ -358,6 +358,8 @@ class Fleet:
         finally:
             renewing.cancel()
             await asyncio.gather(renewing, return_exceptions=True)
+        with contextlib.suppress(*REDIS_DOWN):  # the leases are free: the others take them now, not next round
+            await self.client.publish(self.registry.channel, b"members")
         await self.batch.close()
 
     async def _renew_while_draining(self) -> None:
