@@ -23,7 +23,8 @@ def worker_config(path: Path, broker_url: str, redis: str | dict, topic: str, ur
         "destinations": {"allow_private": True}, "shutdown_grace_seconds": 10,
         "log": {"format": "json", "level": "info"},
         "subscriptions": [{
-            "name": "crashy", "topic": topic, "max_deliver": sub.get("max_deliver", 5),
+            "name": "crashy", "topic": topic, "type": sub.get("type", "shared"),
+            "max_deliver": sub.get("max_deliver", 5),
             "ack_deadline_seconds": 5, "retry": {"min_backoff_seconds": 0.3, "max_backoff_seconds": 0.6},
             "deliver": {"mode": "push", "push": {"url": url}},
             "dead_letter": {"topic": topic + "-dlq"},
@@ -101,6 +102,35 @@ async def test_sigterm_lets_in_flight_deliveries_finish_then_exits(
         proc.send_signal(signal.SIGTERM)
         proc.wait(20)
     assert len(endpoint.requests) == 3
+
+
+async def test_sigterm_sends_nothing_more_of_an_ordered_subscription_than_what_is_under_way(
+        broker, redis_url, endpoint: Endpoint, client: Client, topic, tmp_path):
+    # Exclusive: one lane. The messages queued behind the one under way are not sent during the
+    # drain: they go back to the broker, and the next worker delivers them, in order.
+    started = asyncio.Event()
+
+    async def slow(rec):
+        started.set()
+        await asyncio.sleep(1.5)
+        return web.Response(status=204)
+
+    endpoint.behaviour = slow
+    config = worker_config(tmp_path / "w.yaml", broker.url, redis_url, topic, endpoint.url, type="exclusive")
+    client.publish(topic, [b"a", b"b", b"c"])
+    proc = spawn_worker(config, tmp_path / "w.log")
+    await asyncio.wait_for(started.wait(), 30)
+    proc.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(proc.wait, 20) == 0
+    assert [r.body_payload for r in endpoint.requests] == [b"a"]
+    endpoint.behaviour = None
+    proc = spawn_worker(config, tmp_path / "w2.log")
+    try:
+        await eventually(lambda: len(endpoint.requests) >= 3, what="the rest delivered by the next worker")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
+    assert [r.body_payload for r in endpoint.requests] == [b"a", b"b", b"c"]
 
 
 async def test_broker_restart_during_delivery_recovers_without_loss(
