@@ -305,23 +305,33 @@ async def test_rolling_restart_under_load_loses_nothing(fleet: FleetHarness, end
           f"({100 * duplicates / total:.2f}%)")
 
 
+def _slow_subscriptions(fleet: FleetHarness, endpoint: Endpoint, client: Client, prefix: str, count: int,
+                        backlog: int, seconds: float, answered: list[tuple[float, float]] | None = None) -> list[str]:
+    """`count` subscriptions of `backlog` messages each, their endpoint answering 204 after `seconds`
+    (noted in `answered` as (arrived, answered)); returns their names."""
+    async def slow(rec):
+        await asyncio.sleep(seconds)
+        if answered is not None:
+            answered.append((rec.at, time.monotonic()))
+        return web.Response(status=204)
+
+    endpoint.behaviour = slow
+    names = [f"{prefix}{i}" for i in range(count)]
+    ts = topics(count)
+    assert fleet.apply([fleet_sub(n, t, endpoint.url, ack_deadline_seconds=10)
+                        for n, t in zip(names, ts, strict=True)]).returncode == 0
+    for t in ts:
+        client.publish(t, [b"slow"] * backlog)
+    return names
+
+
 async def test_a_slow_hand_over_does_not_cost_the_worker_the_subscriptions_it_keeps(
         fleet: FleetHarness, endpoint: Endpoint, client: Client):
     # A second worker joins while every subscription has requests under way that take longer than
     # the lease (3 s). The first worker drains what it hands over; its rounds, heartbeat and renewals
     # must go on meanwhile. They used to wait for the drains: the leases it kept lapsed, its member
     # entry too, and the other worker took everything, then gave half of it back.
-    async def slow(rec):
-        await asyncio.sleep(4)
-        return web.Response(status=204)
-
-    endpoint.behaviour = slow
-    names = [f"s{i}" for i in range(8)]
-    ts = topics(8)
-    assert fleet.apply([fleet_sub(n, t, endpoint.url, ack_deadline_seconds=10)
-                        for n, t in zip(names, ts, strict=True)]).returncode == 0
-    for t in ts:
-        client.publish(t, [b"slow"] * 100)
+    names = _slow_subscriptions(fleet, endpoint, client, "s", 8, backlog=100, seconds=4)
     first = fleet.start()
     keys = [f"p-fleet/{n}" for n in names]
     await asyncio.to_thread(wait_sync, lambda: len(first.owned()) == 8, 30, "the first worker owns all")
@@ -363,19 +373,7 @@ async def test_a_stopping_worker_holds_its_leases_until_its_requests_under_way_e
     # only then releases. Its leases used to lapse mid-drain, and the next worker started on the
     # subscriptions while the first one's requests were still out.
     answered: list[tuple[float, float]] = []  # (arrived, answered)
-
-    async def slow(rec):
-        await asyncio.sleep(5)
-        answered.append((rec.at, time.monotonic()))
-        return web.Response(status=204)
-
-    endpoint.behaviour = slow
-    names = ["d0", "d1"]
-    ts = topics(2)
-    assert fleet.apply([fleet_sub(n, t, endpoint.url, ack_deadline_seconds=10)
-                        for n, t in zip(names, ts, strict=True)]).returncode == 0
-    for t in ts:
-        client.publish(t, [b"slow"] * 20)
+    names = _slow_subscriptions(fleet, endpoint, client, "d", 2, backlog=20, seconds=5, answered=answered)
     first = fleet.start()
     keys = [f"p-fleet/{n}" for n in names]
     await eventually(lambda: {r.headers["Pubsub-Subscription"] for r in endpoint.requests if r.status is None}
