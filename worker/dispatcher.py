@@ -294,39 +294,51 @@ class Dispatcher:
         self._tasks.add(task)  # keep a reference: the loop holds tasks weakly
         task.add_done_callback(self._tasks.discard)
 
-    def _pass_lane(self, lane: str) -> None:
-        """The lane's message under way has settled: its next one goes now (a task of its own, like
-        any message: a task per lane plus one per settled record cost key-shared a tenth more CPU
-        per message than shared). Stopping, the rest is released to the broker with the consumer."""
+    def _next_in_lane(self, lane: str) -> tuple[Any, Envelope] | None:
+        """The lane's message under way has settled: its next one, or None when the lane is done."""
         queue = self._lanes[lane]
         if queue and not self._stopping.is_set():
-            message, env = queue.popleft()
-            self._spawn(self._settle_one(message, env, lane))
-            return
-        del self._lanes[lane]
-        for _, env in queue:
+            return queue.popleft()
+        self._end_lane(lane)
+        return None
+
+    def _end_lane(self, lane: str) -> None:
+        for _, env in self._lanes.pop(lane):  # stopping: released to the broker with the consumer
             self._active.discard(env.message_id)
             self.window.release()
 
     # -- one message -------------------------------------------------------------------------
 
     async def _settle_one(self, message: Any, env: Envelope, lane: str | None = None) -> None:
-        record: Awaitable[None] | None = None
-        try:
-            record = await self._deliver_until_settled(message, env)
-        except Exception as e:  # a bug must not strand the message: loud, and the broker redelivers it
-            self.ctx.supervisor.failed("settle", e)
-            with contextlib.suppress(Exception):
-                await self.consumer.negative_acknowledge(message)
-        finally:
-            self._active.discard(env.message_id)
-            self.window.release()
-            if lane is not None:
-                self._pass_lane(lane)
-        # Settled once the broker has the ack: the slot is free and the lane's next message under way
-        # already; the Redis record follows.
-        if record is not None:
-            await record
+        """Settle the message; in a lane, then the messages queued behind it, one after another, in
+        this same task. A task per lane and one per settled record cost key-shared, whose lanes are
+        mostly one message long, a tenth more CPU per message than shared: a lane whose queue is
+        empty now ends with its record written in its own task."""
+        while True:
+            record: Awaitable[None] | None = None
+            try:
+                record = await self._deliver_until_settled(message, env)
+            except asyncio.CancelledError:
+                if lane is not None:
+                    self._end_lane(lane)
+                raise
+            except Exception as e:  # a bug must not strand the message: loud, and the broker redelivers it
+                self.ctx.supervisor.failed("settle", e)
+                with contextlib.suppress(Exception):
+                    await self.consumer.negative_acknowledge(message)
+            finally:
+                self._active.discard(env.message_id)
+                self.window.release()
+            # Settled once the broker has the ack: the slot is free; the Redis record follows (in the
+            # background when the lane's next message is waiting, so that it goes at once).
+            following = self._next_in_lane(lane) if lane is not None else None
+            if following is None:
+                if record is not None:
+                    await record
+                return
+            if record is not None:
+                self._spawn(record)
+            message, env = following
 
     async def _deliver_until_settled(self, message: Any, env: Envelope) -> Awaitable[None] | None:
         """Deliver until acked, dead-lettered or dropped; returns the settled record still to write."""

@@ -7,7 +7,8 @@ CPU per request), for latency a bare Pulsar consumer on the same topic, and in `
 process that only receives, POSTs and acks, as the worker does but with nothing else (what the
 worker spends above it is what the delivery contract costs). Sections: `core` (1 KiB
 throughput and latency), `subscriptions` (many subscriptions at a steady rate), `payload` (64 KiB
-and 1 MiB bodies), `concurrency` (16 and 256); `make bench` runs them all.
+and 1 MiB bodies), `concurrency` (16 and 256), `dispatcher` (the dispatcher alone, in process:
+`dispatcher_bench`); `make bench` runs them all.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from worker import embedded
 from worker.consumer import CONSUMER_TYPES, PulsarConsumer, to_envelope
 from worker.destinations import DestinationPolicy, GuardedResolver
-from worker.devtools import apache_pulsar, redis_topologies
+from worker.devtools import apache_pulsar, dispatcher_bench, redis_topologies
 from worker.devtools.scratch import scratch_dir
 from worker.http1 import Client
 from worker.messages import Envelope, build_request
@@ -566,7 +567,7 @@ def _metric(ps: psutil.Process, name: str) -> float:
     return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)
 
 
-SECTIONS = ("core", "concurrency", "subscriptions", "payload", "idle")
+SECTIONS = ("dispatcher", "core", "concurrency", "subscriptions", "payload", "idle")
 KIB = 1024
 
 
@@ -716,10 +717,14 @@ class Run:
 async def run_bench(messages: int = 20000, concurrency: int = 64, sections: tuple[str, ...] = SECTIONS,
                     steady_rate: float = 1000.0, rounds: int = 3) -> int:
     def work() -> int:
+        print(f"push-worker bench: {', '.join(sections)}; {os.cpu_count()} cores\n")
+        if "dispatcher" in sections:  # in-process: needs no broker, Redis or sink
+            print(dispatcher_bench.report(window=concurrency))
+            if sections == ("dispatcher",):
+                return 0
         with scratch_dir("push-worker-bench-") as directory:
             bench = Bench(messages, concurrency, directory)
             try:
-                print(f"push-worker bench: {', '.join(sections)}; {os.cpu_count()} cores\n")
                 run = Run(bench, rounds)
                 if "core" in sections:
                     run.core()
