@@ -312,8 +312,8 @@ class Dispatcher:
     async def _settle_one(self, message: Any, env: Envelope, lane: str | None = None) -> None:
         """Settle the message; in a lane, then the messages queued behind it, one after another, in
         this same task. A task per lane and one per settled record cost key-shared, whose lanes are
-        mostly one message long, a tenth more CPU per message than shared: a lane whose queue is
-        empty now ends with its record written in its own task."""
+        mostly one message long, about 4 us a message more than shared (`make bench --section
+        dispatcher`): a lane with nothing waiting ends with its record written in its own task."""
         while True:
             record: Awaitable[None] | None = None
             try:
