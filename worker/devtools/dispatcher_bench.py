@@ -115,8 +115,12 @@ async def _measure(messages: int, window: int, runs: int) -> dict[str, list[floa
 def report(messages: int = 40000, window: int = 64, runs: int = 7) -> str:
     """Run the cases on a loop of their own (uvloop, as the worker) and describe them."""
     logs.configure("json", "error")
-    gc.set_threshold(*GC_THRESHOLD)  # as the worker runs
-    figures = uvloop.run(_measure(messages, window, runs))
+    previous = gc.get_threshold()
+    gc.set_threshold(*GC_THRESHOLD)  # as the worker runs; the bench's own process gets its setting back
+    try:
+        figures = uvloop.run(_measure(messages, window, runs))
+    finally:
+        gc.set_threshold(*previous)
     shared = statistics.median(figures["shared"])
     lines = [f"dispatcher alone (in-memory consumer, attempt store and endpoint; {messages} messages, "
              f"window {window}, {runs} interleaved runs): CPU per message, median"]
