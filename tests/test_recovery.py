@@ -1,4 +1,4 @@
-"""Crashes and restarts: a worker killed with SIGKILL, SIGTERM drain, broker and Redis restarts."""
+"""Crashes and restarts: a worker killed with SIGKILL, SIGTERM drain, broker and Redis restarts and freezes."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ def worker_config(path: Path, broker_url: str, redis: str | dict, topic: str, ur
             "ack_deadline_seconds": 5, "retry": {"min_backoff_seconds": 0.3, "max_backoff_seconds": 0.6},
             "deliver": {"mode": "push", "push": {"url": url}},
             "dead_letter": {"topic": topic + "-dlq"},
+            **({"max_ack_pending": sub["max_ack_pending"]} if "max_ack_pending" in sub else {}),
         }],
     }
     path.write_text(yaml.safe_dump(doc))
@@ -171,6 +172,74 @@ async def test_redis_restart_during_delivery_recovers_and_counts_continue(
     for m in ids:
         numbers = [int(r.headers["Pubsub-Delivery-Attempt"]) for r in endpoint.by_id()[m]]
         assert numbers == sorted(set(numbers)), numbers  # persisted counts: numbering never goes back
+
+
+async def _slow_204(_rec) -> web.Response:
+    await asyncio.sleep(0.3)
+    return web.Response(status=204)
+
+
+def _assert_numbering_never_repeats(endpoint: Endpoint) -> None:
+    for mid, requests in endpoint.by_id().items():
+        numbers = [int(r.headers["Pubsub-Delivery-Attempt"]) for r in requests]
+        assert numbers == sorted(set(numbers)), f"{mid}: {numbers}"
+
+
+async def test_a_frozen_broker_holds_delivery_and_the_thaw_delivers_the_rest(
+        own_broker, redis_url, endpoint: Endpoint, topic, tmp_path):
+    """SIGSTOP of the broker mid-stream: its connections stay open and nothing answers. The worker
+    delivers what it already holds, then waits; on SIGCONT it delivers the rest and what was
+    published after, and is still running."""
+    endpoint.behaviour = _slow_204
+    config = worker_config(tmp_path / "w.yaml", own_broker.url, redis_url, topic, endpoint.url, max_ack_pending=10)
+    client = Client(own_broker.url)
+    proc = spawn_worker(config, tmp_path / "w.log")
+    try:
+        ids = client.publish(topic, [b"m%d" % i for i in range(100)])
+        await eventually(lambda: len(endpoint.requests) >= 10, what="delivering")
+        own_broker.proc.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(8)  # the freeze itself (10 messages in flight, 10 prefetched)
+        finally:
+            own_broker.proc.send_signal(signal.SIGCONT)
+        assert len(endpoint.by_id()) < len(ids)  # the freeze held delivery: what follows is the thaw's
+        ids += client.publish(topic, [b"n%d" % i for i in range(20)])
+        await eventually(lambda: set(ids) <= set(endpoint.by_id()), timeout=60, what="everything after the thaw")
+        assert proc.poll() is None
+    finally:
+        client.close()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    _assert_numbering_never_repeats(endpoint)
+
+
+async def test_a_frozen_redis_stops_every_attempt_and_the_thaw_delivers_the_rest(
+        broker, own_redis, endpoint: Endpoint, client: Client, topic, tmp_path):
+    """SIGSTOP of Redis mid-stream (its connections stay open, nothing answers): once the requests
+    under way have ended, no request goes out without its attempt count, while the worker's lease
+    still holds; after SIGCONT everything is delivered, no attempt number repeated."""
+    endpoint.behaviour = _slow_204
+    config = worker_config(tmp_path / "w.yaml", broker.url, own_redis.url, topic, endpoint.url, max_ack_pending=10)
+    ids = client.publish(topic, [b"m%d" % i for i in range(100)])
+    proc = spawn_worker(config, tmp_path / "w.log")
+    try:
+        await eventually(lambda: len(endpoint.requests) >= 10, what="delivering")
+        own_redis.proc.send_signal(signal.SIGSTOP)
+        try:
+            await eventually(lambda: all(r.status is not None for r in endpoint.requests), what="under way ended")
+            await asyncio.sleep(0.5)  # a count Redis answered just before the freeze may still send its request
+            during = len(endpoint.requests)
+            await asyncio.sleep(5)  # the rest of the freeze, within the lease (10 s)
+            assert len(endpoint.requests) == during, "a request went out while Redis could not count it"
+        finally:
+            own_redis.proc.send_signal(signal.SIGCONT)
+        ids += client.publish(topic, [b"n%d" % i for i in range(20)])
+        await eventually(lambda: set(ids) <= set(endpoint.by_id()), timeout=60, what="everything after the thaw")
+        assert proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    _assert_numbering_never_repeats(endpoint)
 
 
 async def test_connect_time_check_refuses_private_addresses(start_worker, endpoint: Endpoint, client, topic):
