@@ -6,6 +6,7 @@ import asyncio
 import signal
 from pathlib import Path
 
+import pytest
 import yaml
 from aiohttp import web
 
@@ -16,8 +17,9 @@ from worker.destinations import DestinationPolicy
 from worker.subscriptions import RetryPolicy
 
 
-def worker_config(path: Path, broker_url: str, redis: str | dict, topic: str, url: str, **sub) -> Path:
-    doc = {
+def worker_config(path: Path, broker_url: str, redis: str | dict, topic: str, url: str, fleet: dict | None = None,
+                  **sub) -> Path:
+    doc: dict = {
         "pulsar": {"service_url": broker_url}, "redis": {"url": redis} if isinstance(redis, str) else redis,
         "http": {"port": 0},
         "destinations": {"allow_private": True}, "shutdown_grace_seconds": 10,
@@ -31,6 +33,8 @@ def worker_config(path: Path, broker_url: str, redis: str | dict, topic: str, ur
             **({"max_ack_pending": sub["max_ack_pending"]} if "max_ack_pending" in sub else {}),
         }],
     }
+    if fleet is not None:
+        doc["fleet"] = fleet
     path.write_text(yaml.safe_dump(doc))
     return path
 
@@ -213,13 +217,17 @@ async def test_a_frozen_broker_holds_delivery_and_the_thaw_delivers_the_rest(
     _assert_numbering_never_repeats(endpoint)
 
 
+# A 10 s lease is renewed once less than about 7 s of it is left in Redis: a freeze of 4-5 s stays within it.
+@pytest.mark.parametrize("lease, frozen_for", [(10.0, 3.0), (3.0, 7.0)], ids=["within-the-lease", "past-the-lease"])
 async def test_a_frozen_redis_stops_every_attempt_and_the_thaw_delivers_the_rest(
-        broker, own_redis, endpoint: Endpoint, client: Client, topic, tmp_path):
+        broker, own_redis, endpoint: Endpoint, client: Client, topic, tmp_path, lease: float, frozen_for: float):
     """SIGSTOP of Redis mid-stream (its connections stay open, nothing answers): once the requests
-    under way have ended, no request goes out without its attempt count, while the worker's lease
-    still holds; after SIGCONT everything is delivered, no attempt number repeated."""
+    under way have ended, no request goes out without its attempt count. Past the lease, the worker
+    also loses its lease and takes the subscription again after the thaw. After SIGCONT everything
+    is delivered, no attempt number repeated."""
     endpoint.behaviour = _slow_204
-    config = worker_config(tmp_path / "w.yaml", broker.url, own_redis.url, topic, endpoint.url, max_ack_pending=10)
+    config = worker_config(tmp_path / "w.yaml", broker.url, own_redis.url, topic, endpoint.url,
+                           fleet={"lease_seconds": lease}, max_ack_pending=10)
     ids = client.publish(topic, [b"m%d" % i for i in range(100)])
     proc = spawn_worker(config, tmp_path / "w.log")
     try:
@@ -229,7 +237,7 @@ async def test_a_frozen_redis_stops_every_attempt_and_the_thaw_delivers_the_rest
             await eventually(lambda: all(r.status is not None for r in endpoint.requests), what="under way ended")
             await asyncio.sleep(0.5)  # a count Redis answered just before the freeze may still send its request
             during = len(endpoint.requests)
-            await asyncio.sleep(5)  # the rest of the freeze, within the lease (10 s)
+            await asyncio.sleep(frozen_for)  # the rest of the freeze
             assert len(endpoint.requests) == during, "a request went out while Redis could not count it"
         finally:
             own_redis.proc.send_signal(signal.SIGCONT)
@@ -239,6 +247,7 @@ async def test_a_frozen_redis_stops_every_attempt_and_the_thaw_delivers_the_rest
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+    assert ("lease lost" in (tmp_path / "w.log").read_text()) is (frozen_for > lease)
     _assert_numbering_never_repeats(endpoint)
 
 
