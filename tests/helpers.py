@@ -1,5 +1,6 @@
 """Helpers every test module shares (fixtures live in conftest.py): polling with a deadline, "nothing
-happens" windows, worker processes, the command line, HTTP probes, subscription definitions."""
+happens" windows, worker processes, the command line, HTTP probes, what an endpoint saw, subscription
+definitions."""
 
 from __future__ import annotations
 
@@ -13,11 +14,14 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from worker.config import Settings, load_settings
+
+if TYPE_CHECKING:  # conftest imports this module
+    from tests.conftest import Endpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -118,6 +122,15 @@ def http_get(url: str) -> tuple[int, dict[str, Any]]:
 def metrics_text(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         return str(r.read().decode())
+
+
+# -- what an endpoint saw ---------------------------------------------------------------------
+
+def assert_numbering_never_repeats(endpoint: Endpoint) -> None:
+    """Every message's attempt numbers, in the order the endpoint received them, only go up."""
+    for mid, requests in endpoint.by_id().items():
+        numbers = [int(r.headers["Pubsub-Delivery-Attempt"]) for r in requests]
+        assert numbers == sorted(set(numbers)), f"{mid}: numbering went back or repeated: {numbers}"
 
 
 # -- definitions ------------------------------------------------------------------------------

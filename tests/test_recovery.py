@@ -11,7 +11,7 @@ import yaml
 from aiohttp import web
 
 from tests.conftest import Client, Endpoint, make_sub
-from tests.helpers import assert_stays, eventually, spawn_worker
+from tests.helpers import assert_numbering_never_repeats, assert_stays, eventually, spawn_worker
 from tests.redis_targets import ALL_REDIS, RedisTarget
 from worker.destinations import DestinationPolicy
 from worker.subscriptions import RetryPolicy
@@ -173,20 +173,12 @@ async def test_redis_restart_during_delivery_recovers_and_counts_continue(
                      what="attempts after the Redis restart")
     fail_first = False
     await eventually(lambda: w.dispatchers[sub.key].stats.acked == 10, timeout=30, what="all delivered")
-    for m in ids:
-        numbers = [int(r.headers["Pubsub-Delivery-Attempt"]) for r in endpoint.by_id()[m]]
-        assert numbers == sorted(set(numbers)), numbers  # persisted counts: numbering never goes back
+    assert_numbering_never_repeats(endpoint)  # persisted counts: numbering never goes back
 
 
 async def _slow_204(_rec) -> web.Response:
     await asyncio.sleep(0.3)
     return web.Response(status=204)
-
-
-def _assert_numbering_never_repeats(endpoint: Endpoint) -> None:
-    for mid, requests in endpoint.by_id().items():
-        numbers = [int(r.headers["Pubsub-Delivery-Attempt"]) for r in requests]
-        assert numbers == sorted(set(numbers)), f"{mid}: {numbers}"
 
 
 async def test_a_frozen_broker_holds_delivery_and_the_thaw_delivers_the_rest(
@@ -214,7 +206,7 @@ async def test_a_frozen_broker_holds_delivery_and_the_thaw_delivers_the_rest(
         client.close()
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
-    _assert_numbering_never_repeats(endpoint)
+    assert_numbering_never_repeats(endpoint)
 
 
 # A 10 s lease is renewed once less than about 7 s of it is left in Redis: a freeze of 4-5 s stays within it.
@@ -248,7 +240,7 @@ async def test_a_frozen_redis_stops_every_attempt_and_the_thaw_delivers_the_rest
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
     assert ("lease lost" in (tmp_path / "w.log").read_text()) is (frozen_for > lease)
-    _assert_numbering_never_repeats(endpoint)
+    assert_numbering_never_repeats(endpoint)
 
 
 async def test_connect_time_check_refuses_private_addresses(start_worker, endpoint: Endpoint, client, topic):
