@@ -1,13 +1,21 @@
-"""The embedded default started from a directory with the default, relative state_dir."""
+"""The embedded default: started from a directory with the default, relative state_dir; a worker
+killed with SIGKILL, and the next one started on its state_dir."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import signal
 from pathlib import Path
 
+import pytest
 import yaml
+from aiohttp import web
 
-from tests.helpers import http_get, spawn_worker, wait_sync
-from worker.embedded import free_port, terminate
+from tests.conftest import Endpoint
+from tests.helpers import assert_numbering_never_repeats, cli, eventually, http_get, spawn_worker, wait_sync
+from worker.embedded import EmbeddedError, free_port, start_redis, terminate
 
 
 def test_run_with_the_default_relative_state_dir_reads_its_backlog(tmp_path: Path):
@@ -35,3 +43,104 @@ def test_run_with_the_default_relative_state_dir_reads_its_backlog(tmp_path: Pat
     finally:
         assert terminate(proc, 30) == 0
     assert "backlog read failed" not in (tmp_path / "w.log").read_text()
+
+
+def _state(pid: int) -> str:
+    """The process's state letter (R, S, T stopped, Z zombie...); '' when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's reaper may be slow, or absent in a container)."""
+    return _state(pid) not in ("", "Z")
+
+
+def _embedded_config(path: Path, state_dir: Path, url: str) -> Path:
+    path.write_text(yaml.safe_dump({
+        "state_dir": str(state_dir), "http": {"port": free_port()}, "destinations": {"allow_private": True},
+        "log": {"format": "json"},
+        "subscriptions": [{"name": "local", "topic": "persistent://p-local/main/t", "max_deliver": 50,
+                           "retry": {"min_backoff_seconds": 0.3, "max_backoff_seconds": 0.3},
+                           "deliver": {"mode": "push", "push": {"url": url}}}]}))
+    return path
+
+
+async def test_a_killed_worker_takes_its_broker_and_redis_along_and_the_next_start_goes_on(
+        endpoint: Endpoint, tmp_path: Path):
+    """A worker killed with SIGKILL used to leave its embedded broker and Redis running: they held
+    its state_dir's data, and the next start failed ("pulsar-lite exited with code 1")."""
+    state = tmp_path / "state"
+    endpoint.behaviour = lambda rec: web.Response(status=500 if rec.body_payload == b"doomed" else 204)
+    config = _embedded_config(tmp_path / "w.yaml", state, endpoint.url + "?raw")
+    record = state / "endpoints.json"
+
+    async def start(n: int) -> tuple[object, dict]:
+        proc = spawn_worker(config, tmp_path / f"w{n}.log")
+        await eventually(lambda: record.exists() and json.loads(record.read_text())["worker_pid"] == proc.pid,
+                         timeout=30, what=f"worker {n}'s embedded services recorded")
+        return proc, json.loads(record.read_text())["pids"]
+
+    async def publish(data: str) -> str:
+        code, out, err = await cli("publish", "persistent://p-local/main/t", data, "--config", str(config))
+        assert code == 0, err
+        return out.strip()
+
+    def delivered(mid: str) -> bool:
+        return any(r.acked for r in endpoint.by_id().get(mid, []))
+
+    proc, pids = await start(1)
+    doomed = await publish("doomed")
+    first = await publish("first")
+    await eventually(lambda: delivered(first) and len(endpoint.by_id().get(doomed, [])) >= 2, timeout=30,
+                     what="the first message delivered and two attempts of the doomed one")
+    proc.send_signal(signal.SIGKILL)
+    await asyncio.to_thread(proc.wait, 10)
+    await eventually(lambda: not any(_running(pid) for pid in pids.values()), timeout=20,
+                     what="the killed worker's broker and Redis gone with it")
+    tried = len(endpoint.by_id()[doomed])
+
+    proc, pids = await start(2)
+    try:
+        second = await publish("second")
+        await eventually(lambda: delivered(second) and len(endpoint.by_id()[doomed]) > tried + 1, timeout=30,
+                         what="delivery going on after the restart")
+        # A second worker on the same state_dir: refused in one line; the first one's services stay up.
+        other = _embedded_config(tmp_path / "other.yaml", state, endpoint.url + "?raw")
+        code, _, err = await cli("run", "--config", str(other))
+        assert code == 1
+        assert f"push-worker: state_dir {state} is in use by a running worker (pid {proc.pid})" in err
+        assert all(_running(pid) for pid in pids.values())
+
+        # Services left running all the same (here: frozen, so the SIGTERM the kill sends them waits):
+        # the next start stops them instead of failing on their data.
+        for pid in pids.values():
+            os.kill(pid, signal.SIGSTOP)
+        await eventually(lambda: all(_state(pid) == "T" for pid in pids.values()), what="the services stopped")
+        proc.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(proc.wait, 10)
+        assert all(_running(pid) for pid in pids.values())
+        proc, left = await start(3)
+        assert not any(_running(pid) for pid in pids.values())
+        third = await publish("third")
+        await eventually(lambda: delivered(third), timeout=30, what="delivery by the third worker")
+    finally:
+        assert terminate(proc, 30) == 0
+    assert "stopped an embedded service that a killed worker left running" in (tmp_path / "w3.log").read_text()
+    assert not any(_running(pid) for pid in left.values())  # a clean stop stops them too
+    # With no worker running there, a command asks for a URL at once instead of timing out on old ports.
+    code, _, err = await cli("publish", "persistent://p-local/main/t", "late", "--config", str(config))
+    assert code == 2 and "--service-url: is required" in err
+    # At least once: a kill right after an endpoint's answer may send that message again (numbered on).
+    assert_numbering_never_repeats(endpoint)
+    assert {r.body_payload for r in endpoint.requests if r.acked} == {b"first", b"second", b"third"}
+
+
+def test_a_service_that_cannot_start_says_why_in_the_error(tmp_path: Path):
+    """Not just "exited with code 1": the reason, from its log."""
+    with pytest.raises(EmbeddedError) as raised:
+        start_redis(tmp_path, None, "--no-such-directive", "x")
+    assert "redis-server exited with code 1 before accepting connections: Bad directive" in str(raised.value)
+    assert f"(log: {tmp_path / 'redis.log'})" in str(raised.value)

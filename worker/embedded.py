@@ -6,13 +6,17 @@ Nothing else in the package knows these are embedded: they are reached by URL li
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,11 +33,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout: float = 20.0) -> None:
+def wait_for_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout: float = 20.0,
+                  log_path: Path | None = None, log_start: int = 0) -> None:
+    """Until `port` accepts connections. If `proc` exits first, the error says why: the last error
+    line its log got after `log_start` (its size when the process started)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise EmbeddedError(f"{what} exited with code {proc.returncode} before accepting connections")
+            said = last_error_line(log_path, log_start) if log_path else ""
+            raise EmbeddedError(f"{what} exited with code {proc.returncode} before accepting connections"
+                                + (f": {said}" if said else "") + (f" (log: {log_path})" if log_path else ""))
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.25):
                 return
@@ -41,6 +50,25 @@ def wait_for_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout: 
             time.sleep(0.05)
     proc.kill()
     raise EmbeddedError(f"{what} did not accept connections on port {port} within {timeout:g}s")
+
+
+_ERROR_LINE = re.compile(r"error|fatal|fail|denied|in use|could not|cannot|can.t|unable|invalid|bad|wrong",
+                         re.IGNORECASE)
+
+
+def last_error_line(log_path: Path, start: int = 0) -> str:
+    """The last line of a service's log after byte `start` that says what went wrong (not a stack
+    frame), or ''."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(start)
+            lines = f.read().decode(errors="replace").splitlines()[-200:]
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        if line[:1] not in (" ", "\t") and _ERROR_LINE.search(line):
+            return " ".join(line.split())[:200]
+    return ""
 
 
 def terminate(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> int:
@@ -100,6 +128,12 @@ class Service:
     cwd: Path | None = None
     log_path: Path | None = None
     metrics_url: str | None = None
+    die_with_parent: bool = False
+    log_start: int = 0  # the log's size when this process started: what it wrote comes after
+
+    def wait_ready(self, timeout: float = 20.0) -> None:
+        """Until it accepts connections; EmbeddedError (with its log's last error) if it exits first."""
+        wait_for_port(self.port, self.proc, self.name, timeout, self.log_path, self.log_start)
 
     def stop(self, timeout: float = 10.0) -> None:
         terminate(self.proc, timeout)
@@ -112,23 +146,58 @@ class Service:
     def restart(self) -> None:
         """Start again on the same port with the same data (for recovery tests and operators)."""
         self.stop()
-        self.proc = _spawn(self.argv, self.cwd, self.log_path)
-        wait_for_port(self.port, self.proc, self.name)
+        self.log_start = _size(self.log_path)
+        self.proc = _spawn(self.argv, self.cwd, self.log_path, self.die_with_parent)
+        self.wait_ready()
 
 
-def _spawn(argv: list[str], cwd: Path | None, log_path: Path | None) -> subprocess.Popen[bytes]:
+def _size(path: Path | None) -> int:
+    try:
+        return path.stat().st_size if path else 0
+    except OSError:
+        return 0
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """What a child runs before exec so that the kernel sends it SIGTERM when the thread that started
+    it ends (Linux); None elsewhere. libc is loaded here, in the parent: the child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+
+    return arm
+
+
+def _spawn(argv: list[str], cwd: Path | None, log_path: Path | None,
+           die_with_parent: bool = False) -> subprocess.Popen[bytes]:
+    """Started in a session of its own, so a Ctrl-C meant for the worker does not stop it before the
+    worker has drained through it. `die_with_parent`: SIGTERM when the calling thread ends, so a
+    worker killed with SIGKILL leaves no broker or Redis running (call it from a thread that lives
+    as long as the service should)."""
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - owned by the child
     try:
         return subprocess.Popen(argv, cwd=cwd, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True,
+                                preexec_fn=_parent_death_signal() if die_with_parent else None)
     finally:
         if log_path and not isinstance(log, int):
             log.close()
 
 
-def start_pulsar(state_dir: Path, port: int | None = None, default_partitions: int = 0) -> Service:
+def start_pulsar(state_dir: Path, port: int | None = None, default_partitions: int = 0, *,
+                 die_with_parent: bool = False, wait: bool = True) -> Service:
     """pulsar-lite; its metrics listener on a free loopback port (its default is 0.0.0.0:8080).
-    `default_partitions` > 0 makes topics it creates on first use partitioned (for tests)."""
+    `default_partitions` > 0 makes topics it creates on first use partitioned (for tests). Without
+    `wait`, the caller waits (`Service.wait_ready`)."""
     state_dir = state_dir.absolute()  # it runs with state_dir as its working directory: no relative paths
     state_dir.mkdir(parents=True, exist_ok=True)
     conf = state_dir / "pulsar-lite.toml"
@@ -140,16 +209,20 @@ def start_pulsar(state_dir: Path, port: int | None = None, default_partitions: i
             "--db-path", str((state_dir / "pulsar-data").absolute()),
             "--log-level", os.environ.get("PULSAR_LITE_LOG_LEVEL", "warn")]
     log_path = state_dir / "pulsar-lite.log"
-    proc = _spawn(argv, state_dir, log_path)
-    wait_for_port(port, proc, "pulsar-lite")
-    service = Service("pulsar-lite", proc, port, f"pulsar://127.0.0.1:{port}", argv, state_dir, log_path)
-    service.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    log_start = _size(log_path)
+    proc = _spawn(argv, state_dir, log_path, die_with_parent)
+    service = Service("pulsar-lite", proc, port, f"pulsar://127.0.0.1:{port}", argv, state_dir, log_path,
+                      f"http://127.0.0.1:{metrics_port}/metrics", die_with_parent, log_start)
+    if wait:
+        service.wait_ready()
     return service
 
 
-def start_redis(state_dir: Path, port: int | None = None, *extra: str) -> Service:
+def start_redis(state_dir: Path, port: int | None = None, *extra: str, die_with_parent: bool = False,
+                wait: bool = True) -> Service:
     """redis-server on loopback only, with an append-only file so a restart keeps attempt counts;
-    `extra` arguments after the defaults (cluster mode, replicaof)."""
+    `extra` arguments after the defaults (cluster mode, replicaof). `die_with_parent` and `wait` as
+    for `start_pulsar`."""
     data = (state_dir / "redis-data").absolute()
     data.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
@@ -157,27 +230,108 @@ def start_redis(state_dir: Path, port: int | None = None, *extra: str) -> Servic
             "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--protected-mode", "yes",
             "--daemonize", "no", *extra]
     log_path = state_dir / "redis.log"
-    proc = _spawn(argv, data, log_path)
-    wait_for_port(port, proc, "redis-server")
-    return Service("redis-server", proc, port, f"redis://127.0.0.1:{port}/0", argv, data, log_path)
+    log_start = _size(log_path)
+    proc = _spawn(argv, data, log_path, die_with_parent)
+    service = Service("redis-server", proc, port, f"redis://127.0.0.1:{port}/0", argv, data, log_path,
+                      die_with_parent=die_with_parent, log_start=log_start)
+    if wait:
+        service.wait_ready()
+    return service
 
 
 ENDPOINTS_FILE = "endpoints.json"
 
 
-def record_endpoints(state_dir: Path, pulsar_url: str, redis_url: str) -> None:
-    """Where the embedded services listen, for the operator commands (no secrets: loopback)."""
+def record_endpoints(state_dir: Path, pulsar_url: str, redis_url: str, services: Sequence[Service] = ()) -> None:
+    """Where the embedded services listen, for the operator commands (no secrets: loopback), and
+    which processes they are, so that the next start can stop them if this worker dies without
+    stopping them."""
     state_dir.mkdir(parents=True, exist_ok=True)
-    (state_dir / ENDPOINTS_FILE).write_text(json.dumps({"pulsar_url": pulsar_url, "redis_url": redis_url}))
+    staged = state_dir / (ENDPOINTS_FILE + ".new")
+    staged.write_text(json.dumps({"pulsar_url": pulsar_url, "redis_url": redis_url, "worker_pid": os.getpid(),
+                                  "pids": {s.name: s.proc.pid for s in services}}))
+    staged.replace(state_dir / ENDPOINTS_FILE)  # whole or not at all, for a reader at any moment
 
 
-def recorded_endpoints(state_dir: Path) -> dict[str, str]:
-    """What `record_endpoints` wrote there, or nothing (no embedded worker, or an unreadable file)."""
+def _recorded(state_dir: Path) -> dict[str, object]:
     try:
         data = json.loads((state_dir / ENDPOINTS_FILE).read_text())
     except (OSError, ValueError):
         return {}
-    return {k: v for k, v in data.items() if isinstance(v, str)} if isinstance(data, dict) else {}
+    return data if isinstance(data, dict) else {}
+
+
+def recorded_endpoints(state_dir: Path) -> dict[str, str]:
+    """The URLs `record_endpoints` wrote there while its worker runs, or nothing (no embedded worker,
+    it has stopped, or an unreadable file): a command then asks for a URL instead of timing out."""
+    record = _recorded(state_dir)
+    owner = record.get("worker_pid")
+    if isinstance(owner, int) and not pid_alive(owner):
+        return {}
+    return {k: v for k, v in record.items() if k.endswith("_url") and isinstance(v, str)}
+
+
+def stop_left_running(state_dir: Path) -> list[str]:
+    """Stop the embedded services a worker that was killed left running under `state_dir` (they hold
+    its data: a new broker could not open it); returns what was stopped, as 'name (pid N)'. Raises
+    EmbeddedError when a running worker still serves them: two workers cannot share a state_dir.
+    Needs /proc (Linux) to tell the recorded processes from others that reuse their pids; elsewhere
+    it stops nothing."""
+    record = _recorded(state_dir)
+    pids = record.get("pids")
+    owner = record.get("worker_pid")
+    marker = os.path.join(state_dir.absolute(), "")  # the services' paths are under it
+    alive = {name: pid for name, pid in (pids.items() if isinstance(pids, dict) else ())
+             if isinstance(pid, int) and _runs_under(pid, marker)}
+    if not alive:
+        return []
+    if isinstance(owner, int) and owner != os.getpid() and any(_parent(pid) == owner for pid in alive.values()):
+        raise EmbeddedError(f"state_dir {state_dir.absolute()} is in use by a running worker (pid {owner}): "
+                            "give each worker a state_dir of its own (state_dir, $PUSH_WORKER_STATE_DIR)")
+    for pid in alive.values():
+        _stop_pid(pid)
+    return [f"{name} (pid {pid})" for name, pid in alive.items()]
+
+
+def _runs_under(pid: int, directory: str) -> bool:
+    """Whether the process is alive (not a zombie) with its working directory under `directory`, as
+    the embedded services are (their command lines do not say: redis-server rewrites its own)."""
+    try:
+        if _proc_stat(pid)[0] == "Z":
+            return False
+        return os.path.join(os.readlink(f"/proc/{pid}/cwd"), "").startswith(directory)
+    except (OSError, IndexError):
+        return False
+
+
+def _proc_stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name: state, parent pid, ..."""
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(_proc_stat(pid)[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _stop_pid(pid: int, timeout: float = 10.0) -> None:
+    """SIGTERM (and SIGCONT: a stopped process cannot act on it), then SIGKILL after `timeout`; returns
+    once the process is gone. Not a child of ours: polled, not waited for."""
+    for sig, seconds in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+        try:
+            os.kill(pid, sig)
+            if sig == signal.SIGTERM:
+                os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if not _runs_under(pid, "/"):
+                return
+            time.sleep(0.05)
+    raise EmbeddedError(f"could not stop process {pid}, left running by an earlier worker")
 
 
 def pid_alive(pid: int) -> bool:

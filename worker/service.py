@@ -128,19 +128,26 @@ class Worker:
                                    self.tokens, self._oidc_configs)
         await self.status.start()
         self._cleanup("close the status server", self.status.close, 5)
+        embedded_redis = not self.redis_url and s.redis.mode == "standalone"
+        if not self.pulsar_url or embedded_redis:
+            for left in await asyncio.to_thread(embedded.stop_left_running, state_dir):
+                self.log.warning("stopped an embedded service that a killed worker left running", service=left)
+        # Started from this thread, which lives as long as the worker: they die with it (die_with_parent).
         if not self.pulsar_url:
-            service = await asyncio.to_thread(embedded.start_pulsar, state_dir)
+            service = embedded.start_pulsar(state_dir, die_with_parent=True, wait=False)
             self._cleanup_service(service)
+            await asyncio.to_thread(service.wait_ready)
             self.pulsar_url = service.url
             metrics_url = metrics_url or service.metrics_url
             self.log.info("embedded broker started", url=service.url, state_dir=str(state_dir))
-        if not self.redis_url and s.redis.mode == "standalone":
-            service = await asyncio.to_thread(embedded.start_redis, state_dir)
+        if embedded_redis:
+            service = embedded.start_redis(state_dir, die_with_parent=True, wait=False)
             self._cleanup_service(service)
+            await asyncio.to_thread(service.wait_ready)
             self.redis_url = service.url
             self.log.info("embedded redis started", port=service.port)
         if self._services:
-            embedded.record_endpoints(state_dir, self.pulsar_url, self.redis_url)
+            embedded.record_endpoints(state_dir, self.pulsar_url, self.redis_url, self._services)
         self.redis = redis_client.connect(s.redis, self.redis_url, socket_timeout=10, socket_connect_timeout=5,
                                           health_check_interval=15)
         self._cleanup("close Redis", self.redis.aclose, 5)

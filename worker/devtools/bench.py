@@ -325,8 +325,8 @@ class Bench:
         self.concurrency = concurrency
         self.dir = directory
         self.broker: Any = (apache_pulsar.broker_from_environment(("p-bench",))
-                            or embedded.start_pulsar(self.dir / "pulsar"))
-        self.redis_service = embedded.start_redis(self.dir / "redis")
+                            or embedded.start_pulsar(self.dir / "pulsar", die_with_parent=True))
+        self.redis_service = embedded.start_redis(self.dir / "redis", die_with_parent=True)
         self.redis = redis.Redis.from_url(self.redis_service.url)
         self.client = pulsar.Client(self.broker.url, logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
         self.sinks: list[subprocess.Popen[bytes]] = []

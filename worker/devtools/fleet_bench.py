@@ -28,7 +28,8 @@ def run_fleet_bench(subscriptions: int = 60, workers: int = 3, lease_seconds: fl
 
 
 def _run_in(tmp: Path, subscriptions: int, workers: int, lease_seconds: float) -> int:
-    broker, redis_service = embedded.start_pulsar(tmp / "pulsar"), embedded.start_redis(tmp / "redis")
+    broker = embedded.start_pulsar(tmp / "pulsar", die_with_parent=True)
+    redis_service = embedded.start_redis(tmp / "redis", die_with_parent=True)
     client = redis.Redis.from_url(redis_service.url)
     config = tmp / "worker.yaml"
     config.write_text(yaml.safe_dump({

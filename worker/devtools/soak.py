@@ -142,8 +142,8 @@ def _dead_letters(client: pulsar.Client, topic: str) -> Counter[int]:
 async def run_soak(seconds: float = 60.0, workers: int = 2, rate: float = 40.0, hard_kills: bool = False) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="push-worker-soak-"))
     external = apache_pulsar.broker_from_environment(("p-soak",))
-    broker: Any = external or embedded.start_pulsar(workdir / "pulsar")
-    redis = embedded.start_redis(workdir / "redis")
+    broker: Any = external or embedded.start_pulsar(workdir / "pulsar", die_with_parent=True)
+    redis = embedded.start_redis(workdir / "redis", die_with_parent=True)
     endpoint = ChaosEndpoint()
     runner, port = await serve_local("/hook", endpoint.handle)
     dlq = "persistent://p-soak/main/events-dlq"
