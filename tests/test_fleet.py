@@ -464,11 +464,18 @@ async def test_live_edits_take_effect_immutable_edits_refused_delete_stops(
     got = json.loads(fleet.cli("subs", "get", "edit-me", "--json").stdout)
     assert got["definition"].get("type", "shared") == "shared" and got["status"]["owner"] == w.id
 
-    # Delete stops delivery promptly.
+    # Delete stops delivery promptly, and the worker drops the subscription's series (every kind:
+    # counters, the histogram, each result of deliveries): a fleet's churn must not pile them up.
+    def series() -> set[str]:
+        return {k.split("{")[0] for k in w.metrics() if 'subscription="edit-me"' in k}
+
+    assert {"pushworker_messages_acked_total", "pushworker_delivery_duration_seconds_bucket",
+            "pushworker_deliveries_total", "pushworker_subscription_owned"} <= series()
     endpoint.behaviour = None
     result = fleet.cli("subs", "delete", "edit-me")
     assert result.returncode == 0 and "deleted" in result.stdout
     await asyncio.to_thread(wait_sync, lambda: not w.owned(), 5, "no longer served")
+    await asyncio.to_thread(wait_sync, lambda: not series(), 5, "no series of the deleted subscription")
     before = len(endpoint.requests)
     client.publish(t, [b"after-delete"])
     await assert_stays(lambda: len(endpoint.requests) == before, 2.0, "nothing delivered after the delete")

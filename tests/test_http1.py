@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from yarl import URL
 
+from tests.helpers import eventually
 from worker import http1
 from worker.delivery import Deliverer, Result
 from worker.destinations import DestinationPolicy, GuardedResolver
@@ -27,10 +28,12 @@ class Server:
     """A TCP server that reads each request (head and Content-Length body) and answers with the
     next scripted bytes; counts connections and keeps what it received."""
 
-    def __init__(self, answers: list[bytes]) -> None:
+    def __init__(self, answers: list[bytes], hold_open: bool = False) -> None:
         self.answers = answers
         self.connections = 0
         self.requests: list[tuple[bytes, bytes]] = []
+        self.hold_open = hold_open  # once out of answers, keep the connection until the client closes it
+        self.closed_by_client = 0
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -43,12 +46,15 @@ class Server:
                 self.requests.append((head, body))
                 writer.write(self.answers.pop(0))
                 await writer.drain()
+            if self.hold_open and await reader.read() == b"":
+                self.closed_by_client += 1
         writer.close()
 
 
 @contextlib.asynccontextmanager
-async def serving(answers: list[bytes], tls: ssl.SSLContext | None = None) -> AsyncIterator[tuple[Server, URL]]:
-    server = Server(answers)
+async def serving(answers: list[bytes], tls: ssl.SSLContext | None = None,
+                  hold_open: bool = False) -> AsyncIterator[tuple[Server, URL]]:
+    server = Server(answers, hold_open)
     listener = await asyncio.start_server(server.handle, "127.0.0.1", 0, ssl=tls)
     port = listener.sockets[0].getsockname()[1]
     try:
@@ -81,6 +87,24 @@ async def test_requests_are_well_formed_and_reuse_one_connection():
     assert b"Content-Length: 8" in lines and b"Pubsub-Delivery-Attempt: 2" in lines
     assert b"User-Agent: push-worker/0.1" in lines
     assert body == b'{"n": 2}'
+
+
+async def test_idle_connections_are_closed_past_the_keepalive_even_if_never_used_again(monkeypatch):
+    """Reuse used to be the only check: the connections of an endpoint no longer posted to (its
+    subscription moved or was deleted) stayed open for good."""
+    monkeypatch.setattr(http1, "KEEPALIVE_SECONDS", 0.3)
+    async with contextlib.AsyncExitStack() as stack:
+        endpoints = [await stack.enter_async_context(serving([b"HTTP/1.1 204 No Content\r\n\r\n"], hold_open=True))
+                     for _ in range(3)]
+        c = client()
+        try:
+            for _, url in endpoints:
+                assert (await c.post(url, {}, b"x", 65536)).status == 204
+            assert [server.closed_by_client for server, _ in endpoints] == [0, 0, 0]  # kept for reuse
+            await eventually(lambda: all(server.closed_by_client == 1 for server, _ in endpoints), timeout=5,
+                             what="every idle connection closed by the client")
+        finally:
+            await c.close()
 
 
 @pytest.mark.parametrize(("answer", "status", "reused"), [

@@ -254,6 +254,7 @@ class Client:
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
         self._dns: dict[tuple[str, int], tuple[float, list[str]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._sweep_timer: asyncio.TimerHandle | None = None
 
     async def post(self, url: URL, headers: dict[str, str], body: bytes, cap: int,
                    deadline: float | None = None) -> Answer:
@@ -314,6 +315,30 @@ class Client:
             return
         conn.idle_since = time.monotonic()
         idle.append(conn)
+        if self._sweep_timer is None and self._loop is not None:
+            self._sweep_timer = self._loop.call_later(KEEPALIVE_SECONDS, self._sweep)
+
+    def _sweep(self) -> None:
+        """Close connections idle past KEEPALIVE_SECONDS and forget endpoints and names no longer in
+        use. Reuse only checks the connections of an endpoint posted to again: one that is not (its
+        subscription moved or was deleted) would keep its sockets open for good."""
+        self._sweep_timer = None
+        now = time.monotonic()
+        for endpoint, idle in list(self._idle.items()):
+            fresh: list[_Connection] = []
+            for conn in idle:  # oldest first, as they were released
+                if not conn.closed and now - conn.idle_since < KEEPALIVE_SECONDS:
+                    fresh.append(conn)
+                else:
+                    conn.close()
+            if fresh:
+                self._idle[endpoint] = fresh
+            else:
+                del self._idle[endpoint]
+        for name in [name for name, (expires, _) in self._dns.items() if expires <= now]:
+            del self._dns[name]
+        if self._idle and self._loop is not None:
+            self._sweep_timer = self._loop.call_later(KEEPALIVE_SECONDS, self._sweep)
 
     async def _addresses(self, host: str, port: int) -> list[str]:
         try:
@@ -346,6 +371,9 @@ class Client:
         raise error or OSError(f"no address for {host!r}")
 
     async def close(self) -> None:
+        if self._sweep_timer is not None:
+            self._sweep_timer.cancel()
+            self._sweep_timer = None
         for idle in self._idle.values():
             for conn in idle:
                 conn.close()
