@@ -95,3 +95,15 @@ def test_oidc_configuration_rules(tmp_path):
     no_issuer["deliver"]["push"]["oidc"]["issuer"] = "push.example.com"
     with pytest.raises(ConfigError, match=r"oidc\.issuer: must be an http or https URL"):
         parse_subscription(no_issuer)
+
+
+def test_expired_tokens_are_not_kept(tmp_path):
+    """A token per subscription was cached for good: subscriptions that came and went piled up."""
+    key = pem(ec.generate_private_key(ec.SECP256R1()), tmp_path / "k.pem")
+    oidc = Oidc("https://issuer.example", (OidcKey(SecretRef(file=str(key)), "k1"),))
+    minter = Tokens(SecretStore())
+    start = time.time()
+    for n in range(3):
+        minter.token(oidc, "p", f"gone-{n}", "https://e.example/push", now=start)
+    fresh = minter.token(oidc, "p", "stays", "https://e.example/push", now=start + 3600)
+    assert list(minter._tokens.values()) == [(int(start + 3600) + 3600, fresh)]

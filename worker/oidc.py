@@ -94,6 +94,10 @@ class Tokens:
         claims = {"iss": oidc.issuer, "aud": audience, "sub": subject(project, name), "iat": issued,
                   "exp": issued + TOKEN_SECONDS}
         token = jwt.encode(claims, key, algorithm=algorithm(key), headers={"kid": signer.key_id})
+        # Expired tokens go when one is minted (once an hour a subscription, beside a signature that
+        # costs far more): subscriptions that came and went leave none behind.
+        for stale in [k for k, (expires, _) in self._tokens.items() if expires <= now]:
+            del self._tokens[stale]
         self._tokens[cache_key] = (issued + TOKEN_SECONDS, token)
         return token
 

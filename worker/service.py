@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import os
 import socket
 from collections.abc import Awaitable, Callable
@@ -73,6 +74,9 @@ def check_secrets(sub: Subscription, secrets: SecretStore) -> None:
                 raise ConfigError(f"subscription {sub.name!r}", f"deliver.push.oidc.signing_key[{i}]", str(e)) from None
 
 
+COLLECT_AFTER_RELEASE_SECONDS = 1.0  # see Worker._collect_soon
+
+
 class Worker:
     """One worker process's delivery machinery."""
 
@@ -100,6 +104,7 @@ class Worker:
         self.redis_url = ""
         self.fleet: Fleet | None = None
         self.status: StatusServer | None = None
+        self._collect_timer: asyncio.TimerHandle | None = None
 
     async def __aenter__(self) -> Worker:
         try:
@@ -340,6 +345,20 @@ class Worker:
             topic = dispatcher.sub.dead_letter_topic
             if topic and all(d.sub.dead_letter_topic != topic for d in self.dispatchers.values()):
                 await self.dead_letters.forget(topic)  # its producer is no longer needed here
+            self._collect_soon()
+
+    def _collect_soon(self) -> None:
+        """A full collection shortly after subscriptions were released, one for a burst of them. A
+        dispatcher, its consumer and its tasks refer to each other, and once they have lived a while
+        only a full collection frees them, which the worker's collector settings (cli.worker) start
+        after about 100 million allocations: a quiet worker whose subscriptions came and went grew
+        by about 30 KiB for each (measured: 100 released a round, 6 rounds, 88 -> 105 MiB)."""
+        if self._collect_timer is None and not self._closed:
+            self._collect_timer = asyncio.get_running_loop().call_later(COLLECT_AFTER_RELEASE_SECONDS, self._collect)
+
+    def _collect(self) -> None:
+        self._collect_timer = None
+        gc.collect()
 
     # -- run / stop ------------------------------------------------------------------------
 
@@ -445,4 +464,6 @@ class Worker:
             await asyncio.wait(set(self._orphans), timeout=5)
         self.log.info("drained")
         await self._stack.aclose()  # what start() started, in reverse
+        if self._collect_timer is not None:
+            self._collect_timer.cancel()
         self.log.info("worker stopped")
