@@ -193,6 +193,16 @@ def _spawn(argv: list[str], cwd: Path | None, log_path: Path | None,
             log.close()
 
 
+def _start(name: str, argv: list[str], cwd: Path, log_path: Path, port: int, url: str, die_with_parent: bool,
+           wait: bool, metrics_url: str | None = None) -> Service:
+    log_start = _size(log_path)  # before the process writes: what follows is this run's
+    service = Service(name, _spawn(argv, cwd, log_path, die_with_parent), port, url, argv, cwd, log_path,
+                      metrics_url, die_with_parent, log_start)
+    if wait:
+        service.wait_ready()
+    return service
+
+
 def start_pulsar(state_dir: Path, port: int | None = None, default_partitions: int = 0, *,
                  die_with_parent: bool = False, wait: bool = True) -> Service:
     """pulsar-lite; its metrics listener on a free loopback port (its default is 0.0.0.0:8080).
@@ -208,14 +218,8 @@ def start_pulsar(state_dir: Path, port: int | None = None, default_partitions: i
     argv = [pulsar_lite_binary(), "--config", str(conf), "--addr", f"127.0.0.1:{port}",
             "--db-path", str((state_dir / "pulsar-data").absolute()),
             "--log-level", os.environ.get("PULSAR_LITE_LOG_LEVEL", "warn")]
-    log_path = state_dir / "pulsar-lite.log"
-    log_start = _size(log_path)
-    proc = _spawn(argv, state_dir, log_path, die_with_parent)
-    service = Service("pulsar-lite", proc, port, f"pulsar://127.0.0.1:{port}", argv, state_dir, log_path,
-                      f"http://127.0.0.1:{metrics_port}/metrics", die_with_parent, log_start)
-    if wait:
-        service.wait_ready()
-    return service
+    return _start("pulsar-lite", argv, state_dir, state_dir / "pulsar-lite.log", port, f"pulsar://127.0.0.1:{port}",
+                  die_with_parent, wait, f"http://127.0.0.1:{metrics_port}/metrics")
 
 
 def start_redis(state_dir: Path, port: int | None = None, *extra: str, die_with_parent: bool = False,
@@ -229,14 +233,8 @@ def start_redis(state_dir: Path, port: int | None = None, *extra: str, die_with_
     argv = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
             "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--protected-mode", "yes",
             "--daemonize", "no", *extra]
-    log_path = state_dir / "redis.log"
-    log_start = _size(log_path)
-    proc = _spawn(argv, data, log_path, die_with_parent)
-    service = Service("redis-server", proc, port, f"redis://127.0.0.1:{port}/0", argv, data, log_path,
-                      die_with_parent=die_with_parent, log_start=log_start)
-    if wait:
-        service.wait_ready()
-    return service
+    return _start("redis-server", argv, data, state_dir / "redis.log", port, f"redis://127.0.0.1:{port}/0",
+                  die_with_parent, wait)
 
 
 ENDPOINTS_FILE = "endpoints.json"
@@ -293,14 +291,20 @@ def stop_left_running(state_dir: Path) -> list[str]:
     return [f"{name} (pid {pid})" for name, pid in alive.items()]
 
 
-def _runs_under(pid: int, directory: str) -> bool:
-    """Whether the process is alive (not a zombie) with its working directory under `directory`, as
-    the embedded services are (their command lines do not say: redis-server rewrites its own)."""
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's reaper may be slow, or absent in a container)."""
     try:
-        if _proc_stat(pid)[0] == "Z":
-            return False
-        return os.path.join(os.readlink(f"/proc/{pid}/cwd"), "").startswith(directory)
+        return _proc_stat(pid)[0] != "Z"
     except (OSError, IndexError):
+        return False
+
+
+def _runs_under(pid: int, directory: str) -> bool:
+    """Whether the process runs with its working directory under `directory`, as the embedded
+    services do (their command lines do not say: redis-server rewrites its own)."""
+    try:
+        return _running(pid) and os.path.join(os.readlink(f"/proc/{pid}/cwd"), "").startswith(directory)
+    except OSError:
         return False
 
 
@@ -328,7 +332,7 @@ def _stop_pid(pid: int, timeout: float = 10.0) -> None:
             return
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            if not _runs_under(pid, "/"):
+            if not _running(pid):
                 return
             time.sleep(0.05)
     raise EmbeddedError(f"could not stop process {pid}, left running by an earlier worker")
