@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import run_cli
+from tests.helpers import env, run_cli
 from worker.cli import build_parser
 
 
@@ -47,6 +47,21 @@ def test_usage_errors_are_one_line_exit_2_and_say_argument(args, says):
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert lines[0].startswith("push-worker: invalid argument: ") and says in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("args", [
+    ["subs", "list"], ["show", "1:2:-1:-1", "-s", "orders"], ["history", "orders"], ["queue", "orders", "--state",
+    "retrying"], ["discard", "1:2:-1:-1", "-s", "orders"], ["dlq", "list", "orders"],
+])
+def test_a_command_with_nowhere_to_connect_names_itself(tmp_path: Path, args):
+    """No URL given and no embedded worker running: the error names the command run (every one of
+    these once said `subs:`)."""
+    environment = {k: v for k, v in env().items() if not k.startswith("PUSH_WORKER_")}
+    result = run_cli(*args, cwd=tmp_path, environment=environment)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    command = " ".join(args[:2]) if args[0] in ("subs", "dlq") else args[0]
+    assert lines[0].startswith(f"push-worker: invalid configuration: {command}: --redis-url: is required"), lines[0]
 
 
 @pytest.mark.parametrize(("doc", "says"), [

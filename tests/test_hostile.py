@@ -215,7 +215,7 @@ def test_fuzzed_registry_input_is_all_or_nothing(redis_url, definitions):
             from worker.config import Settings
             from worker.ops.admin import Admin, Target
 
-            admin = Admin(Target(Settings(), redis_url=redis_url))
+            admin = Admin(Target(Settings(), redis_url=redis_url), "subs")
             admin.registry = registry
             path = f"/tmp/fuzz-{id(definitions)}.yaml"
             with open(path, "w") as f:
@@ -263,7 +263,7 @@ async def test_registry_refuses_a_batch_with_one_bad_definition_and_writes_none(
     bad = {**good, "name": "bad", "max_deliver": -5}
     path = tmp_path / "subs.yaml"
     path.write_text(orjson.dumps([good, bad]).decode())
-    admin = Admin(Target(Settings(), redis_url=redis_url))
+    admin = Admin(Target(Settings(), redis_url=redis_url), "subs")
     try:
         with pytest.raises(ConfigError, match="max_deliver"):
             await admin.apply(str(path))

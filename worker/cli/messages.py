@@ -31,7 +31,7 @@ def _cmd_messages(args: argparse.Namespace) -> int:
     target = locate(args.config, redis_url=args.redis_url, pulsar_url=getattr(args, "service_url", None))
 
     async def go() -> Output:
-        admin = Admin(target)
+        admin = Admin(target, args.command)
         try:
             if args.command == "queue":
                 return await admin.queue(args.subscription, args.state, args.limit)
@@ -54,7 +54,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     target = locate(args.config, redis_url=args.redis_url)
 
     async def go() -> int:
-        admin = Admin(target)
+        admin = Admin(target, "show")
         try:
             print(render(await admin.show(args.message_id, args.subscription), args.json))
         finally:

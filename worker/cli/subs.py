@@ -20,7 +20,7 @@ def _cmd_subs(args: argparse.Namespace) -> int:
     target = locate(args.config, redis_url=args.redis_url, pulsar_url=getattr(args, "service_url", None))
 
     async def go() -> int:
-        admin = Admin(target)
+        admin = Admin(target, f"subs {args.action}")
         try:
             if args.action == "apply":
                 print(render(await admin.apply(args.file), args.json))

@@ -146,8 +146,8 @@ SEEK_COMMAND = "seek-command-"  # how a lease held by a seek or purge command (n
 class Admin:
     """The `subs` and `show` commands; each returns the text to print."""
 
-    def __init__(self, target: Target) -> None:
-        self.client = target.redis("subs")
+    def __init__(self, target: Target, command: str) -> None:
+        self.client = target.redis(command)  # `command` names the command in a missing-URL error
         self.registry = Registry(self.client, target.fleet)
         self.static = {s.key: s for s in target.settings.subscriptions}
         self.lease_seconds = target.settings.fleet.lease_seconds

@@ -273,7 +273,7 @@ def stderr_progress(line: str) -> None:
 
 async def run(target: Target, action: str, name: str, **options: Any) -> Output:
     logs.configure("auto", "warning")  # stdout carries the result (JSON with --json); logs go to stderr
-    admin = Admin(target)
+    admin = Admin(target, f"dlq {action}")
     dlq = DeadLetters(target)
     try:
         if action == "list":
