@@ -53,10 +53,12 @@ def _other_redis_topology(item: pytest.Item) -> bool:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests of what only Apache Pulsar does are deselected on pulsar-lite; the Redis Cluster and
-    Sentinel variants run in the pulsar-lite lane only (the broker does not change what they test,
-    and CI time is bounded). Deselected, not skipped: a skip would fail CI."""
+    Sentinel variants, and tests that use no broker under test, run in the pulsar-lite lane only
+    (the broker does not change what they test, and CI time is bounded). Deselected, not skipped:
+    a skip would fail CI."""
     if brokers.ON_APACHE_PULSAR:
-        deselected = [item for item in items if _other_redis_topology(item)]
+        deselected = [item for item in items
+                      if _other_redis_topology(item) or item.get_closest_marker("broker_independent")]
     else:
         deselected = [item for item in items if item.get_closest_marker("apache_pulsar")]
     if deselected:

@@ -13,6 +13,8 @@ import yaml
 from tests.helpers import env, run_cli
 from worker.cli import build_parser
 
+pytestmark = pytest.mark.broker_independent
+
 
 def test_version():
     result = run_cli("--version")

@@ -15,6 +15,8 @@ import yaml
 from worker.config import load_settings, parse_settings
 from worker.errors import ConfigError
 
+pytestmark = pytest.mark.broker_independent
+
 GOOD = {
     "pulsar": {"service_url": "pulsar://127.0.0.1:6650"},
     "redis": {"url": "redis://127.0.0.1:6379/0"},

@@ -9,6 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.broker_independent
+
 
 def test_demo_delivers_retries_and_dead_letters_and_loses_nothing(tmp_path: Path):
     started = time.monotonic()

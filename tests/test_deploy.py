@@ -18,6 +18,8 @@ import yaml
 from worker.config import parse_settings
 from worker.metrics import Metrics
 
+pytestmark = pytest.mark.broker_independent
+
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 needs_kubectl = pytest.mark.skipif(not shutil.which("kubectl") and not os.environ.get("CI"),

@@ -17,6 +17,8 @@ from tests.conftest import Endpoint
 from tests.helpers import assert_numbering_never_repeats, cli, eventually, http_get, spawn_worker, wait_sync
 from worker.embedded import EmbeddedError, free_port, start_redis, terminate
 
+pytestmark = pytest.mark.broker_independent
+
 
 def test_run_with_the_default_relative_state_dir_reads_its_backlog(tmp_path: Path):
     """pulsar-lite once got a config path relative to the wrong directory: its metrics went to

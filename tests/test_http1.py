@@ -21,6 +21,8 @@ from worker.delivery import Deliverer, Result
 from worker.destinations import DestinationPolicy, GuardedResolver
 from worker.messages import PushRequest
 
+pytestmark = pytest.mark.broker_independent
+
 ALLOW = DestinationPolicy(allow_private=True)
 
 

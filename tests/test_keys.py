@@ -6,10 +6,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from worker import keys
+
+pytestmark = pytest.mark.broker_independent
 
 SUB_KEY_BUILDERS = (keys.lease_key, keys.status_key, keys.seek_key, keys.seek_result_key, keys.over_since_key,
                     keys.settled_key, keys.pattern)

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from worker.fleet.leases import Lease, assign
+
+pytestmark = pytest.mark.broker_independent
 
 keys_ = st.lists(st.from_regex(r"p-[a-z]{1,6}/[a-z]{1,8}", fullmatch=True), min_size=0, max_size=60, unique=True)
 members_ = st.lists(st.from_regex(r"w-[a-z0-9]{1,6}", fullmatch=True), min_size=1, max_size=8, unique=True)

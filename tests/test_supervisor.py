@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from structlog.testing import capture_logs
 
 from tests.conftest import make_sub
 from tests.helpers import eventually, http_get, metrics_text
 from worker.supervisor import Supervisor
+
+pytestmark = pytest.mark.broker_independent
 
 
 async def test_a_failing_task_is_logged_counted_and_restarted():

@@ -17,6 +17,8 @@ from worker.dispatcher import lane_of
 from worker.messages import Envelope, build_request, format_message_id, header_safe, rfc3339
 from worker.subscriptions import RetryPolicy, Subscription
 
+pytestmark = pytest.mark.broker_independent
+
 
 def sub(**kw) -> Subscription:
     return Subscription(name="s", topic="persistent://p-a/main/t", url="http://e/", **kw)
