@@ -179,6 +179,13 @@ async def test_redrive_that_fails_again_puts_the_message_back_and_ends(
     code, out, _ = await cli("dlq", "list", sub.name, *args)
     [back] = json.loads(out)["messages"]
     assert back["message_id"] == message_id and back["last_status"] == "500"
+    # `subs get` of a subscription a worker serves from its file: its status with that file, and
+    # without it, a hint to pass it (it once said "no such subscription" either way).
+    code, out, err = await cli("subs", "get", sub.name, *args)
+    assert code == 0, err
+    assert json.loads(out)["source"] == "config" and json.loads(out)["status"]["name"] == sub.name
+    code, _, err = await cli("subs", "get", sub.name, "--redis-url", redis_url)
+    assert code == 2 and "is not in the registry: pass --config" in err, err
 
 
 async def test_redrive_of_one_message_replays_it_and_leaves_the_others(

@@ -140,6 +140,11 @@ def _status(entry: dict[str, Any]) -> str:
     return str(entry.get("status", entry.get("topic", "")))
 
 
+def _not_in_registry(name: str) -> ConfigError:
+    """For a subscription a worker serves from its own config file, which this command was not given."""
+    return ConfigError("registry", name, "is not in the registry: pass --config with the worker.yaml that defines it")
+
+
 SEEK_COMMAND = "seek-command-"  # how a lease held by a seek or purge command (not a worker) starts
 
 
@@ -176,8 +181,7 @@ class Admin:
             return sub
         definitions = await self.registry.definitions()
         if key not in definitions:
-            raise ConfigError("registry", name, "is not in the registry: pass --config with the worker.yaml "
-                              "that defines it")
+            raise _not_in_registry(name)
         if not is_push(definitions[key]):
             raise ConfigError("registry", name, "is not a push subscription")
         return parse_subscription(definitions[key])
@@ -404,10 +408,16 @@ class Admin:
                                          "dead_lettered", "unsettled", "source"]))
 
     async def get(self, name: str) -> Output:
-        key = await self.registry.resolve(name)
+        """A registry subscription's definition and status; for one of the given config, its status
+        (its definition is that file, secrets included)."""
+        key = await self.existing(name)
         definitions = await self.registry.definitions()
-        if key not in definitions:
-            raise NotFound(f"{name}: no such subscription")
-        out = {"definition": definitions[key], "status": await self._row(key, definitions[key],
-                                                                         await self._held_back())}
+        out: dict[str, Any]
+        if key in definitions:
+            definition, out = definitions[key], {"definition": definitions[key]}
+        elif key in self.static:
+            definition, out = {"type": self.static[key].type}, {"source": "config"}
+        else:
+            raise _not_in_registry(name)
+        out["status"] = await self._row(key, definition, await self._held_back())
         return Output(out, yaml.safe_dump(out, sort_keys=False).rstrip())
