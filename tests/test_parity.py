@@ -15,7 +15,7 @@ from aiohttp import web
 from tests.conftest import Client, Endpoint, make_sub
 from tests.helpers import cli, eventually, push_sub, worker_yaml
 from worker import keys
-from worker.config import FleetSettings, PulsarSettings
+from worker.config import FleetSettings, PulsarSettings, RedisSettings
 from worker.fleet import leases, lifecycle
 from worker.fleet.lifecycle import SeekTarget
 from worker.fleet.registry import Registry
@@ -307,6 +307,16 @@ async def test_queue_history_discard_and_purge(start_worker, endpoint: Endpoint,
     assert settled == {ok: "ack", retry_me: "discarded", slow: "ack"}
     code, out, _ = await cli("history", sub.name, "--config", config)
     assert "delivered" in out and "discarded" in out
+    # Discarding a message settled already changes nothing: its settled marker keeps its TTL (it once
+    # said "discarded" of a delivered message and kept the marker for a week).
+    r = aioredis.Redis.from_url(redis_url)
+    try:
+        code, out, err = await cli("discard", ok, "--subscription", sub.name, *args)
+        assert code == 0 and json.loads(out)["result"] == "already_settled", err
+        assert 0 < await r.ttl(keys.message_key(sub.key, ok)) <= RedisSettings().settled_ttl_seconds
+        assert await r.hget(keys.message_key(sub.key, ok), "discard") is None
+    finally:
+        await r.aclose()
 
     mode["all_fail"] = True
     backlog = client.publish(topic, [b"backlog-%d" % i for i in range(5)])

@@ -145,6 +145,16 @@ def _not_in_registry(name: str) -> ConfigError:
     return ConfigError("registry", name, "is not in the registry: pass --config with the worker.yaml that defines it")
 
 
+# A settled message's record is its settled marker: marking it would say "discarded" of a message
+# that was delivered, and keep the marker for a week. Else mark it; a message that never comes back
+# leaves nothing behind after the week.
+_MARK_DISCARD = """
+if redis.call('HEXISTS', KEYS[1], 'settled') == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'discard', 1)
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+
 SEEK_COMMAND = "seek-command-"  # how a lease held by a seek or purge command (not a worker) starts
 
 
@@ -281,10 +291,10 @@ class Admin:
         key = await self.existing(name)
         await self.registry.refuse_if_expired(key, "discard")
         record = keys.message_key(key, message_id)
-        async with self.client.pipeline(transaction=True) as pipe:
-            pipe.hset(record, "discard", 1)
-            pipe.expire(record, 7 * 24 * 3600)  # a message that never comes back leaves nothing behind
-            await pipe.execute()
+        if not await self.client.eval(_MARK_DISCARD, 1, record, 7 * 24 * 3600):
+            return Output({"subscription": key, "message_id": message_id, "result": "already_settled"},
+                          f"{key}: {message_id} was already settled (acked, dead-lettered or discarded): "
+                          "nothing to discard")
         deadline = time.monotonic() + wait
         done = False
         while not done and time.monotonic() < deadline:
