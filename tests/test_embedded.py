@@ -140,6 +140,55 @@ async def test_a_killed_worker_takes_its_broker_and_redis_along_and_the_next_sta
     assert {r.body_payload for r in endpoint.requests if r.acked} == {b"first", b"second", b"third"}
 
 
+async def test_an_embedded_service_that_dies_is_started_again_and_delivery_goes_on(endpoint: Endpoint, tmp_path: Path):
+    """A worker whose embedded Redis was killed waited for it for good (not ready, yet alive):
+    nothing else would ever start it again."""
+    state = tmp_path / "state"
+    endpoint.behaviour = lambda rec: web.Response(status=500 if rec.body_payload == b"doomed" else 204)
+    config = _embedded_config(tmp_path / "w.yaml", state, endpoint.url + "?raw")
+    port = yaml.safe_load(config.read_text())["http"]["port"]
+    record = state / "endpoints.json"
+
+    def recorded() -> dict:
+        try:
+            return json.loads(record.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    async def publish(data: str) -> str:
+        code, out, err = await cli("publish", "persistent://p-local/main/t", data, "--config", str(config))
+        assert code == 0, err
+        return out.strip()
+
+    def delivered(mid: str) -> bool:
+        return any(r.acked for r in endpoint.by_id().get(mid, []))
+
+    proc = spawn_worker(config, tmp_path / "w.log")
+    try:
+        await eventually(lambda: recorded().get("worker_pid") == proc.pid, timeout=30, what="services recorded")
+        doomed = await publish("doomed")
+        await eventually(lambda: len(endpoint.by_id().get(doomed, [])) >= 2, timeout=30, what="two attempts")
+        for name in ("redis-server", "pulsar-lite"):
+            old = recorded()["pids"][name]
+            os.kill(old, signal.SIGKILL)
+            await eventually(lambda old=old, name=name: recorded()["pids"][name] != old
+                             and _running(recorded()["pids"][name]), timeout=30, what=f"{name} started again")
+            tried = len(endpoint.by_id()[doomed])
+            await eventually(lambda tried=tried: len(endpoint.by_id()[doomed]) > tried + 1, timeout=30,
+                             what=f"attempts going on after {name} came back")
+            after = await publish(f"after {name}")
+            await eventually(lambda after=after: delivered(after), timeout=30, what=f"delivery after {name}")
+            await eventually(lambda: http_get(f"http://127.0.0.1:{port}/readyz")[0] == 200, timeout=30,
+                             what="ready again")
+        pids = recorded()["pids"]
+    finally:
+        assert terminate(proc, 30) == 0
+    log = (tmp_path / "w.log").read_text()
+    assert log.count("embedded service exited; starting it again") == 2, log[-3000:]
+    assert not any(_running(pid) for pid in pids.values())  # the restarted ones stop with the worker
+    assert_numbering_never_repeats(endpoint)  # the attempt counts survived Redis's restart
+
+
 def test_a_service_that_cannot_start_says_why_in_the_error(tmp_path: Path):
     """Not just "exited with code 1": the reason, from its log."""
     with pytest.raises(EmbeddedError) as raised:

@@ -146,9 +146,14 @@ class Service:
     def restart(self) -> None:
         """Start again on the same port with the same data (for recovery tests and operators)."""
         self.stop()
+        self.respawn()
+        self.wait_ready()
+
+    def respawn(self) -> None:
+        """Start it again on the same port with the same data, without waiting (`wait_ready`); with
+        `die_with_parent`, from a thread that lives as long as the service should."""
         self.log_start = _size(self.log_path)
         self.proc = _spawn(self.argv, self.cwd, self.log_path, self.die_with_parent)
-        self.wait_ready()
 
 
 def _size(path: Path | None) -> int:

@@ -78,6 +78,7 @@ def check_secrets(sub: Subscription, secrets: SecretStore) -> None:
 # (each scans every object the worker has made since it started: 35-93 ms with 1,000 subscriptions).
 COLLECT_AFTER_RELEASE_SECONDS = 1.0
 COLLECT_INTERVAL_SECONDS = 60.0
+EMBEDDED_CHECK_SECONDS = 1.0  # how soon an embedded broker or Redis that exited is started again
 
 
 class Worker:
@@ -157,6 +158,7 @@ class Worker:
             self.log.info("embedded redis started", port=service.port)
         if self._services:
             embedded.record_endpoints(state_dir, self.pulsar_url, self.redis_url, self._services)
+            self.supervisor.spawn("embedded", self._keep_embedded_running)
         self.redis = redis_client.connect(s.redis, self.redis_url, socket_timeout=10, socket_connect_timeout=5,
                                           health_check_interval=15)
         self._cleanup("close Redis", self.redis.aclose, 5)
@@ -195,6 +197,23 @@ class Worker:
     def _cleanup_service(self, service: embedded.Service) -> None:
         self._services.append(service)
         self._stack.push_async_callback(asyncio.to_thread, service.stop)
+
+    async def _keep_embedded_running(self) -> None:
+        """The embedded broker and Redis are this worker's own: one that exits (killed, crashed, out
+        of memory) is started again on its port with its data, or nothing would ever bring it back
+        and the worker would wait for it for good. A start that fails raises: the supervisor tries
+        again, and a service that cannot start turns readiness, then liveness, red."""
+        while not self._stop.is_set():
+            for service in self._services:
+                if service.proc.poll() is None:
+                    continue
+                self.log.error("embedded service exited; starting it again", service=service.name,
+                               exit_code=service.proc.returncode, log=str(service.log_path))
+                service.respawn()  # from the loop's thread, like the first start: it dies with the worker
+                embedded.record_endpoints(self.settings.state_dir, self.pulsar_url, self.redis_url, self._services)
+                await asyncio.to_thread(service.wait_ready)
+                self.log.info("embedded service started again", service=service.name, url=service.url)
+            await wait_event(self._stop, EMBEDDED_CHECK_SECONDS)
 
     async def _wait_for_redis(self) -> bool:
         """Until Redis answers a PING: one log line per retry, with backoff. A refusal that no retry
