@@ -7,6 +7,7 @@ Nothing else in the package knows these are embedded: they are reached by URL li
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import json
 import os
 import re
@@ -274,6 +275,42 @@ def recorded_endpoints(state_dir: Path) -> dict[str, str]:
     return {k: v for k, v in record.items() if k.endswith("_url") and isinstance(v, str)}
 
 
+LOCK_FILE = "worker.lock"
+
+
+def lock_state_dir(state_dir: Path) -> int:
+    """Hold `state_dir` for this process: the returned descriptor keeps it until closed or until
+    the process ends (the kernel drops the lock, after a SIGKILL too). Raises EmbeddedError, naming
+    the holder, when another process holds it: two workers on one state_dir would share its data."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip()
+        os.close(fd)
+        raise EmbeddedError(in_use(state_dir, holder)) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def in_use(state_dir: Path, holder: object) -> str:
+    return (f"state_dir {state_dir.absolute()} is in use by a running worker (pid {holder}): "
+            "give each worker a state_dir of its own (state_dir, $PUSH_WORKER_STATE_DIR)")
+
+
+def clear_state_dir(state_dir: Path) -> None:
+    """Delete what `state_dir` holds but its lock (held by the caller: see `lock_state_dir`)."""
+    for entry in state_dir.iterdir():
+        if entry.name == LOCK_FILE:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
 def stop_left_running(state_dir: Path) -> list[str]:
     """Stop the embedded services a worker that was killed left running under `state_dir` (they hold
     its data: a new broker could not open it); returns what was stopped, as 'name (pid N)'. Raises
@@ -289,8 +326,7 @@ def stop_left_running(state_dir: Path) -> list[str]:
     if not alive:
         return []
     if isinstance(owner, int) and owner != os.getpid() and any(_parent(pid) == owner for pid in alive.values()):
-        raise EmbeddedError(f"state_dir {state_dir.absolute()} is in use by a running worker (pid {owner}): "
-                            "give each worker a state_dir of its own (state_dir, $PUSH_WORKER_STATE_DIR)")
+        raise EmbeddedError(in_use(state_dir, owner))
     for pid in alive.values():
         _stop_pid(pid)
     return [f"{name} (pid {pid})" for name, pid in alive.items()]

@@ -140,6 +140,8 @@ class Worker:
         self._cleanup("close the status server", self.status.close, 5)
         embedded_redis = not self.redis_url and s.redis.mode == "standalone"
         if not self.pulsar_url or embedded_redis:
+            lock = embedded.lock_state_dir(state_dir)  # before anything there is touched
+            self._stack.callback(os.close, lock)
             for left in await asyncio.to_thread(embedded.stop_left_running, state_dir):
                 self.log.warning("stopped an embedded service that a killed worker left running", service=left)
         # Started from this thread, which lives as long as the worker: they die with it (die_with_parent).

@@ -8,8 +8,8 @@ publishes messages, shows progress live and prints a summary.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
-import shutil
 import time
 from pathlib import Path
 
@@ -18,7 +18,7 @@ from aiohttp import web
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
-from worker import logs
+from worker import embedded, logs
 from worker.config import HttpSettings, Settings
 from worker.destinations import DestinationPolicy
 from worker.devtools.endpoints import serve_local
@@ -60,7 +60,11 @@ class FlakyEndpoint:
 async def run_demo(messages: int = 300) -> int:
     logs.configure("console", "error")  # the progress line tells the story
     state_dir = Path(".push-worker/demo")
-    shutil.rmtree(state_dir, ignore_errors=True)
+    lock = embedded.lock_state_dir(state_dir)  # a demo running here already: refused, nothing wiped
+    try:
+        embedded.clear_state_dir(state_dir)  # a fresh start each time
+    finally:
+        os.close(lock)  # the worker below holds it again
     endpoint = FlakyEndpoint()
     runner, port = await serve_local("/hook", endpoint.handle)
 
