@@ -176,9 +176,9 @@ def test_unreadable_and_broken_yaml(tmp_path: Path):
         load_settings(bad)
 
 
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "worker.cli", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path.cwd())})
+def _cli(*args: str, cwd: Path, **environment: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "worker.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path.cwd()), **environment})
 
 
 @pytest.mark.parametrize("command", ["run", "check"])
@@ -225,6 +225,21 @@ def test_check_refuses_a_secret_that_cannot_be_read(tmp_path: Path):
     assert result.returncode == 2
     assert "deliver.push.bearer_token" in result.stderr and "PW_TEST_UNSET_TOKEN" in result.stderr
     assert "s3cret" not in result.stderr + result.stdout
+    # Readable is not enough: the secret must be usable as delivery uses it (check once passed both).
+    result = _cli("check", "--config", str(path), cwd=tmp_path, PW_TEST_UNSET_TOKEN="t0ken\r\nX-Injected: 1")
+    assert result.returncode == 2 and "deliver.push.bearer_token" in result.stderr
+    assert "has characters a header cannot carry" in result.stderr and "t0ken" not in result.stderr
+    (tmp_path / "nope").write_text("whsec_not base64!")
+    result = _cli("check", "--config", str(path), cwd=tmp_path)
+    assert result.returncode == 2 and "deliver.push.signing_secrets[0]: a whsec_ secret is not valid base64" in \
+        result.stderr
+
+
+def test_a_config_that_is_not_utf8_is_refused_in_one_line(tmp_path: Path):
+    (tmp_path / "worker.yaml").write_bytes(b"\xff\xfesubscriptions: []")
+    result = _cli("check", "--config", str(tmp_path / "worker.yaml"), cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "worker.yaml: is not UTF-8 text (byte 0)" in result.stderr
 
 
 def test_the_readme_names_every_environment_variable_the_worker_reads():

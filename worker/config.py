@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -305,14 +306,23 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
 
 def load_settings(path: str | Path, env: Mapping[str, str] | None = None) -> Settings:
     """Read and validate a YAML config file."""
+    return parse_settings(read_yaml(str(path), "config"), env)
+
+
+def read_yaml(path: str, where: str) -> Any:
+    """A YAML file's content (`-`: standard input); a ConfigError naming `where` and the file if it
+    cannot be read or is not YAML in UTF-8."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        raw = Path(path).read_bytes() if path != "-" else sys.stdin.buffer.read()
     except OSError as e:
-        raise ConfigError("config", str(path), f"cannot be read ({e.strerror})") from None
+        raise ConfigError(where, path, f"cannot be read ({e.strerror})") from None
     try:
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(where, path, f"is not UTF-8 text (byte {e.start})") from None
+    try:
+        return yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError("config", str(path), f"is not valid YAML{at}") from None
-    return parse_settings(data, env)
+        raise ConfigError(where, path, f"is not valid YAML{at}") from None

@@ -35,7 +35,7 @@ from worker.metrics import Metrics
 from worker.oidc import Oidc, Tokens
 from worker.redis_batch import Pipeliner
 from worker.redis_client import REDIS_DOWN
-from worker.signing import SecretStore, SecretUnavailable
+from worker.signing import SecretStore, SecretUnavailable, auth_headers
 from worker.subscriptions import State, Subscription
 from worker.supervisor import Supervisor, log_task_failure
 
@@ -56,13 +56,15 @@ def preflight(settings: Settings, secrets: SecretStore | None = None) -> None:
 
 
 def check_secrets(sub: Subscription, secrets: SecretStore) -> None:
-    """Every signing secret, bearer token and OIDC key of `sub` can be read, else a ConfigError naming it."""
-    refs = [(f"deliver.push.signing_secrets[{i}]", ref) for i, ref in enumerate(sub.signing_secrets)]
+    """Every signing secret, bearer token and OIDC key of `sub` can be read and used as delivery
+    uses it (a `whsec_` secret decodes, a token fits in a header), else a ConfigError naming it."""
+    checks = [(f"deliver.push.signing_secrets[{i}]", functools.partial(auth_headers, secrets, (ref,), None))
+              for i, ref in enumerate(sub.signing_secrets)]
     if sub.bearer_token is not None:
-        refs.append(("deliver.push.bearer_token", sub.bearer_token))
-    for field, ref in refs:
+        checks.append(("deliver.push.bearer_token", functools.partial(auth_headers, secrets, (), sub.bearer_token)))
+    for field, check in checks:
         try:
-            secrets.read(ref)
+            check("msg_check", b"")
         except SecretUnavailable as e:
             raise ConfigError(f"subscription {sub.name!r}", field, str(e)) from None
     if sub.oidc is not None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from worker.config import (
     check_url,
     load_settings,
     parse_settings,
+    read_yaml,
 )
 from worker.embedded import recorded_endpoints
 from worker.errors import ConfigError, NotFound, PushWorkerError
@@ -86,14 +86,7 @@ def locate(config: str | None, redis_url: str | None = None, pulsar_url: str | N
 
 
 def _load_definitions(path: str) -> list[Any]:
-    try:
-        text = Path(path).read_text(encoding="utf-8") if path != "-" else sys.stdin.read()
-    except OSError as e:
-        raise ConfigError("subs apply", path, f"cannot be read ({e.strerror})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError:
-        raise ConfigError("subs apply", path, "is not valid YAML") from None
+    data = read_yaml(path, "subs apply")
     if isinstance(data, dict) and "subscriptions" in data:
         data = data["subscriptions"]
     return data if isinstance(data, list) else [data]
