@@ -160,6 +160,15 @@ def test_top_level_rules():
         assert err.value.field == field
 
 
+@pytest.mark.parametrize(("value", "rule"), [("abc", "must be an integer"), ("70000", "must be in 0..65535"),
+                                            ("-1", "must be in 0..65535")])
+def test_an_environment_override_follows_the_rule_of_its_field(value, rule):
+    """PUSH_WORKER_HTTP_PORT=99999 once passed `check` (the file's http.port was checked, not it)."""
+    with pytest.raises(ConfigError) as raised:
+        parse_settings({}, env={"PUSH_WORKER_HTTP_PORT": value})
+    assert str(raised.value).startswith("environment: PUSH_WORKER_HTTP_PORT: " + rule)
+
+
 def test_duplicate_subscription_is_refused():
     doc = copy.deepcopy(GOOD)
     doc["subscriptions"].append(copy.deepcopy(doc["subscriptions"][0]))

@@ -14,7 +14,15 @@ import yaml
 from aiohttp import web
 
 from tests.conftest import Endpoint
-from tests.helpers import assert_numbering_never_repeats, cli, eventually, http_get, spawn_worker, wait_sync
+from tests.helpers import (
+    assert_numbering_never_repeats,
+    cli,
+    eventually,
+    http_get,
+    run_cli,
+    spawn_worker,
+    wait_sync,
+)
 from worker.embedded import EmbeddedError, free_port, start_redis, terminate
 
 pytestmark = pytest.mark.broker_independent
@@ -187,6 +195,16 @@ async def test_an_embedded_service_that_dies_is_started_again_and_delivery_goes_
     assert log.count("embedded service exited; starting it again") == 2, log[-3000:]
     assert not any(_running(pid) for pid in pids.values())  # the restarted ones stop with the worker
     assert_numbering_never_repeats(endpoint)  # the attempt counts survived Redis's restart
+
+
+def test_a_state_dir_that_cannot_be_used_is_named_in_one_line(tmp_path: Path):
+    """It once said only `[Errno 17] File exists: '...'`."""
+    (tmp_path / "a-file").touch()
+    config = _embedded_config(tmp_path / "w.yaml", tmp_path / "a-file", "http://127.0.0.1:9/push")
+    result = run_cli("run", "--config", str(config), timeout=60)
+    last = result.stderr.strip().splitlines()[-1]  # after the worker's log lines (JSON here)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert last.startswith(f"push-worker: state_dir {tmp_path / 'a-file'} cannot be used (File exists)"), last
 
 
 def test_a_service_that_cannot_start_says_why_in_the_error(tmp_path: Path):

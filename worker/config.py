@@ -253,6 +253,8 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
             port = int(env["PUSH_WORKER_HTTP_PORT"])
         except ValueError:
             raise ConfigError("environment", "PUSH_WORKER_HTTP_PORT", "must be an integer") from None
+        if not 0 <= port <= 65535:
+            raise ConfigError("environment", "PUSH_WORKER_HTTP_PORT", f"must be in 0..65535 (got {port})")
     http = HttpSettings(host=h.text("host", "127.0.0.1"), port=port)
 
     destinations = _destinations(r.sub("destinations"))

@@ -282,8 +282,12 @@ def lock_state_dir(state_dir: Path) -> int:
     """Hold `state_dir` for this process: the returned descriptor keeps it until closed or until
     the process ends (the kernel drops the lock, after a SIGKILL too). Raises EmbeddedError, naming
     the holder, when another process holds it: two workers on one state_dir would share its data."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise EmbeddedError(f"state_dir {state_dir.absolute()} cannot be used ({e.strerror}): make it a writable "
+                            "directory (state_dir, $PUSH_WORKER_STATE_DIR)") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
