@@ -160,13 +160,16 @@ def test_top_level_rules():
         assert err.value.field == field
 
 
-@pytest.mark.parametrize(("value", "rule"), [("abc", "must be an integer"), ("70000", "must be in 0..65535"),
-                                            ("-1", "must be in 0..65535")])
-def test_an_environment_override_follows_the_rule_of_its_field(value, rule):
-    """PUSH_WORKER_HTTP_PORT=99999 once passed `check` (the file's http.port was checked, not it)."""
+@pytest.mark.parametrize(("variable", "value", "rule"), [
+    ("PUSH_WORKER_HTTP_PORT", "abc", "must be an integer"), ("PUSH_WORKER_HTTP_PORT", "70000", "must be in 0..65535"),
+    ("PUSH_WORKER_HTTP_PORT", "-1", "must be in 0..65535"), ("PUSH_WORKER_FLEET", "a b{}", "lowercase letters"),
+])
+def test_an_environment_override_follows_the_rule_of_its_field_and_is_named(variable, value, rule):
+    """PUSH_WORKER_HTTP_PORT=99999 once passed `check` (the file's http.port was checked, not it),
+    and a bad PUSH_WORKER_FLEET was blamed on the file's fleet.name."""
     with pytest.raises(ConfigError) as raised:
-        parse_settings({}, env={"PUSH_WORKER_HTTP_PORT": value})
-    assert str(raised.value).startswith("environment: PUSH_WORKER_HTTP_PORT: " + rule)
+        parse_settings({}, env={variable: value})
+    assert str(raised.value).startswith(f"environment: {variable}: {rule}")
 
 
 def test_duplicate_subscription_is_refused():

@@ -264,6 +264,8 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
                       "expire_after_seconds"})
     fleet_name = env.get("PUSH_WORKER_FLEET") or f.text("name", "default")
     if not NAME_PATTERN.match(fleet_name):
+        if env.get("PUSH_WORKER_FLEET"):
+            raise ConfigError("environment", "PUSH_WORKER_FLEET", NAME_RULE)
         raise f.fail("name", NAME_RULE)
     lease = f.number("lease_seconds", 10.0, 2.0, 300.0)
     heartbeat = f.number("heartbeat_seconds", 1.0, 0.1, 60.0)
