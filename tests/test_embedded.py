@@ -78,6 +78,17 @@ def _embedded_config(path: Path, state_dir: Path, url: str) -> Path:
     return path
 
 
+async def _publish(config: Path, data: str) -> str:
+    """`push-worker publish` to the embedded worker's topic; the message id."""
+    code, out, err = await cli("publish", "persistent://p-local/main/t", data, "--config", str(config))
+    assert code == 0, err
+    return out.strip()
+
+
+def _delivered(endpoint: Endpoint, mid: str) -> bool:
+    return any(r.acked for r in endpoint.by_id().get(mid, []))
+
+
 async def test_a_killed_worker_takes_its_broker_and_redis_along_and_the_next_start_goes_on(
         endpoint: Endpoint, tmp_path: Path):
     """A worker killed with SIGKILL used to leave its embedded broker and Redis running: they held
@@ -93,18 +104,10 @@ async def test_a_killed_worker_takes_its_broker_and_redis_along_and_the_next_sta
                          timeout=30, what=f"worker {n}'s embedded services recorded")
         return proc, json.loads(record.read_text())["pids"]
 
-    async def publish(data: str) -> str:
-        code, out, err = await cli("publish", "persistent://p-local/main/t", data, "--config", str(config))
-        assert code == 0, err
-        return out.strip()
-
-    def delivered(mid: str) -> bool:
-        return any(r.acked for r in endpoint.by_id().get(mid, []))
-
     proc, pids = await start(1)
-    doomed = await publish("doomed")
-    first = await publish("first")
-    await eventually(lambda: delivered(first) and len(endpoint.by_id().get(doomed, [])) >= 2, timeout=30,
+    doomed = await _publish(config, "doomed")
+    first = await _publish(config, "first")
+    await eventually(lambda: _delivered(endpoint, first) and len(endpoint.by_id().get(doomed, [])) >= 2, timeout=30,
                      what="the first message delivered and two attempts of the doomed one")
     proc.send_signal(signal.SIGKILL)
     await asyncio.to_thread(proc.wait, 10)
@@ -114,8 +117,8 @@ async def test_a_killed_worker_takes_its_broker_and_redis_along_and_the_next_sta
 
     proc, pids = await start(2)
     try:
-        second = await publish("second")
-        await eventually(lambda: delivered(second) and len(endpoint.by_id()[doomed]) > tried + 1, timeout=30,
+        second = await _publish(config, "second")
+        await eventually(lambda: _delivered(endpoint, second) and len(endpoint.by_id()[doomed]) > tried + 1, timeout=30,
                          what="delivery going on after the restart")
         # A second worker on the same state_dir: refused in one line; the first one's services stay up.
         other = _embedded_config(tmp_path / "other.yaml", state, endpoint.url + "?raw")
@@ -134,8 +137,8 @@ async def test_a_killed_worker_takes_its_broker_and_redis_along_and_the_next_sta
         assert all(_running(pid) for pid in pids.values())
         proc, left = await start(3)
         assert not any(_running(pid) for pid in pids.values())
-        third = await publish("third")
-        await eventually(lambda: delivered(third), timeout=30, what="delivery by the third worker")
+        third = await _publish(config, "third")
+        await eventually(lambda: _delivered(endpoint, third), timeout=30, what="delivery by the third worker")
     finally:
         assert terminate(proc, 30) == 0
     assert "stopped an embedded service that a killed worker left running" in (tmp_path / "w3.log").read_text()
@@ -163,18 +166,10 @@ async def test_an_embedded_service_that_dies_is_started_again_and_delivery_goes_
         except (OSError, ValueError):
             return {}
 
-    async def publish(data: str) -> str:
-        code, out, err = await cli("publish", "persistent://p-local/main/t", data, "--config", str(config))
-        assert code == 0, err
-        return out.strip()
-
-    def delivered(mid: str) -> bool:
-        return any(r.acked for r in endpoint.by_id().get(mid, []))
-
     proc = spawn_worker(config, tmp_path / "w.log")
     try:
         await eventually(lambda: recorded().get("worker_pid") == proc.pid, timeout=30, what="services recorded")
-        doomed = await publish("doomed")
+        doomed = await _publish(config, "doomed")
         await eventually(lambda: len(endpoint.by_id().get(doomed, [])) >= 2, timeout=30, what="two attempts")
         for name in ("redis-server", "pulsar-lite"):
             old = recorded()["pids"][name]
@@ -184,8 +179,8 @@ async def test_an_embedded_service_that_dies_is_started_again_and_delivery_goes_
             tried = len(endpoint.by_id()[doomed])
             await eventually(lambda tried=tried: len(endpoint.by_id()[doomed]) > tried + 1, timeout=30,
                              what=f"attempts going on after {name} came back")
-            after = await publish(f"after {name}")
-            await eventually(lambda after=after: delivered(after), timeout=30, what=f"delivery after {name}")
+            after = await _publish(config, f"after {name}")
+            await eventually(lambda after=after: _delivered(endpoint, after), timeout=30, what=f"delivery after {name}")
             await eventually(lambda: http_get(f"http://127.0.0.1:{port}/readyz")[0] == 200, timeout=30,
                              what="ready again")
         pids = recorded()["pids"]
