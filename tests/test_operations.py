@@ -186,6 +186,11 @@ async def test_redrive_that_fails_again_puts_the_message_back_and_ends(
     assert json.loads(out)["source"] == "config" and json.loads(out)["status"]["name"] == sub.name
     code, _, err = await cli("subs", "get", sub.name, "--redis-url", redis_url)
     assert code == 2 and "is not in the registry: pass --config" in err, err
+    # `subs list` without the file lists it all the same, as a worker's own (it once listed nothing).
+    code, out, err = await cli("subs", "list", "--redis-url", redis_url, "--json")
+    assert code == 0, err
+    [row] = [r for r in json.loads(out) if r["name"] == sub.name]
+    assert row["source"] == "worker" and row["type"] == "-" and row["owner"] != "-"
 
 
 async def test_redrive_of_one_message_replays_it_and_leaves_the_others(

@@ -163,10 +163,8 @@ class Admin:
     async def existing(self, name: str) -> str:
         """The key of a subscription in the registry, the given config, or served by a worker (a
         subscription from a worker's own config file); or a clear error."""
-        served: set[str] = set()
-        if "/" not in name:  # a bare name may be a config subscription a worker serves: find its key
-            async for lease in self.client.scan_iter(match=keys.lease_key("*"), count=1000):
-                served.add(safe_text(lease).split("{", 1)[1].rsplit("}", 1)[0])
+        # A bare name may be a config subscription a worker serves: find its key.
+        served = await self._served() if "/" not in name else set()
         paused = await self.registry.paused()
         key = await self.registry.resolve(name, also=set(self.static) | served | paused)
         if key in self.static or key in paused or await self.client.hexists(self.registry.hash, key):
@@ -175,6 +173,13 @@ class Admin:
             return key
         raise NotFound(f"{name}: no such subscription (not in the registry, the given config, "
                        "or served by a worker)")
+
+    async def _served(self) -> set[str]:
+        """The keys of the subscriptions some worker (or seek command) holds a lease on."""
+        served: set[str] = set()
+        async for lease in self.client.scan_iter(match=keys.lease_key("*"), count=1000):
+            served.add(safe_text(lease).split("{", 1)[1].rsplit("}", 1)[0])
+        return served
 
     async def definition(self, name: str) -> Subscription:
         """A subscription's definition, from the given config or the registry."""
@@ -390,9 +395,12 @@ class Admin:
         return out
 
     async def list(self) -> Output:
-        """Every subscription of the registry and the given config (`source`), with its status; an
-        invalid registry entry is a row in state `invalid` with the reason."""
-        entries: dict[str, Any] = {k: ({"type": s.type}, "config") for k, s in self.static.items()}
+        """Every subscription of the registry, the given config, and the workers' own config files
+        (`source`: registry, config, worker), with its status; an invalid registry entry is a row in
+        state `invalid` with the reason. Of a worker's own, the type is not known here (`-`)."""
+        entries: dict[str, Any] = dict.fromkeys(await self._served() | await self.registry.paused(),
+                                                ({"type": "-"}, "worker"))
+        entries.update({k: ({"type": s.type}, "config") for k, s in self.static.items()})
         for key, entry in (await self.registry.entries()).items():
             entries[key] = (entry if isinstance(entry, str) else entry[0], "registry")
         held_back = await self._held_back()
@@ -406,7 +414,7 @@ class Admin:
             else:
                 rows.append({**await self._row(key, entry, held_back), "source": source})
         if not rows:
-            return Output(rows, "no subscriptions in the registry or the given config")
+            return Output(rows, "no subscriptions in the registry, the given config, or served by a worker")
         return Output(rows, table(rows, ["project", "name", "type", "owner", "state", "reason", "acked", "retried",
                                          "dead_lettered", "unsettled", "source"]))
 
