@@ -39,6 +39,10 @@ def test_every_option_of_every_command_has_help():
     (["history", "orders", "--limit", "-5"], "--limit: must be at least 1"),
     (["subs", "seek", "orders", "--to", "yesterday", "--redis-url", "redis://127.0.0.1:9"],
      "--to: must be an RFC 3339"),
+    (["subs", "seek", "orders", "--to", "\u00b2", "--redis-url", "redis://127.0.0.1:9"],  # isdigit() takes it
+     "--to: must be an RFC 3339"),
+    (["subs", "seek", "orders", "--to", "0001-01-01T00:00:00Z", "--redis-url", "redis://127.0.0.1:9"],
+     "--to: must not be before 1970-01-01T00:00:00Z"),  # it reached the worker, whose client refused it
     (["publish", "orders", "x"], "must be a full topic name like persistent://"),
     (["purge", "orders"], "--yes: is required when not on a terminal"),
     (["dlq", "redrive", "orders", "--rate", "0"], "--rate: must be above 0"),

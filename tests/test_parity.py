@@ -223,6 +223,14 @@ async def test_seek_redelivers_from_the_chosen_time_with_fresh_attempt_counts(
     code, _, err = await cli("subs", "seek", sub.name, "--to", "yesterday", "--config", config)
     assert code == 2 and "--to" in err
 
+    # A time still to come skips the backlog as --to-latest does (pulsar-lite refused it outright).
+    code, out, err = await cli("subs", "seek", sub.name, "--to", "9999-12-31T23:59:59Z", "--config", config)
+    assert code == 0, err
+    before = len(endpoint.requests)
+    [after] = client.publish(topic, [b"after"])
+    await eventually(lambda: after in endpoint.by_id(), what="a message published after the seek delivered")
+    assert {r.headers["Pubsub-Message-Id"] for r in endpoint.requests[before:]} == {after}
+
 
 async def test_a_failing_endpoint_puts_the_subscription_in_error_and_recovery_clears_it(
         start_worker, endpoint: Endpoint, client: Client, topic):

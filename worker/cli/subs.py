@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import re
 from datetime import datetime
 from typing import Any
 
@@ -53,7 +54,7 @@ def _seek_target(args: argparse.Namespace) -> Any:
     if args.to_latest:
         return SeekTarget("latest")
     value = args.to
-    if value.isdigit():
+    if re.fullmatch(r"[0-9]{1,15}", value):  # ms since the epoch, up to the year 33658 (`isdigit` takes '²')
         return SeekTarget(int(value))
     try:
         when = datetime.fromisoformat(value.replace("Z", "+00:00"))
@@ -62,7 +63,11 @@ def _seek_target(args: argparse.Namespace) -> Any:
             from None
     if when.tzinfo is None:
         raise UsageError("subs seek", "--to", "must carry a time zone, e.g. 2026-11-30T08:00:00Z")
-    return SeekTarget(int(when.timestamp() * 1000))
+    ms = int(when.timestamp() * 1000)
+    if ms < 0:
+        raise UsageError("subs seek", "--to", f"must not be before 1970-01-01T00:00:00Z (got {value!r}; "
+                         "the whole retained backlog: --to-earliest)")
+    return SeekTarget(ms)
 
 
 def register(cmds: Any) -> None:

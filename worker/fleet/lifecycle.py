@@ -59,18 +59,20 @@ async def seek_with_own_consumer(client: pulsar_async.Client, sub: Subscription,
     of the subscription is attached: the next consumer to attach starts from the new position.
 
     Both targets go by publish time, the broker's own seek: `earliest` is time 0, `latest` is now
-    (past every message published so far, in one step whatever the backlog). pulsar-lite refuses a
-    seek past its last message (it drops the connection and leaves the cursor): then `latest`
-    acknowledges the backlog up to now instead (Shared subscriptions cannot ack cumulatively)."""
+    (past every message published so far, in one step whatever the backlog), and so is a time
+    still to come. pulsar-lite refuses a seek past its last message (it drops the connection and
+    leaves the cursor): then `latest` acknowledges the backlog up to now instead (Shared
+    subscriptions cannot ack cumulatively)."""
     from worker import consumer as pulsar_adapter
 
     cutoff = int(time.time() * 1000)
+    position = cutoff if target.to == "latest" else min(target.publish_time_ms(), cutoff)
     consumer = await pulsar_adapter.subscribe(client, sub, "push-worker-seek", receiver_queue_size=1)
     try:
-        await consumer.seek(cutoff if target.to == "latest" else target.publish_time_ms())
+        await consumer.seek(position)
         return
     except pulsar_async.PulsarException:
-        if target.to != "latest":
+        if position != cutoff:
             raise
     finally:
         with contextlib.suppress(Exception):  # after a refused seek the broker may have dropped it already
@@ -154,7 +156,10 @@ async def take_seek_request(client: AsyncClient, sub_key: str) -> tuple[str, See
     if raw is None:
         return None
     data = orjson.loads(raw)
-    return str(data["id"]), SeekTarget(data["to"])
+    to = data["to"]
+    if to not in ("earliest", "latest") and not (type(to) is int and 0 <= to < 2**63):
+        raise ValueError(f"no seek target: {to!r}")
+    return str(data["id"]), SeekTarget(to)
 
 
 async def write_seek_result(client: AsyncClient, sub_key: str, request_id: str, **fields: Any) -> None:
