@@ -5,6 +5,7 @@ persistent, and a config that must be a mapping."""
 from __future__ import annotations
 
 import argparse
+import socket
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,19 @@ def test_dlq_redrive_refuses_to_start_without_its_signing_secret(tmp_path: Path,
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert "PW_TEST_MISSING_SECRET" in lines[0] and "signing_secrets[0]" in lines[0], lines[0]
+
+
+def test_run_on_a_port_in_use_says_which_setting_to_change(tmp_path: Path):
+    """It said `[Errno 98] error while attempting to bind on address ...`."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        path = tmp_path / "worker.yaml"
+        path.write_text(yaml.safe_dump({"http": {"port": port}, "pulsar": {"service_url": "pulsar://127.0.0.1:9"},
+                                        "redis": {"url": "redis://127.0.0.1:9"}}))
+        result = run_cli("run", "--config", str(path), timeout=60)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert last == (f"push-worker: http: cannot listen on 127.0.0.1:{port} (Address already in use): choose "
+                    "http.port or $PUSH_WORKER_HTTP_PORT (0: any free port)"), last

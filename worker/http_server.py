@@ -3,11 +3,13 @@ the OIDC issuer's public keys (/.well-known/jwks.json, /.well-known/openid-confi
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from worker.errors import StartupError
 from worker.metrics import Metrics
 from worker.oidc import Oidc, Tokens, openid_configuration
 
@@ -40,7 +42,13 @@ class StatusServer:
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as e:
+            await self.close()
+            why = os.strerror(e.errno) if e.errno else str(e)
+            raise StartupError(f"http: cannot listen on {self.host}:{self.port} ({why}): choose http.port or "
+                               "$PUSH_WORKER_HTTP_PORT (0: any free port)") from None
         sockets = getattr(site._server, "sockets", None) or []
         if sockets:
             self.port = int(sockets[0].getsockname()[1])
