@@ -202,6 +202,13 @@ def test_a_state_dir_that_cannot_be_used_is_named_in_one_line(tmp_path: Path):
     assert last.startswith(f"push-worker: state_dir {tmp_path / 'a-file'} cannot be used (File exists)"), last
 
 
+def test_free_port_never_hands_out_a_port_twice():
+    """The kernel offered one port twice within a few calls: two fleet-test workers got it, and the
+    second could not listen (500 plain bind-to-0 calls here repeat about 10 ports)."""
+    ports = [free_port() for _ in range(500)]
+    assert len(set(ports)) == len(ports)
+
+
 def test_a_service_that_cannot_start_says_why_in_the_error(tmp_path: Path):
     """Not just "exited with code 1": the reason, from its log."""
     with pytest.raises(EmbeddedError) as raised:

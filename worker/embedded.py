@@ -28,10 +28,20 @@ class EmbeddedError(PushWorkerError):
     """An embedded service could not be started."""
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port free now, and not one this process handed out before: the kernel may offer
+    the same port again until its first taker binds it (seen: two workers started in a row got one
+    port, and the second could not listen)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def wait_for_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout: float = 20.0,
