@@ -35,7 +35,7 @@ from worker.metrics import Metrics
 from worker.oidc import Oidc, Tokens
 from worker.redis_batch import Pipeliner
 from worker.redis_client import REDIS_DOWN
-from worker.signing import SecretStore, SecretUnavailable, auth_headers
+from worker.signing import SecretStore, SecretUnavailable, bearer, signing_key
 from worker.subscriptions import State, Subscription
 from worker.supervisor import Supervisor, log_task_failure
 
@@ -57,23 +57,22 @@ def preflight(settings: Settings, secrets: SecretStore | None = None) -> None:
 
 def check_secrets(sub: Subscription, secrets: SecretStore) -> None:
     """Every signing secret, bearer token and OIDC key of `sub` can be read and used as delivery
-    uses it (a `whsec_` secret decodes, a token fits in a header), else a ConfigError naming it."""
-    checks = [(f"deliver.push.signing_secrets[{i}]", functools.partial(auth_headers, secrets, (ref,), None))
-              for i, ref in enumerate(sub.signing_secrets)]
-    if sub.bearer_token is not None:
-        checks.append(("deliver.push.bearer_token", functools.partial(auth_headers, secrets, (), sub.bearer_token)))
-    for field, check in checks:
+    uses it (a `whsec_` secret decodes, a token fits in a header, a key can sign), else a
+    ConfigError naming it."""
+    def usable(field: str, use: Callable[[], object]) -> None:
         try:
-            check("msg_check", b"")
+            use()
         except SecretUnavailable as e:
             raise ConfigError(f"subscription {sub.name!r}", field, str(e)) from None
+
+    for i, ref in enumerate(sub.signing_secrets):
+        usable(f"deliver.push.signing_secrets[{i}]", lambda: signing_key(secrets.read(ref)))  # noqa: B023 - called at once
+    if sub.bearer_token is not None:
+        usable("deliver.push.bearer_token", functools.partial(bearer, secrets, sub.bearer_token))
     if sub.oidc is not None:
         tokens = Tokens(secrets)
         for i, key in enumerate(sub.oidc.keys):
-            try:
-                tokens.private_key(key)  # readable, and a private key it can sign with
-            except SecretUnavailable as e:
-                raise ConfigError(f"subscription {sub.name!r}", f"deliver.push.oidc.signing_key[{i}]", str(e)) from None
+            usable(f"deliver.push.oidc.signing_key[{i}]", functools.partial(tokens.private_key, key))
 
 
 # See Worker._collect_soon: the first collection a second after a release, then at most one a minute

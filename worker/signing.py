@@ -116,8 +116,13 @@ def auth_headers(store: SecretStore, signing_secrets: tuple[SecretRef, ...], bea
     if signing_secrets:
         headers.update(webhook_headers([store.read(ref) for ref in signing_secrets], webhook_id, body))
     if bearer_token is not None:
-        token = store.read(bearer_token)
-        if not re.fullmatch(rb"[\x21-\x7e]+", token):
-            raise SecretUnavailable(f"bearer token ({bearer_token.describe()}) has characters a header cannot carry")
-        headers["Authorization"] = "Bearer " + token.decode("ascii")
+        headers["Authorization"] = "Bearer " + bearer(store, bearer_token)
     return headers
+
+
+def bearer(store: SecretStore, ref: SecretRef) -> str:
+    """The bearer token `ref` names, if a header can carry it."""
+    token = store.read(ref)
+    if not re.fullmatch(rb"[\x21-\x7e]+", token):
+        raise SecretUnavailable(f"bearer token ({ref.describe()}) has characters a header cannot carry")
+    return token.decode("ascii")
