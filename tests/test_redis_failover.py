@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import json
 import subprocess
 import threading
 import time
@@ -207,7 +208,9 @@ async def test_cluster_or_sentinels_down_at_start_the_worker_waits_and_commands_
         mode, broker, endpoint: Endpoint, tmp_path, topic):
     """Nothing answers at the seed nodes (Cluster) or the Sentinels: the worker stays up, not ready,
     and logs each retry (it used to exit with a traceback on a Cluster: redis-py's "cannot be
-    connected" is not a RedisError); an operator command exits 1 in one line."""
+    connected" is not a RedisError); an operator command exits 1 in one line naming the addresses
+    that did not answer, within seconds (with Sentinels it took 8.5 s, logged as a bare
+    "TimeoutError", and printed a repr of redis-py's client instead of the addresses)."""
     http_port = free_port()
     ports = [free_port() for _ in range(3)]
     redis_block = ({"mode": "cluster", "nodes": [f"127.0.0.1:{p}" for p in ports]} if mode == "cluster" else
@@ -220,12 +223,37 @@ async def test_cluster_or_sentinels_down_at_start_the_worker_waits_and_commands_
     log = tmp_path / "w.log"
     proc = spawn_worker(config, log)
     try:
-        await eventually(lambda: log.read_text().count("redis unreachable; retrying") >= 2, what="retries logged")
+        await eventually(lambda: log.read_text().count("redis unreachable; retrying") >= 2, timeout=8,
+                         what="retries logged")
         status, body = http_get(f"http://127.0.0.1:{http_port}/readyz")
         assert status == 503 and body["reason"] == "redis unreachable"
         assert http_get(f"http://127.0.0.1:{http_port}/healthz")[0] == 200 and proc.poll() is None
+        began = time.monotonic()
         code, out, err = await cli("subs", "list", "--config", str(config))
         assert code == 1 and out == "" and len(err.strip().splitlines()) == 1 and "redis unreachable" in err
+        assert time.monotonic() - began < 5, f"the command took {time.monotonic() - began:.1f} s to fail"
+        named = [f"127.0.0.1:{p}" in err for p in ports]  # a Cluster names the seed it tried last
+        assert (any(named) if mode == "cluster" else all(named)) and "<redis" not in err, err
     finally:
         assert terminate(proc, 30) == 0
-    assert "Traceback" not in log.read_text()
+    text = log.read_text()
+    assert "Traceback" not in text
+    retries = [json.loads(line) for line in text.splitlines() if "redis unreachable; retrying" in line]
+    assert all(any(f"127.0.0.1:{p}" in r["error"] for p in ports) for r in retries), retries
+
+
+async def test_sentinels_that_know_no_such_master_or_partly_down_are_told_apart(redis_sentinel, tmp_path):
+    """A `master_name` the Sentinels do not know is named as such (check redis.master_name), not as
+    an unreachable Redis; a dead Sentinel first in the list costs no wait: the next one answers."""
+    good = redis_sentinel.config()
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"redis": {**good, "master_name": "nosuch"}}))
+    code, out, err = await cli("subs", "list", "--config", str(config))
+    assert code == 1 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "'nosuch'" in err and "redis.master_name" in err and "<redis" not in err, err
+    dead_first = [f"127.0.0.1:{free_port()}", *good["sentinels"]]
+    config.write_text(yaml.safe_dump({"redis": {**good, "sentinels": dead_first}}))
+    began = time.monotonic()
+    code, out, err = await cli("subs", "list", "--config", str(config))
+    assert code == 0, err
+    assert time.monotonic() - began < 5, f"took {time.monotonic() - began:.1f} s"

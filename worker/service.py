@@ -238,7 +238,8 @@ class Worker:
                 self.log.warning("redis not ready; retrying", error=str(e)[:200], in_seconds=delay)
             except (*REDIS_DOWN, TimeoutError) as e:
                 self.metrics.redis_errors.inc()
-                self.log.warning("redis unreachable; retrying", error=f"{type(e).__name__}: {e}"[:200],
+                said = "no answer within 5 s" if type(e) is TimeoutError else redis_client.describe(e)
+                self.log.warning("redis unreachable; retrying", error=f"{type(e).__name__}: {said}"[:300],
                                  in_seconds=delay)
             await wait_event(self._stop, delay)
             delay = min(delay * 2, 10.0)

@@ -81,8 +81,10 @@ def explain(error: BaseException) -> tuple[int, str]:
     if isinstance(error, redis_errors.AuthenticationError) or "WRONGPASS" in text or "NOAUTH" in text:
         return 1, f"redis refused the credentials ({text}); check the password in the Redis URL"
     if isinstance(error, (redis_errors.ConnectionError, redis_errors.TimeoutError, redis_errors.RedisClusterException)):
-        return 1, (f"redis unreachable ({text}); check --redis-url, redis.url or $PUSH_WORKER_REDIS_URL "
-                   "(or redis.nodes / redis.sentinels), and that Redis is running")
+        from worker.redis_client import describe
+
+        return 1, (f"redis unreachable ({describe(error)[:300]}); check --redis-url, redis.url or "
+                   "$PUSH_WORKER_REDIS_URL (or redis.nodes / redis.sentinels), and that Redis is running")
     if isinstance(error, redis_errors.RedisError):
         return 1, f"redis answered with an error ({text}); its data may be damaged"
     if isinstance(error, (pulsar.PulsarException, pulsar_async.PulsarException)):
