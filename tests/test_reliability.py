@@ -29,7 +29,7 @@ from worker.messages import format_message_id
 
 
 def config_file(path: Path, broker_url: str | None, redis_url: str | None, topic: str, url: str,
-                http_port: int = 0, **sub: Any) -> Path:
+                http_port: int = 0, pulsar: dict[str, Any] | None = None, **sub: Any) -> Path:
     doc: dict[str, Any] = {
         "http": {"port": http_port}, "destinations": {"allow_private": True}, "shutdown_grace_seconds": 5,
         "log": {"format": "json", "level": "info"}, "state_dir": str(path.parent / "state"),
@@ -41,7 +41,7 @@ def config_file(path: Path, broker_url: str | None, redis_url: str | None, topic
         }],
     }
     if broker_url:
-        doc["pulsar"] = {"service_url": broker_url}
+        doc["pulsar"] = {"service_url": broker_url, **(pulsar or {})}
     if redis_url:
         doc["redis"] = {"url": redis_url}
     path.write_text(yaml.safe_dump(doc))
@@ -94,6 +94,9 @@ async def test_kill_9_right_after_2xx_answers_never_repeats_an_attempt_number(
                 time.sleep(0.05)
         producer.close()
 
+    # pulsar-lite may strand a life's messages with the killed worker's consumers (see below): it is
+    # not waited out for long, since a broker restart clears it. Apache Pulsar has no such fallback.
+    lite = brokers.is_pulsar_lite(own_broker)
     feeder = threading.Thread(target=publish)
     feeder.start()
     try:
@@ -106,7 +109,8 @@ async def test_kill_9_right_after_2xx_answers_never_repeats_an_attempt_number(
                     return sum(1 for r in endpoint.requests if r.acked) >= n + 20
 
                 try:
-                    await eventually(delivering, timeout=15, what=f"deliveries in life {life}")
+                    await eventually(delivering, timeout=6 if lite and chance == 1 else 15,
+                                     what=f"deliveries in life {life}")
                     killed.clear()
                     kill_after_next_2xx.set()
                     await eventually(killed.is_set, timeout=10, what=f"the kill in life {life}")
@@ -116,7 +120,7 @@ async def test_kill_9_right_after_2xx_answers_never_repeats_an_attempt_number(
                     # the killed one (Apache Pulsar drops a dead connection's consumers), so the
                     # new worker delivers nothing: a broker restart clears them.
                     kill_after_next_2xx.clear()
-                    if chance == 2 or not brokers.is_pulsar_lite(own_broker):
+                    if chance == 2 or not lite:
                         raise
                     own_broker.restart()
             await asyncio.to_thread(worker["proc"].wait, 10)
@@ -129,11 +133,12 @@ async def test_kill_9_right_after_2xx_answers_never_repeats_an_attempt_number(
             return {r.headers["Pubsub-Message-Id"] for r in endpoint.requests if r.acked}
 
         try:
-            await eventually(lambda: acked_ids() >= everything, timeout=20, what="every message acked")
+            await eventually(lambda: acked_ids() >= everything, timeout=8 if lite else 20,
+                             what="every message acked")
         except AssertionError:
             # pulsar-lite keeps a killed worker's consumers and strands their messages until it
             # restarts (Apache Pulsar releases them): restart it, then everything must arrive.
-            if not brokers.is_pulsar_lite(own_broker):
+            if not lite:
                 raise
             own_broker.restart()
             await eventually(lambda: acked_ids() >= everything, timeout=60, what="every message acked")
@@ -231,7 +236,9 @@ async def test_redis_and_broker_down_at_start_then_up(endpoint: Endpoint, topic,
     Redis and the broker answer."""
     redis_port, broker_port, http_port = free_port(), free_port(), free_port()
     redis_url, broker_url = f"redis://127.0.0.1:{redis_port}", f"pulsar://127.0.0.1:{broker_port}"
-    config = config_file(tmp_path / "w.yaml", broker_url, redis_url, topic, endpoint.url, http_port=http_port)
+    # A short operation timeout: the first subscribe gives up (and is retried) after 5 s, not 30 s.
+    config = config_file(tmp_path / "w.yaml", broker_url, redis_url, topic, endpoint.url, http_port=http_port,
+                         pulsar={"operation_timeout_seconds": 5})
     log = tmp_path / "w.log"
     proc = spawn_worker(config, log)
     redis_service = broker = None
