@@ -106,7 +106,7 @@ def test_against_a_dead_broker_and_a_registry_full_of_garbage(redis_url, tmp_pat
                              capture_output=True, timeout=60, env={**os.environ, "PYTHONPATH": str(Path.cwd())})
     assert listing.returncode == 0, listing.stderr.decode()
     rows = {r["name"]: r for r in json.loads(listing.stdout)}
-    assert rows["valid"]["state"] != "invalid"
-    invalid = {name: r["reason"] for name, r in rows.items() if r["state"] == "invalid"}
+    assert rows["valid"]["state"] != "Invalid"
+    invalid = {name: r["reason"] for name, r in rows.items() if r["state"] == "Invalid"}
     assert {"not-json", "array", "no-project"} <= set(invalid) and len(invalid) == 4, invalid
     assert all(reason for reason in invalid.values())

@@ -78,8 +78,10 @@ async def test_kill_9_then_restart_continues_attempt_numbers_and_loses_nothing(
     assert delivered == set(ids) - doomed_ids  # every other message reached the endpoint
 
 
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 async def test_sigterm_lets_in_flight_deliveries_finish_then_exits(
-        broker, redis_url, endpoint: Endpoint, client: Client, topic, tmp_path):
+        stop_signal, broker, redis_url, endpoint: Endpoint, client: Client, topic, tmp_path):
+    """SIGHUP (a closed terminal) drains like SIGTERM: it used to end the worker on the spot."""
     started = asyncio.Event()
     finished: list[str] = []
 
@@ -94,7 +96,7 @@ async def test_sigterm_lets_in_flight_deliveries_finish_then_exits(
     ids = client.publish(topic, [b"a", b"b", b"c"])
     proc = spawn_worker(config, tmp_path / "w.log")
     await asyncio.wait_for(started.wait(), 30)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(stop_signal)
     rc = await asyncio.to_thread(proc.wait, 20)
     assert rc == 0
     assert sorted(finished) == sorted(ids)  # all three were in flight and finished inside the grace

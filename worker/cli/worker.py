@@ -24,7 +24,9 @@ async def _serve(config_path: str) -> int:
     worker = Worker(settings)
     KEEP_UNTIL_EXIT.append(worker)
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    # SIGHUP too: a worker whose terminal closed drains and hands over like one told to stop, instead
+    # of dying on the spot with its leases held until they lapse.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, worker.request_stop)
     loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)  # what a stuck worker is waiting on
     async with worker:

@@ -397,7 +397,7 @@ class Admin:
     async def list(self) -> Output:
         """Every subscription of the registry, the given config, and the workers' own config files
         (`source`: registry, config, worker), with its status; an invalid registry entry is a row in
-        state `invalid` with the reason. Of a worker's own, the type is not known here (`-`)."""
+        state `Invalid` with the reason. Of a worker's own, the type is not known here (`-`)."""
         entries: dict[str, Any] = dict.fromkeys(await self._served() | await self.registry.paused(),
                                                 ({"type": "-"}, "worker"))
         entries.update({k: ({"type": s.type}, "config") for k, s in self.static.items()})
@@ -408,7 +408,7 @@ class Admin:
         for key, (entry, source) in sorted(entries.items()):
             if isinstance(entry, str):
                 project, _, name = key.partition("/")
-                rows.append({"project": project, "name": name, "type": "-", "owner": "-", "state": "invalid",
+                rows.append({"project": project, "name": name, "type": "-", "owner": "-", "state": "Invalid",
                              "reason": entry, "acked": 0, "retried": 0, "dead_lettered": 0, "unsettled": 0,
                              "source": source})
             else:
