@@ -6,6 +6,7 @@ import asyncio
 import json
 import threading
 import time
+from collections.abc import Callable
 
 import pulsar
 import pytest
@@ -243,6 +244,42 @@ async def test_a_failing_endpoint_puts_the_subscription_in_error_and_recovery_cl
     assert "endpoint failing" in w.dispatchers[sub.key].state_reason and "502" in w.dispatchers[sub.key].state_reason
     healthy = True
     await eventually(lambda: state_of(w, sub.key) == "Active", what="Active again")
+
+
+async def test_a_subscription_the_broker_refuses_shows_why_and_is_served_once_it_may(
+        broker, start_worker, endpoint: Endpoint, client: Client, topic, redis_url):
+    """Another consumer holds the exclusive subscription: the broker refuses the worker's. `subs list`
+    gives the broker's answer as the reason (it showed Starting with no reason, for good), and once
+    the other consumer goes, the worker serves it and the reason is gone."""
+    definition = {"name": "refused", "topic": topic, "type": "exclusive",
+                  "deliver": {"mode": "push", "push": {"url": endpoint.url}}}
+    squatter = client.client.subscribe(topic, "refused", consumer_type=pulsar.ConsumerType.Exclusive)
+    redis = aioredis.Redis.from_url(redis_url)
+    await Registry(redis, "default").apply(definition)
+    await redis.aclose()
+    # pulsar-lite does not answer the second consumer (Apache Pulsar answers ConsumerBusy): the
+    # subscribe ends at the operation timeout.
+    w = await start_worker(pulsar=PulsarSettings(service_url=broker.url, operation_timeout_seconds=3),
+                           fleet=FleetSettings(heartbeat_seconds=0.2))
+
+    async def listed_until(check: Callable[[dict], bool], what: str) -> None:
+        deadline = time.monotonic() + 20
+        while True:
+            code, out, err = await cli("subs", "list", "--redis-url", redis_url, "--json")
+            assert code == 0, err
+            [row] = [r for r in json.loads(out) if r["name"] == "refused"]
+            if check(row):
+                return
+            assert time.monotonic() < deadline, f"timed out waiting for {what}: {row}"
+            await asyncio.sleep(0.2)
+
+    await listed_until(lambda r: r["state"] == "Starting" and r["reason"].startswith("subscribe failing: the broker"),
+                       "the refusal shown as the reason")
+    assert "p-test/refused" not in w.dispatchers
+    squatter.close()
+    [mid] = client.publish(topic, [b"after"])
+    await eventually(lambda: mid in endpoint.by_id(), timeout=30, what="delivery once the subscription is free")
+    await listed_until(lambda r: r["state"] == "Active" and r["reason"] == "", "Active with no reason")
 
 
 async def test_a_backlog_over_the_threshold_for_long_enough_expires_the_subscription(

@@ -94,6 +94,10 @@ class Worker:
         self.dispatchers: dict[str, Dispatcher] = {}
         self._starting: dict[str, asyncio.Task[None]] = {}
         self._starting_subs: dict[str, Subscription] = {}
+        # Why a subscription's subscribe keeps failing (the broker's answer), for `subs list`: without
+        # it a subscription the broker refuses (a missing namespace, a busy exclusive subscription)
+        # showed only "Starting", for good.
+        self.subscribe_failures: dict[str, str] = {}
         self._seeking: set[str] = set()  # served, with no consumer of ours while the cursor moves
         self._orphans: set[asyncio.Future[None]] = set()
         self._services: list[embedded.Service] = []
@@ -271,9 +275,12 @@ class Worker:
             except Exception as e:
                 self.broker_answered = self.broker_answered or pulsar_adapter.answered_by_broker(e)
                 self.metrics.broker_errors.labels("subscribe").inc()
-                self.log.warning("subscribe failed; retrying", subscription=sub.key, error=str(e), in_seconds=delay)
+                said = pulsar_adapter.broker_error_text(e)
+                self.subscribe_failures[sub.key] = said
+                self.log.warning("subscribe failed; retrying", subscription=sub.key, error=said, in_seconds=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
+        self.subscribe_failures.pop(sub.key, None)
         dispatcher = Dispatcher(sub, consumer, pulsar_adapter.to_envelope, self.delivery, lease)
         dispatcher.health.error_after = self.settings.fleet.error_after_seconds
         self.dispatchers[sub.key] = dispatcher
@@ -319,6 +326,7 @@ class Worker:
         if self._starting.get(key) is task:  # a newer start of the same key is not ours to forget
             del self._starting[key]
             self._starting_subs.pop(key, None)
+            self.subscribe_failures.pop(key, None)
 
     @property
     def serving(self) -> set[str]:
