@@ -116,6 +116,11 @@ BAD = [
     (dict(deliver__push__url="ftp://example.com/x"), "deliver.push.url", "http or https"),
     (dict(deliver__push__url="https:///nohost"), "deliver.push.url", "host"),
     (dict(deliver__push__url="https://u:p@example.com/"), "deliver.push.url", "credentials"),
+    # These three passed `check` (the first failed it as "unexpected error"): the HTTP client then
+    # refused the port, or dropped the newline and so posted to another path.
+    (dict(deliver__push__url="https://[::1/push"), "deliver.push.url", "valid URL"),
+    (dict(deliver__push__url="https://example.com:99999/push"), "deliver.push.url", "valid URL"),
+    (dict(deliver__push__url="https://example.com/push\nX-Injected: 1"), "deliver.push.url", "control characters"),
     (dict(deliver__push__url=...), "deliver.push.url", "required"),
     (dict(deliver__push__content="xml"), "deliver.push.content", "wrapped, raw"),
     (dict(dead_letter__topic="persistent://p-demo/main/orders"), "dead_letter.topic", "differ"),
@@ -245,6 +250,23 @@ def test_check_refuses_a_secret_that_cannot_be_read(tmp_path: Path):
     result = _cli("check", "--config", str(path), cwd=tmp_path)
     assert result.returncode == 2 and "deliver.push.signing_secrets[0]: a whsec_ secret is not valid base64" in \
         result.stderr
+
+
+def test_check_refuses_a_ca_file_that_cannot_be_used(tmp_path: Path):
+    """A trust file that is missing or holds no certificate failed every TLS connection at run time,
+    one retry after another; `check` passed it."""
+    not_pem = tmp_path / "ca.txt"
+    not_pem.write_text("not a certificate\n")
+    for block, field, rule in (
+            ({"pulsar": {"service_url": "pulsar+ssl://broker:6651", "tls_trust_certs_file": str(tmp_path / "no")}},
+             "pulsar.tls_trust_certs_file", "cannot be read (No such file or directory"),
+            ({"redis": {"mode": "cluster", "nodes": ["redis-0:6379"], "tls": True, "tls_ca_file": str(not_pem)}},
+             "redis.tls_ca_file", "must hold PEM certificates")):
+        path = tmp_path / "worker.yaml"
+        path.write_text(yaml.safe_dump(block))
+        result = _cli("check", "--config", str(path), cwd=tmp_path)
+        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert f"config: {field}: {rule}" in result.stderr, result.stderr
 
 
 def test_a_config_that_is_not_utf8_is_refused_in_one_line(tmp_path: Path):

@@ -11,6 +11,7 @@ import functools
 import gc
 import os
 import socket
+import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -46,6 +47,10 @@ def preflight(settings: Settings, secrets: SecretStore | None = None) -> None:
     from urllib.parse import urlsplit
 
     secrets = secrets or SecretStore()
+    for field, path in (("pulsar.tls_trust_certs_file", settings.pulsar.tls_trust_certs_file),
+                        ("redis.tls_ca_file", settings.redis.tls_ca_file)):
+        if path:
+            _check_ca_file(field, path)
     for sub in settings.subscriptions:
         where = f"subscription {sub.name!r}"
         try:
@@ -53,6 +58,17 @@ def preflight(settings: Settings, secrets: SecretStore | None = None) -> None:
         except DestinationRefused as e:
             raise ConfigError(where, "deliver.push.url", str(e)) from None
         check_secrets(sub, secrets)
+
+
+def _check_ca_file(field: str, path: str) -> None:
+    """A CA file that cannot be read or holds no certificate: every TLS connection would fail, one
+    retry after another, where `check` can say so at once."""
+    try:
+        ssl.create_default_context(cafile=path)
+    except ssl.SSLError:
+        raise ConfigError("config", field, f"must hold PEM certificates ({path} holds none)") from None
+    except OSError as e:
+        raise ConfigError("config", field, f"cannot be read ({e.strerror}: {path})") from None
 
 
 def check_secrets(sub: Subscription, secrets: SecretStore) -> None:

@@ -186,7 +186,15 @@ def _check_topic(r: FieldReader, name: str, value: str) -> tuple[str, str, str, 
 
 
 def _check_url(r: FieldReader, value: str, name: str = "url") -> str:
-    parts = urlsplit(value)
+    if any(c <= " " or c == "\x7f" for c in value):  # the HTTP client would drop them: another URL
+        raise r.fail(name, "must not contain spaces or control characters (percent-encode them)")
+    try:
+        parts = urlsplit(value)
+        _ = parts.port  # a port out of 0..65535 raises here
+    except ValueError as e:
+        raise r.fail(name, f"must be a valid URL ({e})") from None
+    if parts.port == 0:
+        raise r.fail(name, "must be a valid URL (port 0)")
     if parts.scheme not in ("http", "https"):
         raise r.fail(name, "must be an http or https URL")
     if not parts.hostname:
