@@ -8,14 +8,17 @@ import threading
 import time
 from collections.abc import Callable
 
+import aiohttp
 import pulsar
 import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
+from structlog.testing import capture_logs
 
+from tests import brokers
 from tests.conftest import Client, Endpoint, make_sub
 from tests.helpers import cli, eventually, push_sub, worker_yaml
-from worker import keys
+from worker import broker_admin, keys
 from worker.config import FleetSettings, PulsarSettings, RedisSettings
 from worker.fleet import leases, lifecycle
 from worker.fleet.lifecycle import SeekTarget
@@ -280,6 +283,29 @@ async def test_a_subscription_the_broker_refuses_shows_why_and_is_served_once_it
     [mid] = client.publish(topic, [b"after"])
     await eventually(lambda: mid in endpoint.by_id(), timeout=30, what="delivery once the subscription is free")
     await listed_until(lambda r: r["state"] == "Active" and r["reason"] == "", "Active with no reason")
+
+
+@pytest.mark.apache_pulsar
+async def test_a_refused_unsubscribe_still_closes_the_consumer_and_is_logged(
+        broker, start_worker, endpoint: Endpoint, client: Client, topic):
+    """Apache Pulsar refuses to delete a subscription another consumer is attached to (an expiry while
+    a frozen worker's consumer is still there). The worker's own consumer used to stay open then,
+    holding its prefetched messages, with nothing logged; now it is closed and the refusal logged.
+    (pulsar-lite deletes the subscription anyway.)"""
+    sub = make_sub(topic, endpoint.url)
+    w = await start_worker(sub, pulsar=PulsarSettings(service_url=broker.url, operation_timeout_seconds=5))
+    other = client.client.subscribe(topic, sub.pulsar_subscription, consumer_type=pulsar.ConsumerType.Shared,
+                                    consumer_name="someone-else")
+    try:
+        with capture_logs() as logged:
+            await w.remove(sub.key, grace=0, unsubscribe=True)
+        assert any(e["event"].startswith("broker subscription not deleted") for e in logged), logged
+        async with aiohttp.ClientSession() as session:
+            entry = await broker_admin.subscription_stats(session, brokers.admin_url(broker), sub)
+        assert entry is not None  # still there: the broker refused
+        assert [c["consumerName"] for c in entry["consumers"]] == ["someone-else"]
+    finally:
+        other.close()
 
 
 async def test_a_backlog_over_the_threshold_for_long_enough_expires_the_subscription(

@@ -187,9 +187,13 @@ class Dispatcher:
                 await asyncio.wait(pending, timeout=CLOSE_TIMEOUT)
         # Closing the consumer hands every unacked message back to the broker for redelivery.
         # Bounded: a close that the client never confirms must not hold up a shutdown.
-        with contextlib.suppress(Exception):
-            if unsubscribe:
+        if unsubscribe:
+            try:
                 await asyncio.wait_for(self.consumer.unsubscribe(), timeout=CLOSE_TIMEOUT)
+            except Exception as e:  # the consumer is still closed below; the broker keeps the subscription
+                self.log.warning("broker subscription not deleted; it keeps its backlog until deleted",
+                                 error=str(e) or type(e).__name__)
+        with contextlib.suppress(Exception):
             await asyncio.wait_for(self.consumer.close(), timeout=CLOSE_TIMEOUT)
         self.metrics.forget(self.sub.tenant, self.sub.name)
 

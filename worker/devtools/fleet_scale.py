@@ -41,6 +41,7 @@ class SimulatedWorker:
         self.metrics = Metrics()
         self.supervisor = Supervisor()
         self.dispatchers: dict[str, Any] = {}
+        self.subscribe_failures: dict[str, str] = {}
         self.serving: set[str] = set()
         self.stopping = False
 
