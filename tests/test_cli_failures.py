@@ -11,11 +11,14 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 import redis as redis_sync
 
 from worker import keys
 from worker.embedded import free_port
 from worker.keys import fleet_key
+
+pytestmark = pytest.mark.broker_independent  # every broker URL here is one nothing listens on
 
 SUB = "p-cli/valid"
 

@@ -86,6 +86,7 @@ async def redirect_to_metadata(reader: asyncio.StreamReader, writer: asyncio.Str
     await writer.drain()
 
 
+@pytest.mark.broker_independent
 @pytest.mark.parametrize(("behaviour", "result", "status"), [
     (hang_after_headers, Result.TIMEOUT, None),
     (trickle_body, Result.TIMEOUT, None),
@@ -108,6 +109,7 @@ async def test_misbehaving_endpoints_are_bounded_failed_attempts(behaviour, resu
         await deliverer.close()
 
 
+@pytest.mark.broker_independent
 async def test_an_endless_response_body_is_read_only_up_to_the_cap():
     sent = [0]
 
@@ -195,6 +197,7 @@ def mutated_subscription() -> st.SearchStrategy[Any]:
                      st.sets(st.sampled_from(list(base))))
 
 
+@pytest.mark.broker_independent
 @settings(max_examples=400, deadline=None)
 @given(st.one_of(documents, st.fixed_dictionaries({"subscriptions": st.lists(mutated_subscription(), max_size=3)})))
 def test_fuzzed_config_is_either_valid_or_a_clear_error(doc):
@@ -204,6 +207,7 @@ def test_fuzzed_config_is_either_valid_or_a_clear_error(doc):
         assert e.field and e.rule  # names the field and the rule
 
 
+@pytest.mark.broker_independent
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.one_of(mutated_subscription(), documents), min_size=1, max_size=3))
 def test_fuzzed_registry_input_is_all_or_nothing(redis_url, definitions):
@@ -254,6 +258,7 @@ def _parses(d: dict[str, Any]) -> bool:
         return False
 
 
+@pytest.mark.broker_independent
 async def test_registry_refuses_a_batch_with_one_bad_definition_and_writes_none(redis_url, tmp_path):
     from worker.config import Settings
     from worker.ops.admin import Admin, Target
