@@ -285,6 +285,32 @@ async def test_a_subscription_the_broker_refuses_shows_why_and_is_served_once_it
     await listed_until(lambda r: r["state"] == "Active" and r["reason"] == "", "Active with no reason")
 
 
+async def test_a_registry_entry_named_like_a_config_subscription_takes_its_place_until_deleted(
+        start_worker, endpoint: Endpoint, client: Client, topic, redis_url):
+    """As docs/operating.md says: the config's definition sends JSON, the registry's raw bodies."""
+    sub = make_sub(topic, endpoint.url)
+    await start_worker(sub, fleet=FleetSettings(heartbeat_seconds=0.2))
+
+    async def delivered_as(payload: bytes) -> str:
+        [mid] = client.publish(topic, [payload])
+        await eventually(lambda: mid in endpoint.by_id(), what=f"delivery of {payload!r}")
+        return endpoint.by_id()[mid][0].headers["Content-Type"]
+
+    assert await delivered_as(b"config") == "application/json"
+    redis = aioredis.Redis.from_url(redis_url)
+    registry = Registry(redis, "default")
+    await registry.apply({"name": sub.name, "topic": topic,
+                          "deliver": {"mode": "push", "push": {"url": endpoint.url, "content": "raw"}}})
+    deadline = time.monotonic() + 20
+    while await delivered_as(b"registry") == "application/json":  # the edit reaches the worker by itself
+        assert time.monotonic() < deadline, "the registry's definition never took the config's place"
+    await registry.delete(sub.key)
+    deadline = time.monotonic() + 20
+    while await delivered_as(b"config again") != "application/json":
+        assert time.monotonic() < deadline, "the config's definition never came back"
+    await redis.aclose()
+
+
 @pytest.mark.apache_pulsar
 async def test_a_refused_unsubscribe_still_closes_the_consumer_and_is_logged(
         broker, start_worker, endpoint: Endpoint, client: Client, topic):
