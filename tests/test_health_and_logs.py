@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -10,8 +11,9 @@ import redis as redis_sync
 import yaml
 from aiohttp import web
 
-from tests.conftest import Client
+from tests.conftest import Client, make_sub
 from tests.helpers import eventually, http_get, spawn_worker
+from worker.config import FleetSettings
 from worker.embedded import free_port, start_redis, terminate
 
 
@@ -58,8 +60,6 @@ async def test_readiness_judges_the_worker_not_a_subscription_that_cannot_subscr
         broker, redis_url, endpoint, client: Client, topic):
     """A rolling update must not wait forever on one subscription the broker keeps refusing (here:
     an exclusive subscription another consumer holds); the broker answered, so the worker is ready."""
-    import asyncio
-
     from tests.conftest import make_settings, make_sub
     from worker.config import PulsarSettings
     from worker.service import Worker
@@ -83,3 +83,39 @@ async def test_readiness_judges_the_worker_not_a_subscription_that_cannot_subscr
     finally:
         await worker.close()
         holder.close()
+
+
+async def test_a_full_redis_turns_readiness_red_with_why_and_delivery_resumes_when_it_has_room(
+        start_worker, own_redis, endpoint, client: Client, topic):
+    """A Redis at maxmemory (noeviction) answers PING but refuses writes: every fleet round fails and
+    the leases lapse, so nothing is delivered. Readiness said ok meanwhile, and the log said only
+    "ResponseError"; now /readyz turns red past a lease period with Redis's answer, and the worker
+    serves again once Redis has room."""
+    sub = make_sub(topic, endpoint.url)
+    worker = await start_worker(sub, redis=own_redis.url, fleet=FleetSettings(lease_seconds=2, heartbeat_seconds=0.2))
+    assert worker.status is not None
+    url = f"http://127.0.0.1:{worker.status.port}/readyz"
+    admin = redis_sync.Redis.from_url(own_redis.url)
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", 1)  # full: every write is refused (OOM)
+    try:
+        red: list[tuple[int, dict]] = []
+
+        async def reported_full() -> bool:
+            red[:] = [await asyncio.to_thread(http_get, url)]
+            return red[0][0] == 503 and "fleet round failing" in red[0][1]["reason"]
+
+        deadline = asyncio.get_running_loop().time() + 15
+        while not await reported_full():
+            assert asyncio.get_running_loop().time() < deadline, f"readiness stayed {red}"
+            await asyncio.sleep(0.1)
+        assert "OOM" in red[0][1]["reason"], red
+    finally:
+        admin.config_set("maxmemory", 0)
+        admin.close()
+    [mid] = client.publish(topic, [b"after"])
+    await eventually(lambda: mid in endpoint.by_id(), timeout=20, what="delivery once Redis has room")
+    deadline = asyncio.get_running_loop().time() + 10
+    while (await asyncio.to_thread(http_get, url))[0] != 200:
+        assert asyncio.get_running_loop().time() < deadline, "never ready again"
+        await asyncio.sleep(0.1)

@@ -465,7 +465,11 @@ class Worker:
         if self._starting and not self.broker_answered and not await self._broker_answers():
             return False, "broker unreachable"
         if self.fleet is None or not self.fleet.members:
-            return False, "not yet in the fleet"
+            why = self.fleet.round_error if self.fleet else ""
+            return False, f"not yet in the fleet ({why})" if why else "not yet in the fleet"
+        # Past a lease period every lease has lapsed: nothing is delivered, though Redis answers PING.
+        if self.fleet.failing_for() > self.settings.fleet.lease_seconds:
+            return False, f"fleet round failing for {self.fleet.failing_for():.0f} s ({self.fleet.round_error})"
         failing = self.supervisor.not_ready()
         if failing:
             return False, failing

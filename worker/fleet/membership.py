@@ -24,7 +24,7 @@ from worker.fleet.leases import ACQUIRE, RELEASE, RENEW, Lease, assign
 from worker.fleet.registry import Registry, clear_state, safe_text
 from worker.fleet.status import StatusReports
 from worker.redis_batch import Pipeliner
-from worker.redis_client import REDIS_DOWN, AsyncClient
+from worker.redis_client import REDIS_DOWN, AsyncClient, describe
 from worker.subscriptions import State, Subscription
 from worker.supervisor import log_task_failure
 
@@ -90,6 +90,14 @@ class Fleet:
         # event loop for tens of milliseconds at a time, and every delivery waited.
         self.batch = Pipeliner(client)
         self.status = StatusReports(worker, self.batch, self.ttl_ms)
+        # The last round that went through, and why the rounds since failed: a Redis that answers
+        # PING but refuses writes (full at maxmemory: OOM) stops every round, and with it the leases.
+        self.last_round_ok = time.monotonic()
+        self.round_error = ""
+
+    def failing_for(self) -> float:
+        """Seconds since the last round that went through, while rounds fail; 0 when the last one did."""
+        return time.monotonic() - self.last_round_ok if self.round_error else 0.0
 
     @property
     def me(self) -> str:
@@ -111,9 +119,11 @@ class Fleet:
     async def _tick_safely(self) -> None:
         try:
             await self.tick()
+            self.last_round_ok, self.round_error = time.monotonic(), ""
         except REDIS_DOWN as e:
             self.worker.metrics.redis_errors.inc()
-            self.log.warning("fleet tick failed", error=type(e).__name__)
+            self.round_error = f"{type(e).__name__}: {describe(e)}"[:300]
+            self.log.warning("fleet tick failed", error=self.round_error)
             await self._drop_expired()
         except Exception:
             await self._drop_expired()  # fenced anyway; stop what can no longer be renewed
