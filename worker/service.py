@@ -95,6 +95,7 @@ def check_secrets(sub: Subscription, secrets: SecretStore) -> None:
 # (each scans every object the worker has made since it started: 35-93 ms with 1,000 subscriptions).
 COLLECT_AFTER_RELEASE_SECONDS = 1.0
 COLLECT_INTERVAL_SECONDS = 60.0
+REDIS_START_PING_SECONDS = 5  # how long a start waits for each PING before it logs and tries again
 EMBEDDED_CHECK_SECONDS = 1.0  # how soon an embedded broker or Redis that exited is started again
 
 
@@ -245,7 +246,7 @@ class Worker:
         delay = 0.5
         while not self._stop.is_set():
             try:
-                await asyncio.wait_for(self.redis.ping(), timeout=5)
+                await asyncio.wait_for(self.redis.ping(), timeout=REDIS_START_PING_SECONDS)
                 if delay > 0.5:
                     self.log.info("redis answers")
                 return True
@@ -258,7 +259,8 @@ class Worker:
                 self.log.warning("redis not ready; retrying", error=str(e)[:200], in_seconds=delay)
             except (*REDIS_DOWN, TimeoutError) as e:
                 self.metrics.redis_errors.inc()
-                said = "no answer within 5 s" if type(e) is TimeoutError else redis_client.describe(e)
+                said = (f"no answer within {REDIS_START_PING_SECONDS} s" if type(e) is TimeoutError
+                        else redis_client.describe(e))
                 self.log.warning("redis unreachable; retrying", error=f"{type(e).__name__}: {said}"[:300],
                                  in_seconds=delay)
             await wait_event(self._stop, delay)
@@ -296,7 +298,6 @@ class Worker:
                 self.log.warning("subscribe failed; retrying", subscription=sub.key, error=said, in_seconds=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
-        self.subscribe_failures.pop(sub.key, None)
         dispatcher = Dispatcher(sub, consumer, pulsar_adapter.to_envelope, self.delivery, lease)
         dispatcher.health.error_after = self.settings.fleet.error_after_seconds
         self.dispatchers[sub.key] = dispatcher

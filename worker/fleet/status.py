@@ -76,12 +76,11 @@ class StatusReports:
     def _fields(self, key: str) -> dict[str, str | int]:
         dispatcher = self.worker.dispatchers.get(key)
         fields: dict[str, str | int] = {"owner": self.worker.worker_id, "state": "Starting"}
-        failing = self.worker.subscribe_failures.get(key)
-        if dispatcher is None and failing:
-            fields["reason"] = f"subscribe failing: {failing}"
         if dispatcher is not None:
             s = dispatcher.stats
             fields.update(state=str(dispatcher.state), reason=dispatcher.state_reason, acked=s.acked,
                           retried=s.retried, dead_lettered=s.dead_lettered, dropped=s.dropped,
                           unsettled=dispatcher.unsettled)
+        elif failing := self.worker.subscribe_failures.get(key):
+            fields["reason"] = f"subscribe failing: {failing}"
         return fields
