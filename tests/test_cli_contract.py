@@ -113,3 +113,28 @@ def test_run_on_a_port_in_use_says_which_setting_to_change(tmp_path: Path):
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert last == (f"push-worker: http: cannot listen on 127.0.0.1:{port} (Address already in use): choose "
                     "http.port or $PUSH_WORKER_HTTP_PORT (0: any free port)"), last
+
+
+def test_dead_letters_of_a_subscription_without_a_dead_letter_topic_are_not_found(tmp_path: Path, redis_url):
+    """It said `invalid configuration: ... dead_letter.topic: is not set` (exit 2) of a valid config."""
+    path = tmp_path / "worker.yaml"
+    path.write_text(yaml.safe_dump({"subscriptions": [{
+        "name": "plain", "topic": "persistent://p-x/main/t",
+        "deliver": {"mode": "push", "push": {"url": "https://example.com/push"}}}]}))
+    for command in (["dlq", "list", "plain"], ["dlq", "redrive", "plain"], ["queue", "plain", "--state", "dead"]):
+        result = run_cli(*command, "--config", str(path), "--redis-url", redis_url, "--service-url", "pulsar://127.0.0.1:9")
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 3 and len(lines) == 1, (command, result.stderr)
+        assert "no dead letters" in lines[0] and "invalid configuration" not in lines[0], lines[0]
+
+
+def test_a_broker_that_never_answers_is_not_said_to_have_answered(tmp_path: Path):
+    """`publish` said `the broker failed (Pulsar error: TimeOut)`, commands on the async client `the
+    broker answered Timeout`, though nothing listened on the port."""
+    path = tmp_path / "worker.yaml"
+    path.write_text(yaml.safe_dump({"pulsar": {"operation_timeout_seconds": 2}}))
+    result = run_cli("publish", "persistent://p-x/main/t", "x", "--config", str(path),
+                     "--service-url", "pulsar://127.0.0.1:9", timeout=60)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert "the broker failed: no answer from the broker (" in lines[0] and "answered" not in lines[0], lines[0]

@@ -81,10 +81,14 @@ def test_broker_errors_are_named_and_classified():
     from worker.consumer import answered_by_broker, broker_error_text, transient
 
     dropped = pulsar_async.PulsarException(pulsar.Result(46))  # the C++ client's Disconnected: "46 ???"
-    assert broker_error_text(dropped) == "the broker answered Disconnected" and transient(dropped)
+    assert broker_error_text(dropped) == "no answer from the broker (Disconnected)" and transient(dropped)
     refused = pulsar_async.PulsarException(pulsar.Result.AuthorizationError)
     assert broker_error_text(refused) == "the broker answered AuthorizationError"
     assert not transient(refused) and answered_by_broker(refused)
     timeout = pulsar_async.PulsarException(pulsar.Result.Timeout)
     assert transient(timeout) and not answered_by_broker(timeout)
+    assert broker_error_text(timeout) == "no answer from the broker (Timeout)"
     assert broker_error_text(ValueError("x")) == "ValueError: x" and not transient(ValueError("x"))
+    # The blocking client (publish, the dead-letter republish's cursor) raises a class per result.
+    assert broker_error_text(pulsar.Timeout("Pulsar error: TimeOut")) == "no answer from the broker (Timeout)"
+    assert broker_error_text(pulsar.TopicNotFound("x")) == "the broker answered TopicNotFound"

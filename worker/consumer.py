@@ -190,19 +190,31 @@ _UNREACHABLE = {pulsar.Result.Timeout, pulsar.Result.ConnectError, pulsar.Result
                 pulsar.Result.AlreadyClosed, pulsar.Result.NotConnected}
 
 
+# Of those, the ones the client reports when nothing came back from the broker at all.
+_SILENT = {pulsar.Result.Timeout, pulsar.Result.ConnectError, pulsar.Result.NotConnected}
+
+
 # Codes of the C++ client that pulsar-client's Python enum does not name (shown as "46 ???").
 _UNNAMED_RESULTS = {46: "Disconnected"}
 
 
 def broker_error_text(error: BaseException) -> str:
-    """A broker call's error as a person can read it: the result's name, not its number."""
+    """A broker call's error as a person can read it: the result's name, not its number. The async
+    client's errors carry a result; the blocking client's are a class per result, named like it."""
     result = getattr(error, "error", None)
-    if not callable(result):
+    if callable(result):
+        code = result()
+    elif isinstance(error, pulsar.PulsarException) and type(error).__name__ in pulsar.Result.__members__:
+        code = getattr(pulsar.Result, type(error).__name__)
+    else:
         return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-    code = result()
     name = getattr(code, "name", None)
     if not name or name == "???":
         name = _UNNAMED_RESULTS.get(int(code), f"error {int(code)}")
+    # A timeout or a lost connection is the client's own verdict: saying the broker "answered" it
+    # would send an operator looking at the broker's logs for a refusal that never happened.
+    if code in _SILENT or int(code) in _UNNAMED_RESULTS:
+        return f"no answer from the broker ({name})"
     return f"the broker answered {name}"
 
 

@@ -54,7 +54,10 @@ def _dispatch(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:
-        code, line = explain(e)
+        try:
+            code, line = explain(e)
+        except Exception as while_explaining:  # a bug in the explaining must not cost the one line
+            code, line = 1, f"unexpected error: {type(e).__name__}: {e} (and {while_explaining!r} explaining it)"
         if os.environ.get("PUSH_WORKER_DEBUG"):
             import traceback
 
@@ -90,8 +93,7 @@ def explain(error: BaseException) -> tuple[int, str]:
     if isinstance(error, (pulsar.PulsarException, pulsar_async.PulsarException)):
         from worker.consumer import broker_error_text
 
-        said = broker_error_text(error) if isinstance(error, pulsar_async.PulsarException) else text
-        return 1, (f"the broker failed ({said}); check --service-url, pulsar.service_url or "
+        return 1, (f"the broker failed: {broker_error_text(error)}; check --service-url, pulsar.service_url or "
                    "$PUSH_WORKER_PULSAR_URL, and that the broker is running")
     if isinstance(error, OSError):
         return 1, f"{text}"

@@ -37,7 +37,7 @@ from worker.config import PulsarSettings
 from worker.deadletter import DeadLetterPublisher, subscribe_cursor
 from worker.delivery import Deliverer
 from worker.dispatcher import DeliveryContext, Dispatcher
-from worker.errors import ConfigError, NotFound
+from worker.errors import NotFound
 from worker.messages import Envelope, rfc3339
 from worker.metrics import Metrics
 from worker.ops.admin import Admin, Target
@@ -142,7 +142,7 @@ class DeadLetters:
     async def subscription(self, admin: Admin, name: str) -> Subscription:
         sub = await admin.definition(name)
         if not sub.dead_letter_topic:
-            raise ConfigError(f"subscription {sub.name!r}", "dead_letter.topic", "is not set: it has no dead letters")
+            raise NotFound(f"{name}: no dead letters: the subscription has no dead_letter.topic")
         return sub
 
     @asynccontextmanager
