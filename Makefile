@@ -8,10 +8,12 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install demo test lint bench soak clean apache-pulsar apache-pulsar-stop test-apache-pulsar image-lock
 
-$(STAMP): pyproject.toml requirements.lock
+$(STAMP): pyproject.toml requirements.lock tests/cloudevents-sdk2.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -c requirements.lock -e '.[dev,embedded]'
+	$(PYTHON) -m venv $(VENV)/cloudevents2
+	$(VENV)/cloudevents2/bin/pip install --quiet -r tests/cloudevents-sdk2.txt
 	touch $(STAMP)
 
 install: $(STAMP)

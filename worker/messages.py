@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import re
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,6 +129,16 @@ def build_request(sub: Subscription, env: Envelope, attempt: int) -> PushRequest
 _EXTENSION_RE = re.compile(r"^[a-z0-9]{1,20}$")
 _CONTEXT_NAMES = frozenset({"specversion", "id", "source", "type", "datacontenttype", "dataschema", "subject",
                             "time", "data", "data_base64", "deliveryattempt"})
+# A CloudEvents String holds no control characters (CloudEvents 1.0, "Type System"); nor can a
+# lone surrogate be sent as UTF-8.
+_CE_STRING_RE = re.compile(r"^[^\x00-\x1f\x7f-\x9f\ud800-\udfff]{0,4096}$")
+# The HTTP binding (1.0.2, 3.1.3.2) percent-encodes every `ce-` header value's space, double quote,
+# percent sign and anything outside printable ASCII, as UTF-8: "café 50%" is sent as "caf%C3%A9%2050%25".
+_CE_HEADER_SAFE = "".join(c for c in map(chr, range(0x21, 0x7F)) if c not in ' "%')
+
+
+def _ce_header(value: str) -> str:
+    return urllib.parse.quote(value, safe=_CE_HEADER_SAFE)
 
 
 def _cloudevent(sub: Subscription, env: Envelope, attempt: int, headers: dict[str, str]) -> PushRequest:
@@ -138,17 +149,20 @@ def _cloudevent(sub: Subscription, env: Envelope, attempt: int, headers: dict[st
         "specversion": "1.0", "id": env.message_id, "source": ce.source or f"//pulsar/{sub.topic}",
         "type": ce.type, "time": rfc3339(env.publish_time_ms),
     }
-    if env.ordering_key is not None:
-        context["subject"] = env.ordering_key
-    content_type = env.attributes.get("content-type")
     omitted = 0
+    if env.ordering_key is not None:
+        if _CE_STRING_RE.match(env.ordering_key):
+            context["subject"] = env.ordering_key
+        else:
+            omitted += 1
+    content_type = env.attributes.get("content-type")
     if content_type is not None and not header_safe("Content-Type", content_type):
-        content_type, omitted = None, 1
+        content_type, omitted = None, omitted + 1
     extensions: dict[str, str] = {}
     for name, value in env.attributes.items():
         if name == "content-type":
             continue
-        if _EXTENSION_RE.match(name) and name not in _CONTEXT_NAMES and header_safe(name, value):
+        if _EXTENSION_RE.match(name) and name not in _CONTEXT_NAMES and _CE_STRING_RE.match(value):
             extensions[name] = value
         else:
             omitted += 1
@@ -156,10 +170,7 @@ def _cloudevent(sub: Subscription, env: Envelope, attempt: int, headers: dict[st
     if ce.mode == "binary":
         headers["Content-Type"] = content_type or "application/octet-stream"
         for name, value in (*context.items(), *extensions.items()):
-            if header_safe("ce", value):  # a subject (ordering key) a header cannot carry is left out
-                headers[f"ce-{name}"] = value
-            else:
-                omitted += 1
+            headers[f"ce-{name}"] = _ce_header(value)
         return PushRequest(headers, env.data, omitted)
     event = {**context, **extensions}
     if content_type is not None:
