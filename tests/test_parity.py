@@ -7,6 +7,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 import pulsar
@@ -276,8 +277,9 @@ async def test_a_subscription_the_broker_refuses_shows_why_and_is_served_once_it
             assert time.monotonic() < deadline, f"timed out waiting for {what}: {row}"
             await asyncio.sleep(0.2)
 
-    await listed_until(lambda r: r["state"] == "Starting" and r["reason"].startswith("subscribe failing: the broker"),
-                       "the refusal shown as the reason")
+    said = ("subscribe failing: no answer from the broker (Timeout)" if brokers.is_pulsar_lite(broker)
+            else "subscribe failing: the broker answered ConsumerBusy")
+    await listed_until(lambda r: r["state"] == "Starting" and r["reason"] == said, "the refusal shown as the reason")
     assert "p-test/refused" not in w.dispatchers
     squatter.close()
     [mid] = client.publish(topic, [b"after"])
@@ -332,6 +334,51 @@ async def test_a_refused_unsubscribe_still_closes_the_consumer_and_is_logged(
         assert [c["consumerName"] for c in entry["consumers"]] == ["someone-else"]
     finally:
         other.close()
+
+
+@pytest.mark.apache_pulsar
+async def test_a_dead_letter_topic_that_refuses_publishes_is_said_counted_and_waited_for(
+        start_worker, endpoint: Endpoint, client: Client, topic):
+    """An exclusive producer holds the dead-letter topic, so Apache Pulsar refuses the worker's
+    (ProducerBusy; the same silence came from a dead-letter namespace that does not exist). The
+    worker retried without a word: no log line of its own, no metric, the subscription Active with
+    no reason, exhausted messages piling up unacked, and a shutdown that waited its whole grace for
+    them. Now it logs, counts and says why, a stop releases the message at once, and the next owner
+    dead-letters it without another request once the topic takes publishes. (pulsar-lite accepts a
+    second producer beside an exclusive one.)"""
+    endpoint.behaviour = lambda rec: web.Response(status=500)
+    dlq = topic + "-dlq"
+    squatter = client.client.create_producer(dlq, access_mode=pulsar.ProducerAccessMode.Exclusive)
+    sub = make_sub(topic, endpoint.url, max_deliver=1, dead_letter_topic=dlq)
+
+    async def refused_by(w: Any) -> Any:
+        dispatcher = w.dispatchers[sub.key]
+        await eventually(lambda: "dead-letter publish failing" in dispatcher.state_reason, timeout=30,
+                         what="the refusal given as the subscription's reason")
+        assert "ProducerBusy" in dispatcher.state_reason and dispatcher.unsettled == 1
+        return dispatcher
+
+    with capture_logs() as logged:
+        first = await start_worker(sub, shutdown_grace_seconds=30)
+        [mid] = client.publish(topic, [b"exhausted"])
+        await refused_by(first)
+    failing = [e for e in logged if e["event"].startswith("dead-letter publish failing")]
+    assert failing and failing[0]["dead_letter_topic"] == dlq and "ProducerBusy" in failing[0]["error"]
+    assert first.metrics.registry.get_sample_value("pushworker_broker_errors_total",
+                                                   {"operation": "dead_letter"}) >= 1
+    began = time.monotonic()
+    await first.close()
+    assert time.monotonic() - began < 10, "the stop waited out its grace for a dead-letter publish"
+
+    dispatcher = await refused_by(await start_worker(sub))  # the message again, its attempts spent
+    watcher = client.watch(dlq)
+    squatter.close()
+    [dead] = await asyncio.to_thread(Client.drain, watcher, 1)
+    assert dead.properties()["pubsub.original_message_id"] == mid
+    assert dead.properties()["pubsub.delivery_attempts"] == "1"
+    assert len(endpoint.by_id()[mid]) == 1  # no request after the attempts were spent
+    await eventually(lambda: dispatcher.state_reason == "" and dispatcher.unsettled == 0,
+                     what="the reason gone once the dead letter is confirmed")
 
 
 async def test_a_backlog_over_the_threshold_for_long_enough_expires_the_subscription(

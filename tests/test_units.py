@@ -124,3 +124,25 @@ def test_an_undecodable_key_or_attributes_become_a_defect_not_an_exception():
     env = to_envelope(_UndecodableMessage())  # type: ignore[arg-type]
     assert env.message_id == "5:6:-1:-1" and env.data == b"\xff\xfe"
     assert env.defect == "ordering key is not UTF-8; attributes are not UTF-8"
+
+
+def test_failing_dead_letter_publishes_are_counted_each_logged_at_most_every_30_s_and_cleared():
+    import structlog
+    from structlog.testing import capture_logs
+
+    from worker.deadletter import FailingPublishes
+
+    counted: list[int] = []
+    with capture_logs() as logged:
+        failing = FailingPublishes(structlog.get_logger(), lambda: counted.append(1))
+        for _ in range(5):  # a burst of failures, well within 30 s
+            failing.failed("persistent://p/n/dlq", pulsar.ProducerBusy("busy"))
+        assert failing.reason.startswith("dead-letter publish failing for 0 s (the broker answered ProducerBusy")
+        failing.published("persistent://p/n/dlq")
+        failing.failed("persistent://p/n/dlq", TimeoutError())  # a new spell: said again at once
+    assert len(counted) == 6
+    assert [(e["event"], e.get("failures")) for e in logged] == [
+        ("dead-letter publish failing; exhausted messages wait unacked", 1),
+        ("dead-letter publish works again", 5),
+        ("dead-letter publish failing; exhausted messages wait unacked", 1)]
+    assert failing.reason.endswith("(TimeoutError)")

@@ -4,11 +4,16 @@ broker, before the original is acked. One cached producer per dead-letter topic.
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
 
 import pulsar
 import pulsar.asyncio as pulsar_async
-from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
 
+from worker.aio import wait_event
+from worker.consumer import broker_error_text
 from worker.messages import Envelope
 
 BrokerError = (pulsar_async.PulsarException, OSError, asyncio.TimeoutError)
@@ -16,6 +21,7 @@ BrokerError = (pulsar_async.PulsarException, OSError, asyncio.TimeoutError)
 # nothing else subscribes (a topic without subscriptions keeps no backlog), and it is the cursor
 # `push-worker dlq list|show|redrive` works on.
 DLQ_CURSOR = "push-worker-dlq"
+FAILING_LOG_EVERY = 30.0  # seconds between two "dead-letter publish failing" lines of one subscription
 
 
 def dead_letter_properties(
@@ -71,20 +77,45 @@ class DeadLetterPublisher:
                 self._producers[topic] = producer
             return producer
 
-    async def publish(self, dl_topic: str, env: Envelope, properties: dict[str, str]) -> None:
-        """Publish until confirmed; retries broker errors (the original stays unacked meanwhile)."""
-        async for attempt in AsyncRetrying(
-            retry=retry_if_exception_type(BrokerError),
-            wait=wait_exponential_jitter(multiplier=0.2, max=5.0),
-            reraise=True,
-        ):
-            with attempt:
-                producer = await self._producer(dl_topic)
-                kwargs: dict[str, object] = {"properties": properties}
-                if env.ordering_key is not None:
-                    kwargs["partition_key"] = env.ordering_key
-                async with self._in_flight.setdefault(dl_topic, asyncio.Lock()):
-                    await producer.send(env.data, **kwargs)
+    async def publish(self, dl_topic: str, env: Envelope, properties: dict[str, str],
+                      on_failure: Callable[[BaseException], None] | None = None,
+                      stop: asyncio.Event | None = None) -> bool:
+        """Publish until confirmed (True), retrying broker errors and telling `on_failure` of each.
+        False when `stop` was set while a retry waited: the original stays unacked, the broker
+        redelivers it, and since its attempts are spent its next owner dead-letters it unsent."""
+        stopping = stop or asyncio.Event()
+
+        async def pause(seconds: float) -> None:  # cut short by the stop
+            await wait_event(stopping, seconds)
+
+        def failed(state: RetryCallState) -> None:
+            error = state.outcome.exception() if state.outcome is not None else None
+            if on_failure is not None and error is not None:
+                on_failure(error)
+
+        try:
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception_type(BrokerError),
+                stop=lambda _: stopping.is_set(),
+                wait=wait_exponential_jitter(multiplier=0.2, max=5.0),
+                sleep=pause,
+                before_sleep=failed,
+                reraise=True,
+            ):
+                if stopping.is_set() and attempt.retry_state.attempt_number > 1:
+                    return False  # woken from the wait by the stop: no further try
+                with attempt:
+                    producer = await self._producer(dl_topic)
+                    kwargs: dict[str, object] = {"properties": properties}
+                    if env.ordering_key is not None:
+                        kwargs["partition_key"] = env.ordering_key
+                    async with self._in_flight.setdefault(dl_topic, asyncio.Lock()):
+                        await producer.send(env.data, **kwargs)
+        except BrokerError:
+            if stopping.is_set():
+                return False
+            raise
+        return True
 
     async def forget(self, topic: str) -> None:
         """Close and drop the producer of a topic no longer used."""
@@ -98,3 +129,40 @@ class DeadLetterPublisher:
     async def close(self) -> None:
         for topic in list(self._producers):
             await self.forget(topic)
+
+
+class FailingPublishes:
+    """One subscription's dead-letter publishes while they fail (a dead-letter topic whose namespace
+    does not exist, a missing permission, a broker outage): each failure counted, a log line at most
+    every FAILING_LOG_EVERY seconds, and a reason for the subscription's status until one succeeds.
+    Without it the retries were silent and exhausted messages piled up unacked."""
+
+    def __init__(self, log: Any, count: Callable[[], None]) -> None:
+        self.log = log
+        self.count = count
+        self.since: float | None = None
+        self.failures = 0
+        self.last_error = ""
+        self._logged_at = float("-inf")
+
+    def failed(self, topic: str, error: BaseException) -> None:
+        now = time.monotonic()
+        self.since = now if self.since is None else self.since
+        self.failures += 1
+        self.last_error = broker_error_text(error)
+        self.count()
+        if now - self._logged_at >= FAILING_LOG_EVERY:
+            self._logged_at = now
+            self.log.warning("dead-letter publish failing; exhausted messages wait unacked", dead_letter_topic=topic,
+                             error=self.last_error, failures=self.failures)
+
+    def published(self, topic: str) -> None:
+        if self.since is not None:
+            self.log.info("dead-letter publish works again", dead_letter_topic=topic, failures=self.failures)
+            self.since, self.failures, self._logged_at = None, 0, float("-inf")
+
+    @property
+    def reason(self) -> str:
+        if self.since is None:
+            return ""
+        return f"dead-letter publish failing for {time.monotonic() - self.since:.0f} s ({self.last_error})"

@@ -20,7 +20,7 @@ from worker import logs
 from worker.aio import wait_any, wait_event
 from worker.attempts import AttemptStore
 from worker.backoff import retry_delay
-from worker.deadletter import DeadLetterPublisher, dead_letter_properties
+from worker.deadletter import DeadLetterPublisher, FailingPublishes, dead_letter_properties
 from worker.delivery import Deliverer, Outcome, Result
 from worker.endpoint_health import EndpointHealth
 from worker.flow import AdaptiveLimit, Window
@@ -152,6 +152,7 @@ class Dispatcher:
         self._fence_wait: asyncio.Task[None] | None = None  # the one wait fenced messages share
         self._loop: asyncio.AbstractEventLoop | None = None
         self.log = logs.get(project=sub.tenant, subscription=sub.name)
+        self.dead_letter_failures = FailingPublishes(self.log, self.m.broker_errors.labels("dead_letter").inc)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -209,8 +210,8 @@ class Dispatcher:
 
     @property
     def state_reason(self) -> str:
-        """Why the state is what it is (for `subs list`); empty when Active."""
-        return self.health.reason
+        """Why the state is what it is (for `subs list`); empty when Active and nothing is failing."""
+        return "; ".join(reason for reason in (self.health.reason, self.dead_letter_failures.reason) if reason)
 
     async def _fenced(self) -> bool:
         """True while this worker may deliver. While it may not (its lease could not be renewed in
@@ -476,7 +477,11 @@ class Dispatcher:
         log = self.log.bind(message_id=env.message_id, attempts=attempts, last_status=last_status)
         if sub.dead_letter_topic:
             props = dead_letter_properties(env, sub.topic, sub.name, attempts, last_status)
-            await self.dead_letters.publish(sub.dead_letter_topic, env, props)
+            topic = sub.dead_letter_topic
+            if not await self.dead_letters.publish(topic, env, props, stop=self._stopping,
+                                                   on_failure=lambda e: self.dead_letter_failures.failed(topic, e)):
+                return None  # stopping: released unacked; spent attempts make the next owner dead-letter it
+            self.dead_letter_failures.published(topic)
             self.stats.dead_lettered += 1
             self.m.dead_lettered.inc()
             log.warning("dead-lettered", dead_letter_topic=sub.dead_letter_topic)

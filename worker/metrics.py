@@ -9,7 +9,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 SUB = ("project", "subscription")
-BROKER_OPERATIONS = ("receive", "ack", "subscribe", "backlog", "admin")
+BROKER_OPERATIONS = ("receive", "ack", "subscribe", "backlog", "admin", "dead_letter")
 
 
 class Metrics:
