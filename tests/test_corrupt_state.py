@@ -4,6 +4,7 @@ logs what it ignored; attempt records that are corrupt start over instead of blo
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import threading
@@ -217,3 +218,41 @@ async def test_corrupt_attempt_records_start_over_instead_of_blocking(redis_url)
         await store.pipeliner.close()
         await async_client.aclose()
         client.close()
+
+
+async def test_a_full_redis_is_waited_for_not_taken_for_corruption(own_redis):
+    """At maxmemory (noeviction) Redis refuses writes with OOM. The store took that for a corrupt
+    record: it deleted the counter (DEL is allowed when full) and started the message over at
+    attempt 1, so the numbering went back and a request went out with no count behind it. Now the
+    count waits for Redis, and continues where it was."""
+    import redis.asyncio as aioredis
+
+    admin = redis_sync.Redis.from_url(own_redis.url)
+    async_client = aioredis.Redis.from_url(own_redis.url)
+    refusals: list[int] = []
+    store = AttemptStore(Pipeliner(async_client), RedisSettings(attempts_ttl_seconds=3600),
+                         on_error=lambda: refusals.append(1))
+    sub, message = "p-test/full", "1:7:-1:-1"
+    key = keys.message_key(sub, message)
+    try:
+        admin.hset(key, "n", "3")
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", 1)  # full: every write is refused
+        counting = asyncio.create_task(store.begin(sub, message))
+        recording = asyncio.create_task(store.record(sub, message, [{"attempt": 3, "result": "500"}], settled=False))
+        deadline = time.monotonic() + 10
+        while len(refusals) < 4:  # each call refused at least twice: waiting, not giving up
+            assert time.monotonic() < deadline, "Redis was never asked"
+            await asyncio.sleep(0.05)
+        assert not counting.done() and not recording.done()
+        assert admin.hget(key, "n") == b"3" and admin.exists(keys.history_key(sub, message)) == 0
+        admin.config_set("maxmemory", 0)
+        record = await asyncio.wait_for(counting, 10)
+        await asyncio.wait_for(recording, 10)
+        assert (record.number, record.corrupt) == (4, False)
+        assert admin.llen(keys.history_key(sub, message)) == 1
+    finally:
+        admin.config_set("maxmemory", 0)
+        await store.pipeliner.close()
+        await async_client.aclose()
+        admin.close()

@@ -28,12 +28,17 @@ from worker.redis_client import REDIS_DOWN
 
 # Corrupt state (a key of the wrong type, a counter that is not an integer) must not fail the whole
 # batch: every message of the subscription would wait on it forever. `call` replaces such a key and
-# says so in `corrupt`, so the worker can log what it started over.
+# says so in `corrupt`, so the worker can log what it started over. Any other error is Redis refusing
+# the write (OOM at maxmemory, READONLY on a demoted master): it fails the call, and the store waits
+# for Redis. Taken for corruption, a full Redis once had counters deleted and numbering start over.
 _LUA_CALL = """
 local corrupt = {}
 local function call(...)
   local r = redis.pcall(...)
   if type(r) == 'table' and r.err then
+    if not (string.find(r.err, '^WRONGTYPE') or string.find(r.err, 'not an integer')) then
+      error(r)
+    end
     local key = select(2, ...)
     corrupt[key] = true
     redis.call('DEL', key)
