@@ -193,6 +193,18 @@ def test_unreadable_and_broken_yaml(tmp_path: Path):
         load_settings(bad)
 
 
+def test_a_key_given_twice_is_refused_with_its_line(tmp_path: Path):
+    """PyYAML keeps the last of two equal keys: a second `max_deliver:` further down quietly won."""
+    path = tmp_path / "worker.yaml"
+    path.write_text("subscriptions:\n  - name: orders\n    max_deliver: 5\n    max_deliver: 50\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML at line 4 \(duplicate key 'max_deliver'\)"):
+        load_settings(path)
+    # A merge key's keys may be overridden beside it: that is YAML, not a duplicate.
+    path.write_text(yaml.safe_dump(GOOD) + "defaults: &d {a: 1, b: 2}\nmerged:\n  <<: *d\n  b: 3\n")
+    with pytest.raises(ConfigError, match="defaults: is not a known field"):
+        load_settings(path)
+
+
 def _cli(*args: str, cwd: Path, **environment: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "worker.cli", *args], capture_output=True, text=True, cwd=cwd,
                           timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path.cwd()), **environment})

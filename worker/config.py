@@ -18,7 +18,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -325,8 +325,27 @@ def read_yaml(path: str, where: str) -> Any:
     except UnicodeDecodeError as e:
         raise ConfigError(where, path, f"is not UTF-8 text (byte {e.start})") from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader, with duplicate keys refused
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(where, path, f"is not valid YAML{at}") from None
+        problem = getattr(e, "problem", None)
+        raise ConfigError(where, path, f"is not valid YAML{at}" + (f" ({problem})" if problem else "")) from None
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe subset, refusing a key given twice in one mapping: PyYAML keeps the last one
+    silently, so a second `max_deliver:` line further down would quietly override the first."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor`: keys given beside it override the merged ones, as YAML says
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, Hashable):
+                continue  # refused later, by the base class, as a key that cannot be one
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
