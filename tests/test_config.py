@@ -124,6 +124,10 @@ BAD = [
     (dict(deliver__push__url=...), "deliver.push.url", "required"),
     (dict(deliver__push__content="xml"), "deliver.push.content", "wrapped, raw"),
     (dict(dead_letter__topic="persistent://p-demo/main/orders"), "dead_letter.topic", "differ"),
+    # one of the topic's partitions, or the partitioned topic of a partition: dead letters would come back
+    (dict(dead_letter__topic="persistent://p-demo/main/orders-partition-2"), "dead_letter.topic", "partitions"),
+    (dict(topic="persistent://p-demo/main/orders-partition-0", dead_letter__topic="persistent://p-demo/main/orders"),
+     "dead_letter.topic", "partitions"),
     (dict(dead_letter__topic="persistent://p-other/main/dlq"), "dead_letter.topic", "tenant"),
     (dict(dead_letter__after_attempts=-2), "dead_letter.after_attempts", "-1..1000"),
     (dict(colour="red"), "colour", "not a known field"),

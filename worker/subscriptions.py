@@ -288,8 +288,10 @@ def parse_subscription(data: Any, where: str = "") -> Subscription:
         if dl_topic != "":  # {"topic": ""} clears it, as in the platform's PATCH rules
             dead_letter_topic = dl.text("topic")
             _, dl_tenant, _, _ = _check_topic(dl, "topic", dead_letter_topic)
-            if dead_letter_topic == topic:
-                raise dl.fail("topic", "must differ from the subscription's own topic")
+            # A partition (`<topic>-partition-N`) and its partitioned topic overlap: dead letters would come back.
+            if topic in (dead_letter_topic, _partitioned_topic(dead_letter_topic)) or \
+                    dead_letter_topic == _partitioned_topic(topic):
+                raise dl.fail("topic", "must differ from the subscription's own topic (and its partitions)")
             if dl_tenant != tenant:
                 raise dl.fail("topic", f"must be in the subscription's project tenant {tenant!r}")
         if dl.has("after_attempts"):
@@ -350,6 +352,12 @@ def _filter(r: FieldReader) -> Filter | None:
         return parse_filter(r.text("filter"))
     except FilterError as e:
         raise r.fail("filter", str(e)) from None
+
+
+def _partitioned_topic(topic: str) -> str | None:
+    """The partitioned topic `topic` is a partition of (`...-partition-N`), else None."""
+    found = re.fullmatch(r"(.+)-partition-\d+", topic)
+    return found.group(1) if found else None
 
 
 def _cloudevents(push: FieldReader, content: str) -> CloudEvents:
