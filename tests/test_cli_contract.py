@@ -138,3 +138,24 @@ def test_a_broker_that_never_answers_is_not_said_to_have_answered(tmp_path: Path
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and len(lines) == 1, result.stderr
     assert "the broker failed: no answer from the broker (" in lines[0] and "answered" not in lines[0], lines[0]
+
+
+def test_a_full_redis_is_said_to_be_full_not_damaged(tmp_path: Path, own_redis):
+    """`subs apply` against a Redis at maxmemory said `redis answered with an error (OOM ...); its
+    data may be damaged`: the data was fine, Redis was full."""
+    import redis as redis_sync
+
+    defs = tmp_path / "defs.yaml"
+    defs.write_text(yaml.safe_dump({"name": "full", "topic": "persistent://p-x/main/t",
+                                    "deliver": {"mode": "push", "push": {"url": "https://example.com/push"}}}))
+    admin = redis_sync.Redis.from_url(own_redis.url)
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", 1)
+    try:
+        result = run_cli("subs", "apply", "-f", str(defs), "--redis-url", own_redis.url)
+    finally:
+        admin.config_set("maxmemory", 0)
+        admin.close()
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert "redis refused the command: it is full" in lines[0] and "damaged" not in lines[0], lines[0]

@@ -66,6 +66,18 @@ def _dispatch(args: argparse.Namespace) -> int:
         return code
 
 
+# A Redis that works but will not do what was asked, and what to do about it: its error code (as
+# it comes back from inside a script) or redis-py's class for it (which drops the code).
+_REDIS_REFUSALS = (
+    ("OOM ", "OutOfMemoryError", "it is full (maxmemory reached, policy noeviction): give it memory or lower the TTLs"),
+    ("READONLY ", "ReadOnlyError",
+     "it is a read-only replica: point the Redis URL at the master (or use redis.mode sentinel)"),
+    ("NOPERM ", "NoPermissionError", "its ACL user may not run it"),
+    ("LOADING ", "BusyLoadingError", "it is still loading its data: try again shortly"),
+    ("MISCONF ", "", "it cannot save to disk and refuses writes: check its disk and logs"),
+)
+
+
 def explain(error: BaseException) -> tuple[int, str]:
     """The exit code and the one line an operator sees for `error`: what failed and what to check."""
     import pulsar
@@ -89,6 +101,10 @@ def explain(error: BaseException) -> tuple[int, str]:
         return 1, (f"redis unreachable ({describe(error)[:300]}); check --redis-url, redis.url or "
                    "$PUSH_WORKER_REDIS_URL (or redis.nodes / redis.sentinels), and that Redis is running")
     if isinstance(error, redis_errors.RedisError):
+        refused = next((why for code, kind, why in _REDIS_REFUSALS
+                        if code in text or type(error).__name__ == kind), None)
+        if refused:
+            return 1, f"redis refused the command: {refused} ({text})"
         return 1, f"redis answered with an error ({text}); its data may be damaged"
     if isinstance(error, (pulsar.PulsarException, pulsar_async.PulsarException)):
         from worker.consumer import broker_error_text
