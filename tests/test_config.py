@@ -172,6 +172,9 @@ def test_top_level_rules():
 @pytest.mark.parametrize(("variable", "value", "rule"), [
     ("PUSH_WORKER_HTTP_PORT", "abc", "must be an integer"), ("PUSH_WORKER_HTTP_PORT", "70000", "must be in 0..65535"),
     ("PUSH_WORKER_HTTP_PORT", "-1", "must be in 0..65535"), ("PUSH_WORKER_FLEET", "a b{}", "lowercase letters"),
+    # the id names the worker in leases, status and consumer names: it once took anything
+    ("PUSH_WORKER_ID", "pod\n1", "must be 1-253 visible ASCII"), ("PUSH_WORKER_ID", "a b", "must be 1-253 visible"),
+    ("PUSH_WORKER_ID", "p" * 254, "must be 1-253 visible ASCII"),
 ])
 def test_an_environment_override_follows_the_rule_of_its_field_and_is_named(variable, value, rule):
     """PUSH_WORKER_HTTP_PORT=99999 once passed `check` (the file's http.port was checked, not it),

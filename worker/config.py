@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import sys
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
@@ -267,6 +268,10 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
         if env.get("PUSH_WORKER_FLEET"):
             raise ConfigError("environment", "PUSH_WORKER_FLEET", NAME_RULE)
         raise f.fail("name", NAME_RULE)
+    # The id names the worker in leases, status and consumer names: a space or control character
+    # would garble them (a pod name, the default in deploy/, is at most 253 such characters).
+    if env.get("PUSH_WORKER_ID") and not re.fullmatch(r"[\x21-\x7e]{1,253}", env["PUSH_WORKER_ID"]):
+        raise ConfigError("environment", "PUSH_WORKER_ID", "must be 1-253 visible ASCII characters (the pod name)")
     lease = f.number("lease_seconds", 10.0, 2.0, 300.0)
     heartbeat = f.number("heartbeat_seconds", 1.0, 0.1, 60.0)
     if heartbeat * 2 > lease:
