@@ -376,6 +376,7 @@ async def test_a_dead_letter_topic_that_refuses_publishes_is_said_counted_and_wa
     [dead] = await asyncio.to_thread(Client.drain, watcher, 1)
     assert dead.properties()["pubsub.original_message_id"] == mid
     assert dead.properties()["pubsub.delivery_attempts"] == "1"
+    assert dead.properties()["pubsub.last_status"] == "500"  # the first owner's attempt, not "unknown"
     assert len(endpoint.by_id()[mid]) == 1  # no request after the attempts were spent
     await eventually(lambda: dispatcher.state_reason == "" and dispatcher.unsettled == 0,
                      what="the reason gone once the dead letter is confirmed")

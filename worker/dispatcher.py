@@ -395,9 +395,12 @@ class Dispatcher:
                 return settled
             self.log.info("delivery failed", message_id=env.message_id, attempt=record.number,
                           status=outcome.last_status, detail=outcome.detail, latency=round(outcome.latency, 4))
-            if (limit is not None and record.number >= limit) or outcome.permanent:
-                return await self._give_up(message, env, sub, record.number, outcome.last_status, [entry])
+            exhausted = (limit is not None and record.number >= limit) or outcome.permanent
+            # Recorded before a dead-letter publish too: if that is cut short (a crash, a stop while the
+            # topic refuses), the next owner's dead letter carries this attempt's status, not "unknown".
             await self.attempts.record(sub.key, env.message_id, [entry], settled=False, last_status=outcome.last_status)
+            if exhausted:
+                return await self._give_up(message, env, sub, record.number, outcome.last_status, [])
             self.stats.retried += 1
             self.m.retries.inc()
             self.m.held_for_retry.inc()
