@@ -92,3 +92,5 @@ def test_broker_errors_are_named_and_classified():
     # The blocking client (publish, the dead-letter republish's cursor) raises a class per result.
     assert broker_error_text(pulsar.Timeout("Pulsar error: TimeOut")) == "no answer from the broker (Timeout)"
     assert broker_error_text(pulsar.TopicNotFound("x")) == "the broker answered TopicNotFound"
+    assert answered_by_broker(pulsar.TopicNotFound("x")) and not answered_by_broker(pulsar.Timeout("x"))
+    assert not answered_by_broker(dropped)  # a dropped connection is no answer (it once counted as one)

@@ -337,6 +337,17 @@ async def test_a_refused_unsubscribe_still_closes_the_consumer_and_is_logged(
 
 
 @pytest.mark.apache_pulsar
+async def test_a_command_the_broker_refuses_says_so_and_not_to_check_its_url(broker):
+    """Apache Pulsar creates no tenant on first use: `publish` to one that does not exist said `the
+    broker failed (Pulsar error: TopicNotFound); check --service-url ...`, though the broker had
+    answered at that URL."""
+    code, _, err = await cli("publish", "persistent://p-nosuch-tenant/main/t", "x", "--service-url", broker.url)
+    assert code == 1 and err.strip() == ("push-worker: the broker refused: TopicNotFound (the topic, or its tenant "
+                                         "or namespace, does not exist: Apache Pulsar creates none of them on first "
+                                         "use)"), err
+
+
+@pytest.mark.apache_pulsar
 async def test_a_dead_letter_topic_that_refuses_publishes_is_said_counted_and_waited_for(
         start_worker, endpoint: Endpoint, client: Client, topic):
     """An exclusive producer holds the dead-letter topic, so Apache Pulsar refuses the worker's

@@ -198,37 +198,45 @@ _SILENT = {pulsar.Result.Timeout, pulsar.Result.ConnectError, pulsar.Result.NotC
 _UNNAMED_RESULTS = {46: "Disconnected"}
 
 
-def broker_error_text(error: BaseException) -> str:
-    """A broker call's error as a person can read it: the result's name, not its number. The async
-    client's errors carry a result; the blocking client's are a class per result, named like it."""
+def broker_result(error: BaseException) -> Any:
+    """The client's result code of a failed broker call, or None for any other error. The async
+    client's errors carry one; the blocking client's are a class per result, named like it."""
     result = getattr(error, "error", None)
     if callable(result):
-        code = result()
-    elif isinstance(error, pulsar.PulsarException) and type(error).__name__ in pulsar.Result.__members__:
-        code = getattr(pulsar.Result, type(error).__name__)
-    else:
-        return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        return result()
+    if isinstance(error, pulsar.PulsarException) and type(error).__name__ in pulsar.Result.__members__:
+        return getattr(pulsar.Result, type(error).__name__)
+    return None
+
+
+def result_name(code: Any) -> str:
     name = getattr(code, "name", None)
-    if not name or name == "???":
-        name = _UNNAMED_RESULTS.get(int(code), f"error {int(code)}")
+    return name if name and name != "???" else _UNNAMED_RESULTS.get(int(code), f"error {int(code)}")
+
+
+def broker_error_text(error: BaseException) -> str:
+    """A broker call's error as a person can read it: the result's name, not its number."""
+    code = broker_result(error)
+    if code is None:
+        return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
     # A timeout or a lost connection is the client's own verdict: saying the broker "answered" it
     # would send an operator looking at the broker's logs for a refusal that never happened.
     if code in _SILENT or int(code) in _UNNAMED_RESULTS:
-        return f"no answer from the broker ({name})"
-    return f"the broker answered {name}"
+        return f"no answer from the broker ({result_name(code)})"
+    return f"the broker answered {result_name(code)}"
 
 
 def transient(error: BaseException) -> bool:
     """A broker error that trying again can mend: a dropped or refused connection, a timeout."""
-    result = getattr(error, "error", None)
-    return callable(result) and (int(result()) in _UNNAMED_RESULTS or result() in _UNREACHABLE)
+    code = broker_result(error)
+    return code is not None and (int(code) in _UNNAMED_RESULTS or code in _UNREACHABLE)
 
 
 def answered_by_broker(error: BaseException) -> bool:
     """Whether a failed broker call got an answer from the broker (a refusal such as an unknown
-    topic or missing permission) rather than no answer (timeout, connection refused)."""
-    result = getattr(error, "error", None)
-    return callable(result) and result() not in _UNREACHABLE
+    topic or missing permission) rather than no answer (timeout, connection refused, dropped)."""
+    code = broker_result(error)
+    return code is not None and not transient(error)
 
 
 async def subscribe(client: pulsar_async.Client, sub: Subscription, consumer_name: str,

@@ -78,6 +78,15 @@ _REDIS_REFUSALS = (
 )
 
 
+# What a broker's refusal usually means for an operator command.
+_BROKER_REFUSALS = {
+    "TopicNotFound": " (the topic, or its tenant or namespace, does not exist: Apache Pulsar creates none of "
+                     "them on first use)",
+    "AuthenticationError": " (check the token: $PUSH_WORKER_PULSAR_TOKEN)",
+    "AuthorizationError": " (the token's role lacks a permission on the namespace)",
+}
+
+
 def explain(error: BaseException) -> tuple[int, str]:
     """The exit code and the one line an operator sees for `error`: what failed and what to check."""
     import pulsar
@@ -107,8 +116,11 @@ def explain(error: BaseException) -> tuple[int, str]:
             return 1, f"redis refused the command: {refused} ({text})"
         return 1, f"redis answered with an error ({text}); its data may be damaged"
     if isinstance(error, (pulsar.PulsarException, pulsar_async.PulsarException)):
-        from worker.consumer import broker_error_text
+        from worker.consumer import answered_by_broker, broker_error_text, broker_result, result_name
 
+        if answered_by_broker(error):  # it is there and said no: its URL is not what to check
+            name = result_name(broker_result(error))
+            return 1, f"the broker refused: {name}" + _BROKER_REFUSALS.get(name, "")
         return 1, (f"the broker failed: {broker_error_text(error)}; check --service-url, pulsar.service_url or "
                    "$PUSH_WORKER_PULSAR_URL, and that the broker is running")
     if isinstance(error, OSError):
