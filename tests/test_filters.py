@@ -113,6 +113,28 @@ def test_a_bad_filter_is_refused_with_its_position(text, column):
         parse_subscription(doc)
 
 
+@pytest.mark.parametrize(("literal", "value"), [
+    (r'"a\"b\\c"', 'a"b\\c'), (r'"tab\there\n"', "tab\there\n"), (r'"caf\u00e9"', "café"),
+    (r'"\x41\x42"', "AB"), (r'"\101\102"', "AB"), (r'"\U0001F600"', "\U0001F600"), (r"'x'", None),
+])
+def test_string_literals_take_googles_escapes(literal, value):
+    """Google's filter strings take Unicode, hexadecimal and octal escapes; hexadecimal and octal
+    were refused as invalid (the literal was read as JSON)."""
+    if value is None:  # single quotes are not Google's
+        with pytest.raises(FilterError, match="syntax error"):
+            parse_filter(f"attributes.k = {literal}")
+        return
+    f = parse_filter(f"attributes.k = {literal}")
+    assert f.matches({"k": value}) and not f.matches({"k": value + "x"})
+    assert parse_filter(f"attributes.{literal} = \"1\"").matches({value: "1"})  # a quoted key, the same way
+
+
+@pytest.mark.parametrize("literal", [r'"\q"', r'"\x4"', r'"\ud800"', r'"\U00110000"'])
+def test_an_unknown_escape_is_refused_and_names_the_known_ones(literal):
+    with pytest.raises(FilterError, match=r"invalid escape .*\\xHH, \\ooo, \\uHHHH"):
+        parse_filter(f"attributes.k = {literal}")
+
+
 def test_limits_of_a_filter():
     with pytest.raises(FilterError, match="at most 256 characters"):
         parse_filter("attributes:" + "k" * 300)

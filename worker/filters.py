@@ -10,7 +10,7 @@ closures: evaluating a message costs a few dictionary lookups.
 
 from __future__ import annotations
 
-import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -48,9 +48,28 @@ class FilterError(ValueError):
     """A filter that does not parse; the message names the position (1-based column)."""
 
 
+# The escapes Google's filter strings take (as CEL's): the usual single characters, and Unicode,
+# hexadecimal and octal code points.
+_ESCAPE = re.compile(r'\\(?:([abfnrtv\\\'"?/`])|x([0-9A-Fa-f]{2})|([0-3][0-7]{2})'
+                     r"|u([0-9A-Fa-f]{4})|U([0-9A-Fa-f]{8})|(.))", re.DOTALL)
+_SINGLE = {"a": "\a", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v"}
+
+
+def _escaped(found: re.Match[str]) -> str:
+    single, hexadecimal, octal, short, long, invalid = found.groups()
+    if invalid is not None:
+        raise ValueError(f"invalid escape \\{invalid}")
+    if single is not None:
+        return _SINGLE.get(single, single)
+    code = int(hexadecimal, 16) if hexadecimal else int(octal, 8) if octal else int(short or long, 16)
+    if code > 0x10FFFF or 0xD800 <= code <= 0xDFFF:
+        raise ValueError(f"invalid code point {code:#x}")
+    return chr(code)
+
+
 def _unquote(token: str) -> str:
     if token.startswith('"'):
-        return str(json.loads(token))  # JSON string escapes: \" \\ \n \uXXXX
+        return _ESCAPE.sub(_escaped, token[1:-1])
     return token
 
 
@@ -110,5 +129,6 @@ def parse_filter(text: str) -> Filter:
                           + ' (expected e.g. attributes.KEY = "v", attributes:KEY, '
                             'hasPrefix(attributes.KEY, "p"), NOT, AND, OR, parentheses)') from None
     except (VisitError, ValueError):
-        raise FilterError("a quoted string has an invalid escape (use \\\" and \\\\)") from None
+        raise FilterError("a quoted string has an invalid escape (\\\" \\\\ \\n \\t, \\xHH, \\ooo, \\uHHHH "
+                          "and \\UHHHHHHHH are known)") from None
     return Filter(text, predicate)
