@@ -116,6 +116,7 @@ def test_a_bad_filter_is_refused_with_its_position(text, column):
 @pytest.mark.parametrize(("literal", "value"), [
     (r'"a\"b\\c"', 'a"b\\c'), (r'"tab\there\n"', "tab\there\n"), (r'"caf\u00e9"', "café"),
     (r'"\x41\x42"', "AB"), (r'"\101\102"', "AB"), (r'"\U0001F600"', "\U0001F600"), (r"'x'", None),
+    (r'"\ud83d\ude00"', "\U0001F600"),  # a JSON surrogate pair, as filters stored before were read
 ])
 def test_string_literals_take_googles_escapes(literal, value):
     """Google's filter strings take Unicode, hexadecimal and octal escapes; hexadecimal and octal

@@ -49,18 +49,22 @@ class FilterError(ValueError):
 
 
 # The escapes Google's filter strings take (as CEL's): the usual single characters, and Unicode,
-# hexadecimal and octal code points.
+# hexadecimal and octal code points. A JSON surrogate pair (`\ud83d\ude00`) is one code point: filters
+# stored before these escapes were read as JSON strings, and must read the same.
 _ESCAPE = re.compile(r'\\(?:([abfnrtv\\\'"?/`])|x([0-9A-Fa-f]{2})|([0-3][0-7]{2})'
+                     r"|u([Dd][89ABab][0-9A-Fa-f]{2})\\u([Dd][C-Fc-f][0-9A-Fa-f]{2})"
                      r"|u([0-9A-Fa-f]{4})|U([0-9A-Fa-f]{8})|(.))", re.DOTALL)
 _SINGLE = {"a": "\a", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v"}
 
 
 def _escaped(found: re.Match[str]) -> str:
-    single, hexadecimal, octal, short, long, invalid = found.groups()
+    single, hexadecimal, octal, high, low, short, long, invalid = found.groups()
     if invalid is not None:
         raise ValueError(f"invalid escape \\{invalid}")
     if single is not None:
         return _SINGLE.get(single, single)
+    if high is not None:
+        return chr(0x10000 + ((int(high, 16) - 0xD800) << 10) + (int(low, 16) - 0xDC00))
     code = int(hexadecimal, 16) if hexadecimal else int(octal, 8) if octal else int(short or long, 16)
     if code > 0x10FFFF or 0xD800 <= code <= 0xDFFF:
         raise ValueError(f"invalid code point {code:#x}")
