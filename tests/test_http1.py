@@ -238,11 +238,11 @@ def certificate(tmp_path_factory) -> tuple[Path, Path]:
     return cert, key
 
 
-async def test_tls_certificates_are_verified(certificate):
+async def test_tls_certificates_are_verified(certificate, monkeypatch):
     cert, key = certificate
     server_side = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_side.load_cert_chain(cert, key)
-    async with serving([b"HTTP/1.1 204 No Content\r\n\r\n"] * 2, tls=server_side) as (server, url):
+    async with serving([b"HTTP/1.1 204 No Content\r\n\r\n"] * 3, tls=server_side) as (server, url):
         # The system trust store does not know this certificate: refused, nothing delivered.
         deliverer = Deliverer(ALLOW)
         try:
@@ -259,3 +259,11 @@ async def test_tls_certificates_are_verified(certificate):
         finally:
             await c.close()
         assert server.requests[0][1] == b"hello"
+        # A private CA, as docs/configuration.md says: OpenSSL's SSL_CERT_FILE names the bundle to trust.
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+        deliverer = Deliverer(ALLOW)
+        try:
+            outcome = await deliverer.attempt(str(url), PushRequest({}, b"private"), 5.0)
+        finally:
+            await deliverer.close()
+        assert outcome.result is Result.ACK and server.requests[1][1] == b"private", outcome
