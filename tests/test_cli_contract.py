@@ -48,6 +48,11 @@ def test_every_option_of_every_command_has_help():
     (["purge", "orders"], "--yes: is required when not on a terminal"),
     (["dlq", "redrive", "orders", "--rate", "0"], "--rate: must be above 0"),
     (["no-such-command"], "invalid choice"),
+    # a negative wait went through to Redis; a broken URL given as an argument was said as configuration
+    (["discard", "1:2:-1:-1", "-s", "orders", "--wait", "-5"], "--wait: must be 0 or more seconds"),
+    (["subs", "pause", "orders", "--wait", "nan"], "--wait: must be 0 or more seconds"),
+    (["subs", "list", "--redis-url", "http://redis"], "subs list: --redis-url: must be a URL with scheme redis"),
+    (["publish", "persistent://p-x/main/t", "x", "--service-url", "garbage"], "--service-url: must be a URL"),
 ])
 def test_usage_errors_are_one_line_exit_2_and_say_argument(args, says):
     result = run_cli(*args)

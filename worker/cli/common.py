@@ -38,6 +38,17 @@ def positive_number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be above 0 (got {text})")
     return value
 
+def seconds(text: str) -> float:
+    """An argument that must be a number of seconds, 0 or more (a wait: 0 does not wait)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds (got {text!r})") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds (got {text})")
+    return value
+
+
 # Objects holding Pulsar clients stay referenced until the process exits through os._exit: their
 # C++ destructors can block at interpreter teardown.
 KEEP_UNTIL_EXIT: list[object] = []

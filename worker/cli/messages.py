@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from worker.cli import dlq
-from worker.cli.common import connection_args, positive_int
+from worker.cli.common import connection_args, positive_int, seconds
 from worker.errors import UsageError
 from worker.ops.render import Output, render
 
@@ -88,7 +88,7 @@ def register(cmds: Any) -> None:
     p = cmds.add_parser("discard", help="settle one message without delivering it (recorded in its history)")
     p.add_argument("message_id", help="as in Pubsub-Message-Id: ledger:entry:partition:batch")
     p.add_argument("--subscription", "-s", required=True, help="NAME or PROJECT/NAME")
-    p.add_argument("--wait", type=float, default=10.0, help="seconds to wait for a worker to settle it")
+    p.add_argument("--wait", type=seconds, default=10.0, help="seconds to wait for a worker to settle it")
     connection_args(p)
     p.set_defaults(func=_cmd_messages)
 

@@ -9,7 +9,7 @@ import re
 from datetime import datetime
 from typing import Any
 
-from worker.cli.common import connection_args
+from worker.cli.common import connection_args, seconds
 from worker.errors import UsageError
 from worker.ops.render import render
 
@@ -89,7 +89,7 @@ def register(cmds: Any) -> None:
         elif action != "list":
             p.add_argument("name", help="NAME or PROJECT/NAME")
         if action == "pause":
-            p.add_argument("--wait", type=float, default=60.0,
+            p.add_argument("--wait", type=seconds, default=60.0,
                            help="seconds to wait for the owner to finish requests under way (default 60)")
         else:
             p.set_defaults(wait=0.0)

@@ -32,7 +32,7 @@ from worker.config import (
     read_yaml,
 )
 from worker.embedded import recorded_endpoints
-from worker.errors import ConfigError, NotFound, PushWorkerError
+from worker.errors import ConfigError, NotFound, PushWorkerError, UsageError
 from worker.fleet import leases, lifecycle
 from worker.fleet.lifecycle import SeekTarget
 from worker.fleet.registry import Registry, clear_state, safe_text
@@ -63,13 +63,22 @@ class Target:
         if not self.redis_url:
             raise ConfigError(command, "--redis-url", "is required (or --config with redis.url, "
                               "$PUSH_WORKER_REDIS_URL, or a running embedded worker's state_dir)")
-        return connect(self.settings.redis, check_url(self.redis_url, REDIS_SCHEMES, command, "--redis-url"), **options)
+        return connect(self.settings.redis, _flag_url(self.redis_url, REDIS_SCHEMES, command, "--redis-url"), **options)
 
     def pulsar(self, command: str) -> str:
         if not self.pulsar_url:
             raise ConfigError(command, "--service-url", "is required (or --config with pulsar.service_url, "
                               "$PUSH_WORKER_PULSAR_URL, or a running embedded worker's state_dir)")
-        return check_url(self.pulsar_url, PULSAR_SCHEMES, command, "--service-url")
+        return _flag_url(self.pulsar_url, PULSAR_SCHEMES, command, "--service-url")
+
+
+def _flag_url(value: str, schemes: tuple[str, ...], command: str, flag: str) -> str:
+    """A URL given as a command's argument (the config's and the environment's were checked at load):
+    a broken one is said as an argument (exit code 2 all the same)."""
+    try:
+        return check_url(value, schemes, command, flag)
+    except ConfigError as e:
+        raise UsageError(e.where, e.field, e.rule) from None
 
 
 def locate(config: str | None, redis_url: str | None = None, pulsar_url: str | None = None) -> Target:
