@@ -226,17 +226,21 @@ def broker_error_text(error: BaseException) -> str:
     return f"the broker answered {result_name(code)}"
 
 
+def _unreachable(code: Any) -> bool:
+    return int(code) in _UNNAMED_RESULTS or code in _UNREACHABLE
+
+
 def transient(error: BaseException) -> bool:
     """A broker error that trying again can mend: a dropped or refused connection, a timeout."""
     code = broker_result(error)
-    return code is not None and (int(code) in _UNNAMED_RESULTS or code in _UNREACHABLE)
+    return code is not None and _unreachable(code)
 
 
 def answered_by_broker(error: BaseException) -> bool:
     """Whether a failed broker call got an answer from the broker (a refusal such as an unknown
     topic or missing permission) rather than no answer (timeout, connection refused, dropped)."""
     code = broker_result(error)
-    return code is not None and not transient(error)
+    return code is not None and not _unreachable(code)
 
 
 async def subscribe(client: pulsar_async.Client, sub: Subscription, consumer_name: str,

@@ -487,9 +487,9 @@ class Dispatcher:
             self.dead_letter_failures.published(topic)
             self.stats.dead_lettered += 1
             self.m.dead_lettered.inc()
-            log.warning("dead-lettered", dead_letter_topic=sub.dead_letter_topic)
+            log.warning("dead-lettered", dead_letter_topic=topic)
             # attempt and status too: `push-worker history` shows the settled summary (this entry) in columns
-            history = [*history, event_entry("dead-lettered", self.ctx.worker_id, topic=sub.dead_letter_topic,
+            history = [*history, event_entry("dead-lettered", self.ctx.worker_id, topic=topic,
                                              attempt=attempts, status=last_status)]
         else:
             self.stats.dropped += 1

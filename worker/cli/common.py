@@ -38,6 +38,7 @@ def positive_number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be above 0 (got {text})")
     return value
 
+
 def seconds(text: str) -> float:
     """An argument that must be a number of seconds, 0 or more (a wait: 0 does not wait)."""
     try:
