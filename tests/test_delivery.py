@@ -62,7 +62,9 @@ async def test_raw_delivery_sends_payload_bytes_and_safe_attributes(start_worker
     sub = make_sub(topic, endpoint.url, content="raw")
     w = await start_worker(sub)
     client.publish(topic, [b"\x00\x01binary\xff"], {"content-type": "image/png", "color": "blue",
-                                                    "bad name": "x", "evil": "a\r\nInjected: 1"})
+                                                    "bad name": "x", "evil": "a\r\nInjected: 1",
+                                                    # names that differ only in case: one header name
+                                                    "Region": "eu", "region": "us"})
     client.publish(topic, [b"plain"], {})
     await eventually(lambda: len(endpoint.requests) == 2, what="two deliveries")
     first, second = sorted(endpoint.requests, key=lambda r: r.body != b"\x00\x01binary\xff")
@@ -71,11 +73,12 @@ async def test_raw_delivery_sends_payload_bytes_and_safe_attributes(start_worker
     assert first.headers["Pubsub-Attr-color"] == "blue"
     assert "Injected" not in first.headers
     assert not any(k.startswith("Pubsub-Attr-bad") or k == "Pubsub-Attr-evil" for k in first.headers)
+    assert not any(k.lower() == "pubsub-attr-region" for k in first.headers)
     assert second.body == b"plain"
     assert second.headers["Content-Type"] == "application/octet-stream"
     omitted = w.metrics.registry.get_sample_value(
         "pushworker_attributes_omitted_total", {"project": sub.tenant, "subscription": sub.name})
-    assert omitted == 2
+    assert omitted == 4
 
 
 @pytest.mark.parametrize("status", [200, 201, 202, 204, 299])

@@ -6,6 +6,7 @@ import functools
 import re
 import time
 import urllib.parse
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,19 @@ def header_safe(name: str, value: str) -> bool:
     return bool(_TOKEN_RE.match(name)) and bool(_VALUE_RE.match(value))
 
 
+def _case_clashes(attributes: dict[str, str]) -> frozenset[str]:
+    """Attribute names that differ only in case. Header names do not: `Foo` and `foo` would arrive as
+    one header sent twice, which RFC 9110 (5.3) forbids and an endpoint cannot tell apart (most read
+    the first for both), so neither is sent as a header."""
+    if len(attributes) < 2:
+        return frozenset()
+    folded = [name.lower() for name in attributes if name != "content-type" and _TOKEN_RE.match(name)]
+    if len(set(folded)) == len(folded):
+        return frozenset()
+    counts = Counter(folded)
+    return frozenset(name for name in attributes if name != "content-type" and counts[name.lower()] > 1)
+
+
 def build_request(sub: Subscription, env: Envelope, attempt: int) -> PushRequest:
     """Headers and body for delivery attempt `attempt` of `env` to `sub`, per the contract."""
     headers = {
@@ -111,10 +125,11 @@ def build_request(sub: Subscription, env: Envelope, attempt: int) -> PushRequest
         headers["Content-Type"] = "application/octet-stream"
         omitted += content_type is not None
     passed = 0
+    clashing = _case_clashes(env.attributes)
     for name, value in env.attributes.items():
         if name == "content-type":
             continue
-        if passed < MAX_ATTRIBUTE_HEADERS and header_safe(name, value):
+        if passed < MAX_ATTRIBUTE_HEADERS and header_safe(name, value) and name not in clashing:
             headers[f"Pubsub-Attr-{name}"] = value
             passed += 1
         else:
