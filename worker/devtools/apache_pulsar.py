@@ -70,6 +70,10 @@ statsUpdateFrequencyInSecs=2
 statsUpdateInitialDelayInSecs=2
 exposePreciseBacklogInPrometheus=true
 managedLedgerCacheSizeMB=64
+# The bookie's frame limit a little above the broker's 5 MB message limit, as the distribution sets
+# it: at the code's default (exactly 5 MB) a message near the limit (a full chunk of a chunked one)
+# is refused by the bookie, which then drops out and every later write fails.
+nettyMaxFrameSizeBytes=5253120
 dbStorage_writeCacheMaxSizeMb=32
 dbStorage_readAheadCacheMaxSizeMb=32
 # The journal is written but not fsynced per entry: a killed broker process loses nothing (the page
