@@ -623,3 +623,38 @@ async def test_purge_and_seek_move_every_partition_of_a_partitioned_topic(
                          what="everything again from the earliest, on every partition")
     finally:
         client.client.close()
+
+
+@pytest.mark.apache_pulsar
+async def test_a_message_over_the_brokers_size_limit_is_delivered_whole_and_dead_lettered_whole(
+        broker, start_worker, endpoint: Endpoint, client: Client, topic):
+    """A producer with chunking on splits a message over the broker's limit (5 MB) into chunks; the
+    consumer joins them. The worker delivered such a message whole, but its dead-letter producer had
+    no chunking: the republish was refused (MessageTooBig) and retried for ever, the original never
+    settled. (pulsar-lite's dispatch of chunked messages sometimes stalls the message after one, so
+    this runs on Apache Pulsar only.)"""
+    big = bytes(range(256)) * (1024 * 26)  # 6.5 MiB: two chunks
+    ok_sub = make_sub(topic, endpoint.url, name="whole", content="raw")
+    dlq = topic + "-dlq"
+    failing = make_sub(topic, endpoint.url + "/fail", name="fails", content="raw", max_deliver=1,
+                       dead_letter_topic=dlq)
+    endpoint.behaviour = lambda rec: web.Response(status=500 if rec.headers["Pubsub-Subscription"] == "fails" else 204)
+    watcher = client.watch(dlq)
+    await start_worker(ok_sub, failing)
+    producer = client.client.create_producer(topic, batching_enabled=False, chunking_enabled=True)
+    producer.send(big, properties={"kind": "large"})
+    producer.close()
+    dead = await asyncio.to_thread(Client.drain, watcher, 1, 60)
+    assert len(dead) == 1 and dead[0].data() == big
+    assert dead[0].properties()["pubsub.last_status"] == "500"
+    whole = [r for r in endpoint.requests if r.headers["Pubsub-Subscription"] == "whole"]
+    assert [r.body == big for r in whole] == [True]
+    async with aiohttp.ClientSession() as session:
+        for sub in (ok_sub, failing):  # every chunk acked, not only the last
+            async def backlog(s: Subscription = sub) -> Any:
+                entry = await broker_admin.subscription_stats(session, brokers.admin_url(broker), s)
+                return (entry or {}).get("msgBacklog")
+            deadline = time.monotonic() + 30
+            while await backlog() != 0:
+                assert time.monotonic() < deadline, f"{sub.name}: backlog {await backlog()}"
+                await asyncio.sleep(0.5)

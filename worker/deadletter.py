@@ -73,7 +73,9 @@ class DeadLetterPublisher:
             producer = self._producers.get(topic)
             if producer is None:
                 await ensure_cursor(self.client, topic)
-                producer = await self.client.create_producer(topic, batching_enabled=False)
+                # Chunking: a message over the broker's size limit came in chunks and must go out so
+                # (without it the broker refuses it, MessageTooBig, for ever); smaller ones go whole.
+                producer = await self.client.create_producer(topic, batching_enabled=False, chunking_enabled=True)
                 self._producers[topic] = producer
             return producer
 
