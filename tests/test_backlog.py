@@ -9,7 +9,8 @@ from aiohttp import web
 from tests import brokers
 from tests.conftest import Client, make_sub
 from tests.helpers import eventually
-from worker.backlog import BacklogReader, BacklogReadError, make_session, parse_backlog_metrics
+from worker.backlog import BacklogReader, parse_backlog_metrics
+from worker.broker_admin import AdminError, make_session
 from worker.config import PulsarSettings
 from worker.subscriptions import RetryPolicy
 
@@ -96,7 +97,7 @@ async def test_a_redirecting_metrics_url_is_an_error_that_names_the_url_to_confi
     server = await aiohttp_server(app)
     async with make_session() as session:
         reader = BacklogReader(session, None, str(server.make_url("/metrics")))
-        with pytest.raises(BacklogReadError, match=r"redirect to '/metrics/': configure that URL"):
+        with pytest.raises(AdminError, match=r"redirect to '/metrics/': configure that URL"):
             await reader.read([make_sub("persistent://p-a/main/t", "http://127.0.0.1:1/")])
 
 

@@ -21,6 +21,8 @@ from tests.conftest import Client, Endpoint, make_sub
 from tests.helpers import cli, eventually, push_sub, worker_yaml
 from worker import broker_admin, keys
 from worker.config import FleetSettings, PulsarSettings, RedisSettings
+from worker.consumer import quiet_logger
+from worker.devtools import apache_pulsar
 from worker.fleet import leases, lifecycle
 from worker.fleet.lifecycle import SeekTarget
 from worker.fleet.registry import Registry
@@ -658,3 +660,69 @@ async def test_a_message_over_the_brokers_size_limit_is_delivered_whole_and_dead
             while await backlog() != 0:
                 assert time.monotonic() < deadline, f"{sub.name}: backlog {await backlog()}"
                 await asyncio.sleep(0.5)
+
+
+@pytest.mark.apache_pulsar
+async def test_a_broker_that_wants_tokens_gets_the_workers_token_on_its_admin_api_too(
+        tmp_path, start_worker, endpoint: Endpoint, topic):
+    """Production clusters authenticate: the worker sent its token on the binary protocol but not to
+    the admin API, whose 401 read as "no such topic": no backlog metric (nothing for the HPA), no
+    expiry, no word in the log. Now the token goes with the admin calls too, and a refusal (here: the
+    role may consume but not unload a topic, to evict a stale consumer) is logged with the broker's
+    reason and counted. The worker's admin URL here is a broker that does not own the topic: it
+    redirects (307) to the one that does, as Apache Pulsar's brokers do in a cluster; the redirect
+    was not followed, the reading lost the same silent way."""
+    secret = b"push-worker-test-secret-of-32-bytes!"
+    broker = apache_pulsar.start(tmp_path / "auth", token_secret=secret)
+    redirected: list[str] = []
+
+    async def not_the_owner(request: web.Request) -> web.StreamResponse:
+        redirected.append(request.headers.get("Authorization", ""))
+        raise web.HTTPTemporaryRedirect(broker.admin_url + request.path_qs)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", not_the_owner)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    other_broker = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    try:
+        admin = broker.admin_url
+        apache_pulsar.ensure_namespace(admin, "p-test", token=broker.admin_token)
+        status, _ = apache_pulsar.admin_request(admin, "POST", "/admin/v2/namespaces/p-test/main/permissions/worker",
+                                                ["consume", "produce"], token=broker.admin_token)
+        assert status == 204
+        endpoint.behaviour = lambda rec: web.Response(status=503)
+        sub = make_sub(topic, endpoint.url, max_deliver=100, retry=RetryPolicy(30, 30))
+        publisher = pulsar.Client(broker.url, authentication=pulsar.AuthenticationToken(broker.admin_token),
+                                  logger=quiet_logger())
+        other = publisher.subscribe(topic, sub.pulsar_subscription, consumer_type=pulsar.ConsumerType.Shared,
+                                    consumer_name="someone-else", receiver_queue_size=1)
+        try:
+            worker_token = apache_pulsar.token(secret, "worker")
+            settings = PulsarSettings(service_url=broker.url, admin_url=other_broker, backlog_interval_seconds=0.5,
+                                      auth_token=worker_token)
+            with capture_logs() as logged:
+                w = await start_worker(sub, pulsar=settings)
+                producer = publisher.create_producer(topic, batching_enabled=False)
+                for i in range(5):
+                    producer.send(b"m%d" % i)
+                producer.close()
+
+                def backlog() -> Any:
+                    return w.metrics.registry.get_sample_value(
+                        "pushworker_subscription_backlog", {"project": sub.tenant, "subscription": sub.name})
+                await eventually(lambda: backlog() == 5, timeout=30, what="the backlog read with the token")
+            refused = [e for e in logged if e["event"] == "stale consumer check failed"]
+            assert refused and "refused the token" in refused[0]["error"], logged
+            assert "UNLOAD" in refused[0]["error"] and "admin of their tenants" in refused[0]["error"]
+            assert w.metrics.registry.get_sample_value("pushworker_broker_errors_total", {"operation": "admin"}) == 1
+            assert not [e for e in logged if e["event"] == "backlog read failed"]
+            assert redirected and set(redirected) == {f"Bearer {worker_token}"}
+        finally:
+            other.close()
+            publisher.close()
+    finally:
+        await runner.cleanup()
+        broker.stop()

@@ -13,12 +13,10 @@ from urllib.parse import urlsplit
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from worker.broker_admin import subscription_stats
-from worker.delivery import USER_AGENT
+from worker.broker_admin import BODY_CAP, AdminError, read_capped, subscription_stats
 from worker.subscriptions import Subscription, topic_parts
 
 _METRIC = "pulsar_subscription_back_log"
-BODY_CAP = 32 * 1024 * 1024
 
 
 def parse_backlog_metrics(text: str) -> dict[tuple[str, str, str], float]:
@@ -42,30 +40,6 @@ def _topic_matches(label: str, topic: str) -> bool:
     short = topic_parts(topic)[3]
     # a partition of the topic, in full or short form
     return label == short or label.startswith(topic + "-partition-") or label.startswith(short + "-partition-")
-
-
-def make_session() -> aiohttp.ClientSession:
-    """The aiohttp session for the broker's stats and metrics pages (URLs from the operator's config,
-    not from subscriptions): TLS verification on, no cookies kept."""
-    return aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar(), headers={"User-Agent": USER_AGENT})
-
-
-async def read_capped(response: aiohttp.ClientResponse, cap: int) -> bytes:
-    """The body to its end or to `cap` bytes, whichever comes first (`content.read(n)` alone returns
-    whatever has arrived so far, which can be much less than n)."""
-    chunks: list[bytes] = []
-    remaining = cap
-    while remaining > 0:
-        chunk = await response.content.read(remaining)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        remaining -= len(chunk)
-    return b"".join(chunks)
-
-
-class BacklogReadError(Exception):
-    """The configured source answered, but not with a reading; the message says what to change."""
 
 
 class BacklogReader:
@@ -102,7 +76,7 @@ class BacklogReader:
             if 300 <= response.status < 400:
                 # Apache Pulsar answers /metrics with a redirect to /metrics/; redirects are not followed.
                 location = urlsplit(response.headers.get("Location", "")).path
-                raise BacklogReadError(f"pulsar.metrics_url answered HTTP {response.status}, a redirect to "
+                raise AdminError(f"pulsar.metrics_url answered HTTP {response.status}, a redirect to "
                                        f"{location!r}: configure that URL (redirects are not followed)")
             response.raise_for_status()
             return (await read_capped(response, BODY_CAP)).decode("utf-8", "replace")

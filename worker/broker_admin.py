@@ -12,14 +12,83 @@ stale consumer's unacked messages are redelivered to the new owner.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 from urllib.parse import quote
 
 import aiohttp
+from yarl import URL
 
+from worker.delivery import USER_AGENT
 from worker.subscriptions import Subscription, topic_parts
 
 OPERATOR_CONSUMERS = "push-worker-"  # seek, purge and redrive consumers of the operator commands
+BODY_CAP = 32 * 1024 * 1024  # a partitioned topic's stats with many consumers run to megabytes
+# A broker answers a request about a topic another broker owns with a redirect (307) to that
+# broker, as Pulsar's own admin client expects; a few hops at most.
+_REDIRECTS = 3
+_METHOD_KEEPING = (307, 308)
+
+
+class AdminError(Exception):
+    """The broker's HTTP API answered, but not with what was asked; the message says what to change."""
+
+
+def make_session(token: str | None = None) -> aiohttp.ClientSession:
+    """The session for the broker's admin API and metrics page (URLs from the operator's config, not
+    from subscriptions): TLS verification on, no cookies kept, and the worker's Pulsar token, when it
+    has one, sent as the admin API's clients send it (`Authorization: Bearer`)."""
+    headers = {"User-Agent": USER_AGENT} | ({"Authorization": f"Bearer {token}"} if token else {})
+    return aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar(), headers=headers)
+
+
+async def read_capped(response: aiohttp.ClientResponse, cap: int) -> bytes:
+    """The body to its end or to `cap` bytes, whichever comes first (`content.read(n)` alone returns
+    whatever has arrived so far, which can be much less than n)."""
+    chunks: list[bytes] = []
+    remaining = cap
+    while remaining > 0:
+        chunk = await response.content.read(remaining)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+async def _call(session: aiohttp.ClientSession, method: str, url: str, seconds: float) -> tuple[int, bytes]:
+    """An admin API call: its status and body. Redirects to the owning broker are followed (aiohttp's
+    own following would drop the token on the way to another host); a refusal of the credentials
+    raises, saying what to set."""
+    timeout = aiohttp.ClientTimeout(total=seconds)
+    for _ in range(_REDIRECTS + 1):
+        async with session.request(method, url, timeout=timeout, allow_redirects=False) as response:
+            location = response.headers.get("Location", "")
+            if response.status in _METHOD_KEEPING and location:
+                target = response.url.join(URL(location))
+                if target.scheme not in ("http", "https"):
+                    raise AdminError(f"pulsar.admin_url redirected to {target.scheme}: URL, not http(s)")
+                url = str(target)
+                continue
+            body = await read_capped(response, BODY_CAP)
+            if response.status in (401, 403):  # Apache Pulsar answers 401 for a role without permission too
+                if "Authorization" not in session.headers:
+                    raise AdminError(f"pulsar.admin_url answered HTTP {response.status}: the broker wants a "
+                                     "token (set PUSH_WORKER_PULSAR_TOKEN to one it accepts)")
+                raise AdminError(f"pulsar.admin_url refused the token (HTTP {response.status}: {_reason(body)}); "
+                                 "its role needs consume on the subscriptions' namespaces (topic stats) and, to "
+                                 "evict a frozen worker's consumer, admin of their tenants (unloading a topic)")
+            return response.status, body
+    raise AdminError(f"pulsar.admin_url redirected more than {_REDIRECTS} times")
+
+
+def _reason(body: bytes) -> str:
+    """The broker's reason of a refusal (`{"reason": ...}`), or the start of its body."""
+    try:
+        reason = json.loads(body).get("reason")
+    except (ValueError, AttributeError):
+        reason = None
+    return str(reason) if reason else body[:200].decode("utf-8", "replace")
 
 
 def topic_path(admin_url: str, topic: str) -> str:
@@ -29,14 +98,14 @@ def topic_path(admin_url: str, topic: str) -> str:
 
 
 async def topic_stats(session: aiohttp.ClientSession, admin_url: str, topic: str) -> dict[str, Any] | None:
-    """The topic's stats, or a partitioned topic's aggregated stats; None when neither answers."""
-    timeout = aiohttp.ClientTimeout(total=10)
+    """The topic's stats, or a partitioned topic's aggregated stats; None when the broker knows neither."""
     for path in ("stats", "partitioned-stats"):
-        async with session.get(f"{topic_path(admin_url, topic)}/{path}", timeout=timeout,
-                               allow_redirects=False) as response:
-            if response.status == 200:
-                stats: dict[str, Any] = await response.json(content_type=None)
-                return stats
+        status, body = await _call(session, "GET", f"{topic_path(admin_url, topic)}/{path}", 10)
+        if status == 200:
+            stats: dict[str, Any] = json.loads(body)
+            return stats
+        if status != 404:
+            raise AdminError(f"pulsar.admin_url answered HTTP {status} for the stats of {topic}: {_reason(body)}")
     return None
 
 
@@ -57,8 +126,6 @@ async def stale_consumers(session: aiohttp.ClientSession, admin_url: str, sub: S
 
 
 async def unload(session: aiohttp.ClientSession, admin_url: str, topic: str) -> None:
-    timeout = aiohttp.ClientTimeout(total=30)
-    async with session.put(f"{topic_path(admin_url, topic)}/unload", timeout=timeout,
-                           allow_redirects=False) as response:
-        if response.status >= 300:
-            raise RuntimeError(f"unloading {topic} answered HTTP {response.status}")
+    status, body = await _call(session, "PUT", f"{topic_path(admin_url, topic)}/unload", 30)
+    if status >= 300:
+        raise AdminError(f"unloading {topic} answered HTTP {status}: {_reason(body)}")

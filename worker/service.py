@@ -22,7 +22,7 @@ from worker import broker_admin, embedded, logs, redis_client
 from worker import consumer as pulsar_adapter
 from worker.aio import wait_event
 from worker.attempts import AttemptStore
-from worker.backlog import BacklogReader, BacklogReadError, make_session
+from worker.backlog import BacklogReader
 from worker.config import Settings
 from worker.deadletter import DeadLetterPublisher
 from worker.delivery import Deliverer
@@ -192,7 +192,7 @@ class Worker:
         self.pulsar = pulsar_adapter.make_client(s.pulsar, self.pulsar_url)
         # A subscribe still pending in the C++ client can hold close() for its operation timeout.
         self._cleanup("close the Pulsar client", self.pulsar.close, 5)
-        self.session = make_session()
+        self.session = broker_admin.make_session(s.pulsar.auth_token)
         self._cleanup("close the HTTP session", self.session.close, 5)
         self.deliverer = Deliverer(s.destinations)
         self._cleanup("close the endpoint connections", self.deliverer.close, 5)
@@ -376,7 +376,7 @@ class Worker:
             except Exception as e:  # the backlog is a report: its failure never stops delivery
                 self.metrics.broker_errors.labels("backlog").inc()
                 self.log.warning("backlog read failed", error=type(e).__name__,
-                                 **({"detail": str(e)} if isinstance(e, BacklogReadError) else {}))
+                                 **({"detail": str(e)} if isinstance(e, broker_admin.AdminError) else {}))
             if await wait_event(self._newly_served, self.settings.pulsar.backlog_interval_seconds):
                 await asyncio.sleep(1.0)  # starts come in bursts (a fleet change): one read for the burst
 
@@ -442,7 +442,7 @@ class Worker:
                 self.log.warning("stale consumers on the broker; unloading the topic to reclaim their messages",
                                  subscription=sub.key, consumers=stale)
                 await broker_admin.unload(self.session, self.settings.pulsar.admin_url, sub.topic)
-        except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as e:
+        except (aiohttp.ClientError, TimeoutError, broker_admin.AdminError, ValueError) as e:
             self.metrics.broker_errors.labels("admin").inc()
             self.log.warning("stale consumer check failed", subscription=sub.key, error=f"{type(e).__name__}: {e}")
 

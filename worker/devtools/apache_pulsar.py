@@ -13,6 +13,7 @@ tenants and namespaces Apache Pulsar (unlike pulsar-lite) does not create by its
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import shutil
@@ -24,6 +25,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+import jwt
 
 from worker.embedded import EmbeddedError, Service, free_port, pid_alive
 
@@ -81,6 +84,18 @@ dbStorage_readAheadCacheMaxSizeMb=32
 journalSyncData=false
 """
 
+# Token authentication and authorization, as production clusters run; the broker's own client (it
+# creates public/default at start) authenticates as the super-user.
+AUTH_CONFIG = """\
+authenticationEnabled=true
+authenticationProviders=org.apache.pulsar.broker.authentication.AuthenticationProviderToken
+tokenSecretKey=data:;base64,{secret}
+authorizationEnabled=true
+superUserRoles=admin
+brokerClientAuthenticationPlugin=org.apache.pulsar.client.impl.auth.AuthenticationToken
+brokerClientAuthenticationParameters=token:{token}
+"""
+
 LOG4J = """\
 Configuration:
   status: warn
@@ -130,12 +145,13 @@ def java_binary() -> str:
 
 
 def admin_request(admin_url: str, method: str, path: str, body: object | None = None,
-                  timeout: float = 10.0) -> tuple[int, bytes]:
+                  timeout: float = 10.0, token: str = "") -> tuple[int, bytes]:
     if not admin_url.startswith(("http://", "https://")):
         raise EmbeddedError(f"the Pulsar admin URL must be http(s)://, not {admin_url!r}")
     data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {token}"} if token else {})
     request = urllib.request.Request(admin_url.rstrip("/") + path, data=data, method=method,  # noqa: S310 - http(s) only
-                                     headers={"Content-Type": "application/json"})
+                                     headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 - our admin URL
             return int(response.status), response.read()
@@ -143,17 +159,17 @@ def admin_request(admin_url: str, method: str, path: str, body: object | None = 
         return int(e.code), e.read()
 
 
-def ensure_namespace(admin_url: str, tenant: str, namespace: str = "main") -> None:
+def ensure_namespace(admin_url: str, tenant: str, namespace: str = "main", token: str = "") -> None:
     """Create `tenant` and `tenant/namespace` if missing (Apache Pulsar creates neither by itself)."""
-    status, _ = admin_request(admin_url, "GET", f"/admin/v2/namespaces/{tenant}/{namespace}")
+    status, _ = admin_request(admin_url, "GET", f"/admin/v2/namespaces/{tenant}/{namespace}", token=token)
     if status == 200:
         return
-    _, clusters = admin_request(admin_url, "GET", "/admin/v2/clusters")
+    _, clusters = admin_request(admin_url, "GET", "/admin/v2/clusters", token=token)
     status, body = admin_request(admin_url, "PUT", f"/admin/v2/tenants/{tenant}",
-                                 {"adminRoles": [], "allowedClusters": json.loads(clusters)})
+                                 {"adminRoles": [], "allowedClusters": json.loads(clusters)}, token=token)
     if status not in (204, 409):
         raise EmbeddedError(f"creating tenant {tenant} failed: HTTP {status} {body[:200]!r}")
-    status, body = admin_request(admin_url, "PUT", f"/admin/v2/namespaces/{tenant}/{namespace}")
+    status, body = admin_request(admin_url, "PUT", f"/admin/v2/namespaces/{tenant}/{namespace}", token=token)
     if status not in (204, 409):
         raise EmbeddedError(f"creating namespace {tenant}/{namespace} failed: HTTP {status} {body[:200]!r}")
 
@@ -172,14 +188,14 @@ def create_partitioned_topic(admin_url: str, topic: str, partitions: int) -> Non
         raise EmbeddedError(f"creating partitioned topic {topic} failed: HTTP {status} {body[:200]!r}")
 
 
-def is_ready(admin_url: str) -> bool:
+def is_ready(admin_url: str, token: str = "") -> bool:
     """The admin API serves public/default (created after the broker reports ready) and the
     broker's own health check (a round trip through a topic) passes."""
     try:
-        status, _ = admin_request(admin_url, "GET", "/admin/v2/namespaces/public/default", timeout=5)
+        status, _ = admin_request(admin_url, "GET", "/admin/v2/namespaces/public/default", timeout=5, token=token)
         if status != 200:
             return False
-        status, body = admin_request(admin_url, "GET", "/admin/v2/brokers/health", timeout=30)
+        status, body = admin_request(admin_url, "GET", "/admin/v2/brokers/health", timeout=30, token=token)
         return status == 200 and body.strip() == b"ok"
     except OSError:
         return False
@@ -221,6 +237,7 @@ class ApachePulsar(Service):
     """A standalone broker process; `restart` keeps its data (for outage tests)."""
 
     admin_url: str = ""
+    admin_token: str = ""  # when it authenticates clients: a token of its super-user role
 
     def restart(self) -> None:
         self.stop()
@@ -244,7 +261,7 @@ def wait_ready(broker: ApachePulsar, timeout: float = READY_TIMEOUT) -> None:
         if broker.proc.poll() is not None:
             raise EmbeddedError(f"Apache Pulsar exited with code {broker.proc.returncode} while starting; "
                                 f"its log: {broker.log_path}\n{_log_tail(broker.log_path)}")
-        if is_ready(broker.admin_url):
+        if is_ready(broker.admin_url, broker.admin_token):
             return
         time.sleep(0.25)
     broker.kill()
@@ -259,9 +276,16 @@ def _log_tail(path: Path | None, lines: int = 8) -> str:
         "\n".join(text[-lines:])
 
 
+def token(secret: bytes, role: str) -> str:
+    """A token (HS256 JWT) of `role` for a broker started with `token_secret=secret`."""
+    return jwt.encode({"sub": role}, secret, algorithm="HS256")
+
+
 def start(state_dir: Path, port: int | None = None, http_port: int | None = None,
-          log_level: str | None = None) -> ApachePulsar:
-    """A standalone broker with a fresh data directory under `state_dir`, on loopback."""
+          log_level: str | None = None, token_secret: bytes | None = None) -> ApachePulsar:
+    """A standalone broker with a fresh data directory under `state_dir`, on loopback. With
+    `token_secret`, clients must authenticate with tokens it signed (`token()`), role `admin` is
+    the super-user, and other roles may do what they were granted."""
     lib = ensure_resolved()
     state_dir = state_dir.absolute()
     shutil.rmtree(state_dir / "data", ignore_errors=True)
@@ -271,7 +295,9 @@ def start(state_dir: Path, port: int | None = None, http_port: int | None = None
     tmp.mkdir(parents=True, exist_ok=True)
     port, http_port = port or free_port(), http_port or free_port()
     conf = state_dir / "standalone.conf"
-    conf.write_text(CONFIG.format(cluster=CLUSTER, port=port, http_port=http_port))
+    admin_token = token(token_secret, "admin") if token_secret else ""
+    auth = AUTH_CONFIG.format(secret=base64.b64encode(token_secret).decode(), token=admin_token) if token_secret else ""
+    conf.write_text(CONFIG.format(cluster=CLUSTER, port=port, http_port=http_port) + auth)
     level = log_level or os.environ.get("APACHE_PULSAR_LOG_LEVEL", "warn")
     (state_dir / "log4j2.yaml").write_text(LOG4J.replace("{level}", level))
     argv = [java_binary(), *MEMORY, "-cp", f"{state_dir}:{lib}/*",
@@ -282,7 +308,7 @@ def start(state_dir: Path, port: int | None = None, http_port: int | None = None
     log_path = state_dir / "apache-pulsar.log"
     broker = ApachePulsar("apache-pulsar", _spawn(argv, state_dir, log_path), port, f"pulsar://127.0.0.1:{port}",
                           argv, state_dir, log_path, f"http://127.0.0.1:{http_port}/metrics/",
-                          admin_url=f"http://127.0.0.1:{http_port}")
+                          admin_url=f"http://127.0.0.1:{http_port}", admin_token=admin_token)
     wait_ready(broker)
     return broker
 
