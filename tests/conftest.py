@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import shutil
+import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -354,3 +356,17 @@ def client(broker: Any) -> Iterator[Client]:
     c = Client(broker.url)
     yield c
     c.close()
+
+
+@pytest.fixture(scope="session")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key (made with the openssl command): a
+    private CA of its own, which no system trust store knows."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    where = tmp_path_factory.mktemp("tls")
+    cert, key = where / "cert.pem", where / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return cert, key

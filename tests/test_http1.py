@@ -6,11 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import shutil
 import ssl
-import subprocess
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 from yarl import URL
@@ -223,19 +220,6 @@ async def test_a_large_body_arrives_whole():
         finally:
             await c.close()
     assert hashlib.sha256(server.requests[0][1]).digest() == hashlib.sha256(body).digest()
-
-
-@pytest.fixture(scope="module")
-def certificate(tmp_path_factory) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1 (made with the openssl command)."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl not installed")
-    where = tmp_path_factory.mktemp("tls")
-    cert, key = where / "cert.pem", where / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
-    return cert, key
 
 
 async def test_tls_certificates_are_verified(certificate, monkeypatch):

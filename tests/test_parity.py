@@ -6,7 +6,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import aiohttp
@@ -662,9 +662,44 @@ async def test_a_message_over_the_brokers_size_limit_is_delivered_whole_and_dead
                 await asyncio.sleep(0.5)
 
 
+SECRET = b"push-worker-test-secret-of-32-bytes!"
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory, certificate) -> Iterator[apache_pulsar.ApachePulsar]:
+    """An Apache Pulsar as production clusters run it: token authentication and authorization, TLS
+    with a private CA beside the plain ports. Role `worker` may consume and produce in p-test/main."""
+    broker = apache_pulsar.start(tmp_path_factory.mktemp("secured"), token_secret=SECRET, tls=certificate)
+    try:
+        apache_pulsar.ensure_namespace(broker.admin_url, "p-test", token=broker.admin_token)
+        status, _ = apache_pulsar.admin_request(broker.admin_url, "POST",
+                                                "/admin/v2/namespaces/p-test/main/permissions/worker",
+                                                ["consume", "produce"], token=broker.admin_token)
+        assert status == 204
+        yield broker
+    finally:
+        broker.stop()
+
+
+def publish_as_admin(broker: apache_pulsar.ApachePulsar, topic: str, count: int) -> None:
+    client = pulsar.Client(broker.url, authentication=pulsar.AuthenticationToken(broker.admin_token),
+                           logger=quiet_logger())
+    try:
+        producer = client.create_producer(topic, batching_enabled=False)
+        for i in range(count):
+            producer.send(b"m%d" % i)
+    finally:
+        client.close()
+
+
+def backlog_of(w: Any, sub: Subscription) -> Any:
+    return w.metrics.registry.get_sample_value("pushworker_subscription_backlog",
+                                               {"project": sub.tenant, "subscription": sub.name})
+
+
 @pytest.mark.apache_pulsar
 async def test_a_broker_that_wants_tokens_gets_the_workers_token_on_its_admin_api_too(
-        tmp_path, start_worker, endpoint: Endpoint, topic):
+        secured, start_worker, endpoint: Endpoint, topic):
     """Production clusters authenticate: the worker sent its token on the binary protocol but not to
     the admin API, whose 401 read as "no such topic": no backlog metric (nothing for the HPA), no
     expiry, no word in the log. Now the token goes with the admin calls too, and a refusal (here: the
@@ -672,13 +707,11 @@ async def test_a_broker_that_wants_tokens_gets_the_workers_token_on_its_admin_ap
     reason and counted. The worker's admin URL here is a broker that does not own the topic: it
     redirects (307) to the one that does, as Apache Pulsar's brokers do in a cluster; the redirect
     was not followed, the reading lost the same silent way."""
-    secret = b"push-worker-test-secret-of-32-bytes!"
-    broker = apache_pulsar.start(tmp_path / "auth", token_secret=secret)
     redirected: list[str] = []
 
     async def not_the_owner(request: web.Request) -> web.StreamResponse:
         redirected.append(request.headers.get("Authorization", ""))
-        raise web.HTTPTemporaryRedirect(broker.admin_url + request.path_qs)
+        raise web.HTTPTemporaryRedirect(secured.admin_url + request.path_qs)
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", not_the_owner)
@@ -687,42 +720,47 @@ async def test_a_broker_that_wants_tokens_gets_the_workers_token_on_its_admin_ap
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     other_broker = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    endpoint.behaviour = lambda rec: web.Response(status=503)
+    sub = make_sub(topic, endpoint.url, max_deliver=100, retry=RetryPolicy(30, 30))
+    admin_client = pulsar.Client(secured.url, authentication=pulsar.AuthenticationToken(secured.admin_token),
+                                 logger=quiet_logger())
+    stale = admin_client.subscribe(topic, sub.pulsar_subscription, consumer_type=pulsar.ConsumerType.Shared,
+                                   consumer_name="someone-else", receiver_queue_size=1)
     try:
-        admin = broker.admin_url
-        apache_pulsar.ensure_namespace(admin, "p-test", token=broker.admin_token)
-        status, _ = apache_pulsar.admin_request(admin, "POST", "/admin/v2/namespaces/p-test/main/permissions/worker",
-                                                ["consume", "produce"], token=broker.admin_token)
-        assert status == 204
-        endpoint.behaviour = lambda rec: web.Response(status=503)
-        sub = make_sub(topic, endpoint.url, max_deliver=100, retry=RetryPolicy(30, 30))
-        publisher = pulsar.Client(broker.url, authentication=pulsar.AuthenticationToken(broker.admin_token),
-                                  logger=quiet_logger())
-        other = publisher.subscribe(topic, sub.pulsar_subscription, consumer_type=pulsar.ConsumerType.Shared,
-                                    consumer_name="someone-else", receiver_queue_size=1)
-        try:
-            worker_token = apache_pulsar.token(secret, "worker")
-            settings = PulsarSettings(service_url=broker.url, admin_url=other_broker, backlog_interval_seconds=0.5,
-                                      auth_token=worker_token)
-            with capture_logs() as logged:
-                w = await start_worker(sub, pulsar=settings)
-                producer = publisher.create_producer(topic, batching_enabled=False)
-                for i in range(5):
-                    producer.send(b"m%d" % i)
-                producer.close()
-
-                def backlog() -> Any:
-                    return w.metrics.registry.get_sample_value(
-                        "pushworker_subscription_backlog", {"project": sub.tenant, "subscription": sub.name})
-                await eventually(lambda: backlog() == 5, timeout=30, what="the backlog read with the token")
-            refused = [e for e in logged if e["event"] == "stale consumer check failed"]
-            assert refused and "refused the token" in refused[0]["error"], logged
-            assert "UNLOAD" in refused[0]["error"] and "admin of their tenants" in refused[0]["error"]
-            assert w.metrics.registry.get_sample_value("pushworker_broker_errors_total", {"operation": "admin"}) == 1
-            assert not [e for e in logged if e["event"] == "backlog read failed"]
-            assert redirected and set(redirected) == {f"Bearer {worker_token}"}
-        finally:
-            other.close()
-            publisher.close()
+        worker_token = apache_pulsar.token(SECRET, "worker")
+        settings = PulsarSettings(service_url=secured.url, admin_url=other_broker, backlog_interval_seconds=0.5,
+                                  auth_token=worker_token)
+        with capture_logs() as logged:
+            w = await start_worker(sub, pulsar=settings)
+            publish_as_admin(secured, topic, 5)
+            await eventually(lambda: backlog_of(w, sub) == 5, timeout=30, what="the backlog read with the token")
+        refused = [e for e in logged if e["event"] == "stale consumer check failed"]
+        assert refused and "refused the token" in refused[0]["error"], logged
+        assert "UNLOAD" in refused[0]["error"] and "admin of their tenants" in refused[0]["error"]
+        assert w.metrics.registry.get_sample_value("pushworker_broker_errors_total", {"operation": "admin"}) == 1
+        assert not [e for e in logged if e["event"] == "backlog read failed"]
+        assert redirected and set(redirected) == {f"Bearer {worker_token}"}
     finally:
+        stale.close()
+        admin_client.close()
         await runner.cleanup()
-        broker.stop()
+
+
+@pytest.mark.apache_pulsar
+async def test_a_broker_behind_a_private_ca_is_trusted_on_both_its_protocols(
+        secured, certificate, start_worker, endpoint: Endpoint, topic):
+    """`pulsar.tls_trust_certs_file` was the binary protocol's trust only: the admin API over https,
+    signed by the same private CA, failed verification at every backlog read (logged with the
+    error's type only). Now it is trusted there too, as Pulsar's own admin client does; and the
+    binary protocol over TLS, with the host name checked, is proven on Apache Pulsar."""
+    endpoint.behaviour = lambda rec: web.Response(status=503)
+    sub = make_sub(topic, endpoint.url, max_deliver=100, retry=RetryPolicy(30, 30))
+    settings = PulsarSettings(service_url=secured.tls_url, tls_trust_certs_file=str(certificate[0]),
+                              admin_url=secured.tls_admin_url, backlog_interval_seconds=0.5,
+                              auth_token=apache_pulsar.token(SECRET, "worker"))
+    with capture_logs() as logged:
+        w = await start_worker(sub, pulsar=settings)
+        publish_as_admin(secured, topic, 4)
+        await eventually(lambda: backlog_of(w, sub) == 4 and len(endpoint.requests) >= 4, timeout=30,
+                         what="deliveries over TLS and the backlog read over https")
+    assert not [e for e in logged if e["event"] == "backlog read failed"], logged

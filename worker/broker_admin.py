@@ -13,6 +13,7 @@ stale consumer's unacked messages are redelivered to the new owner.
 from __future__ import annotations
 
 import json
+import ssl
 from typing import Any
 from urllib.parse import quote
 
@@ -34,12 +35,16 @@ class AdminError(Exception):
     """The broker's HTTP API answered, but not with what was asked; the message says what to change."""
 
 
-def make_session(token: str | None = None) -> aiohttp.ClientSession:
+def make_session(token: str | None = None, trust_certs_file: str | None = None) -> aiohttp.ClientSession:
     """The session for the broker's admin API and metrics page (URLs from the operator's config, not
-    from subscriptions): TLS verification on, no cookies kept, and the worker's Pulsar token, when it
-    has one, sent as the admin API's clients send it (`Authorization: Bearer`)."""
+    from subscriptions): no cookies kept, and the worker's Pulsar credentials as Pulsar's own admin
+    client uses them: the token as `Authorization: Bearer`, and `pulsar.tls_trust_certs_file`, when
+    set, as the certificates to trust (in place of the system's, as for the binary protocol).
+    Certificates and host names are verified either way."""
     headers = {"User-Agent": USER_AGENT} | ({"Authorization": f"Bearer {token}"} if token else {})
-    return aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar(), headers=headers)
+    trust = ssl.create_default_context(cafile=trust_certs_file) if trust_certs_file else True
+    return aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar(), headers=headers,
+                                 connector=aiohttp.TCPConnector(ssl=trust))
 
 
 async def read_capped(response: aiohttp.ClientResponse, cap: int) -> bytes:

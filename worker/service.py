@@ -192,7 +192,7 @@ class Worker:
         self.pulsar = pulsar_adapter.make_client(s.pulsar, self.pulsar_url)
         # A subscribe still pending in the C++ client can hold close() for its operation timeout.
         self._cleanup("close the Pulsar client", self.pulsar.close, 5)
-        self.session = broker_admin.make_session(s.pulsar.auth_token)
+        self.session = broker_admin.make_session(s.pulsar.auth_token, s.pulsar.tls_trust_certs_file)
         self._cleanup("close the HTTP session", self.session.close, 5)
         self.deliverer = Deliverer(s.destinations)
         self._cleanup("close the endpoint connections", self.deliverer.close, 5)

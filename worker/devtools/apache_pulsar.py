@@ -96,6 +96,15 @@ brokerClientAuthenticationPlugin=org.apache.pulsar.client.impl.auth.Authenticati
 brokerClientAuthenticationParameters=token:{token}
 """
 
+# TLS beside the plain ports (which the broker's own client and the readiness checks keep using).
+TLS_CONFIG = """\
+brokerServicePortTls={port}
+webServicePortTls={https_port}
+tlsCertificateFilePath={cert}
+tlsKeyFilePath={key}
+tlsTrustCertsFilePath={cert}
+"""
+
 LOG4J = """\
 Configuration:
   status: warn
@@ -238,6 +247,8 @@ class ApachePulsar(Service):
 
     admin_url: str = ""
     admin_token: str = ""  # when it authenticates clients: a token of its super-user role
+    tls_url: str = ""  # when it serves TLS too: pulsar+ssl:// and https:// beside the plain ports
+    tls_admin_url: str = ""
 
     def restart(self) -> None:
         self.stop()
@@ -282,10 +293,12 @@ def token(secret: bytes, role: str) -> str:
 
 
 def start(state_dir: Path, port: int | None = None, http_port: int | None = None,
-          log_level: str | None = None, token_secret: bytes | None = None) -> ApachePulsar:
+          log_level: str | None = None, token_secret: bytes | None = None,
+          tls: tuple[Path, Path] | None = None) -> ApachePulsar:
     """A standalone broker with a fresh data directory under `state_dir`, on loopback. With
     `token_secret`, clients must authenticate with tokens it signed (`token()`), role `admin` is
-    the super-user, and other roles may do what they were granted."""
+    the super-user, and other roles may do what they were granted. With `tls` (a PEM certificate
+    for 127.0.0.1 and its key), it serves TLS on ports of its own too."""
     lib = ensure_resolved()
     state_dir = state_dir.absolute()
     shutil.rmtree(state_dir / "data", ignore_errors=True)
@@ -297,7 +310,10 @@ def start(state_dir: Path, port: int | None = None, http_port: int | None = None
     conf = state_dir / "standalone.conf"
     admin_token = token(token_secret, "admin") if token_secret else ""
     auth = AUTH_CONFIG.format(secret=base64.b64encode(token_secret).decode(), token=admin_token) if token_secret else ""
-    conf.write_text(CONFIG.format(cluster=CLUSTER, port=port, http_port=http_port) + auth)
+    tls_port, https_port = (free_port(), free_port()) if tls else (0, 0)
+    tls_config = TLS_CONFIG.format(port=tls_port, https_port=https_port, cert=tls[0].absolute(),
+                                   key=tls[1].absolute()) if tls else ""
+    conf.write_text(CONFIG.format(cluster=CLUSTER, port=port, http_port=http_port) + auth + tls_config)
     level = log_level or os.environ.get("APACHE_PULSAR_LOG_LEVEL", "warn")
     (state_dir / "log4j2.yaml").write_text(LOG4J.replace("{level}", level))
     argv = [java_binary(), *MEMORY, "-cp", f"{state_dir}:{lib}/*",
@@ -308,7 +324,9 @@ def start(state_dir: Path, port: int | None = None, http_port: int | None = None
     log_path = state_dir / "apache-pulsar.log"
     broker = ApachePulsar("apache-pulsar", _spawn(argv, state_dir, log_path), port, f"pulsar://127.0.0.1:{port}",
                           argv, state_dir, log_path, f"http://127.0.0.1:{http_port}/metrics/",
-                          admin_url=f"http://127.0.0.1:{http_port}", admin_token=admin_token)
+                          admin_url=f"http://127.0.0.1:{http_port}", admin_token=admin_token,
+                          tls_url=f"pulsar+ssl://127.0.0.1:{tls_port}" if tls else "",
+                          tls_admin_url=f"https://127.0.0.1:{https_port}" if tls else "")
     wait_ready(broker)
     return broker
 
