@@ -24,8 +24,9 @@ import pytest
 import yaml
 from aiohttp import web
 from redis.crc import key_slot
+from structlog.testing import capture_logs
 
-from tests.conftest import Client, Endpoint
+from tests.conftest import Client, Endpoint, make_sub
 from tests.fleet_harness import FleetHarness, delivered, fleet_sub, settled_ownership, topics
 from tests.helpers import cli, eventually, http_get, push_sub, spawn_worker
 from tests.redis_targets import RedisTarget
@@ -257,3 +258,36 @@ async def test_sentinels_that_know_no_such_master_or_partly_down_are_told_apart(
     code, out, err = await cli("subs", "list", "--config", str(config))
     assert code == 0, err
     assert time.monotonic() - began < 5, f"took {time.monotonic() - began:.1f} s"
+
+
+async def test_a_cluster_shard_down_under_a_subscription_is_said_and_its_messages_wait(
+        start_worker, endpoint: Endpoint, client: Client, tmp_path, topic):
+    """A master with no replica dies: the subscriptions whose slots it served cannot record attempts,
+    so their deliveries wait, while PING, the fleet and the other shards answer. That used to be said
+    only by a counter: no log line, the subscription Active with no reason. Now both say it, and
+    the records and deliveries go on once the shard is back."""
+    topology = redis_topologies.start_cluster(tmp_path / "cluster", masters=3, replicas=0)
+    try:
+        fleet_master = topology.master_of_slot(key_slot(keys.fleet_key("default", "members").encode()))
+        name = next(n for n in (f"shard-{uuid.uuid4().hex[:6]}" for _ in range(100))
+                    if topology.master_of_slot(key_slot(keys.lease_key(f"p-test/{n}").encode())) != fleet_master)
+        sub = make_sub(topic, endpoint.url, name=name)
+        shard = topology.master_of_slot(key_slot(keys.lease_key(sub.key).encode()))
+        with capture_logs() as logged:
+            w = await start_worker(sub, redis=topology.settings())
+            dispatcher = w.dispatchers[sub.key]
+            topology.kill(shard)
+            client.publish(topic, [b"waits"])
+            await eventually(lambda: "attempt store failing" in dispatcher.state_reason, timeout=20,
+                             what="the failing records in the subscription's status")
+            assert endpoint.requests == []
+            shard.respawn()
+            shard.wait_ready()
+            await eventually(lambda: len(endpoint.requests) == 1 and dispatcher.state_reason == "", timeout=30,
+                             what="the delivery once the shard is back")
+        events = [e["event"] for e in logged if e["event"].startswith("attempt store")]
+        assert events[0] == "attempt store failing; deliveries wait (no attempt without its record)", events
+        assert events[-1] == "attempt store works again" and events.count(events[0]) == 1, events
+        assert endpoint.requests[0].headers["Pubsub-Delivery-Attempt"] == "1"
+    finally:
+        topology.stop()

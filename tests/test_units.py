@@ -130,16 +130,16 @@ def test_failing_dead_letter_publishes_are_counted_each_logged_at_most_every_30_
     import structlog
     from structlog.testing import capture_logs
 
-    from worker.deadletter import FailingPublishes
+    from worker.deadletter import failing_publishes
 
     counted: list[int] = []
     with capture_logs() as logged:
-        failing = FailingPublishes(structlog.get_logger(), lambda: counted.append(1))
+        failing = failing_publishes(structlog.get_logger(), lambda: counted.append(1))
         for _ in range(5):  # a burst of failures, well within 30 s
-            failing.failed("persistent://p/n/dlq", pulsar.ProducerBusy("busy"))
+            failing.failed(pulsar.ProducerBusy("busy"), dead_letter_topic="persistent://p/n/dlq")
         assert failing.reason.startswith("dead-letter publish failing for 0 s (the broker answered ProducerBusy")
-        failing.published("persistent://p/n/dlq")
-        failing.failed("persistent://p/n/dlq", TimeoutError())  # a new spell: said again at once
+        failing.succeeded(dead_letter_topic="persistent://p/n/dlq")
+        failing.failed(TimeoutError(), dead_letter_topic="persistent://p/n/dlq")  # a new spell: said again at once
     assert len(counted) == 6
     assert [(e["event"], e.get("failures")) for e in logged] == [
         ("dead-letter publish failing; exhausted messages wait unacked", 1),

@@ -21,8 +21,9 @@ from typing import Any
 import orjson
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
 
-from worker import keys
+from worker import keys, logs
 from worker.config import RedisSettings
+from worker.failing import Failing
 from worker.redis_batch import BatchScript, Pipeliner
 from worker.redis_client import REDIS_DOWN
 
@@ -140,12 +141,36 @@ class AttemptStore:
         self.acked_history_ttl_seconds = settings.acked_history_ttl_seconds
         self.settled_ttl_seconds = settings.settled_ttl_seconds
         self._on_error = on_error or (lambda: None)
+        # Subscriptions whose records Redis does not take (its outage, a Cluster shard down, a full
+        # Redis, an ACL that leaves their keys out): said in their status and the log, not only counted.
+        self._failing: dict[str, Failing] = {}
 
-    async def _call(self, queue: Callable[[], asyncio.Future[Any]]) -> Any:
+    def failing_reason(self, subscription_key: str) -> str:
+        failing = self._failing.get(subscription_key)
+        return failing.reason if failing is not None else ""
+
+    def _failed(self, subscription_key: str, error: BaseException) -> None:
+        failing = self._failing.get(subscription_key)
+        if failing is None:
+            failing = self._failing[subscription_key] = Failing(
+                logs.get(subscription=subscription_key), "attempt store", "deliveries wait (no attempt without its "
+                "record)", self._on_error, lambda e: f"{type(e).__name__}: {e}"[:200])
+        failing.failed(error)
+
+    def _succeeded(self, subscription_key: str) -> None:
+        failing = self._failing.pop(subscription_key, None)
+        if failing is not None:
+            failing.succeeded()
+
+    async def _call(self, subscription_key: str, queue: Callable[[], asyncio.Future[Any]]) -> Any:
         try:  # the common case, without building a retry controller
-            return await queue()
-        except REDIS_DOWN:
-            self._on_error()
+            result = await queue()
+        except REDIS_DOWN as e:
+            self._failed(subscription_key, e)
+        else:
+            if self._failing:
+                self._succeeded(subscription_key)
+            return result
         # No delivery proceeds without its attempt record: wait for Redis rather than guess.
         async for attempt in AsyncRetrying(
             retry=retry_if_exception_type(REDIS_DOWN),
@@ -154,17 +179,19 @@ class AttemptStore:
         ):
             with attempt:
                 try:
-                    return await queue()
-                except REDIS_DOWN:
-                    self._on_error()
+                    result = await queue()
+                except REDIS_DOWN as e:
+                    self._failed(subscription_key, e)
                     raise
+                self._succeeded(subscription_key)
+                return result
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def begin(self, subscription_key: str, message_id: str) -> AttemptRecord:
         """Record the next attempt before it is made; returns its number (1, 2, ...)."""
         key = keys.message_key(subscription_key, message_id)
-        n, last, state, corrupt = await self._call(
-            lambda: self.pipeliner.operation(BEGIN, (), (self.ttl_seconds,), (key,), (), subscription_key))
+        n, last, state, corrupt = await self._call(subscription_key, lambda: self.pipeliner.operation(
+            BEGIN, (), (self.ttl_seconds,), (key,), (), subscription_key))
         last_status = last.decode(errors="replace") if isinstance(last, bytes) else str(last)
         return AttemptRecord(int(n), last_status, discard=state == 1, settled=state == 2, corrupt=bool(corrupt))
 
@@ -181,13 +208,13 @@ class AttemptStore:
         history_ttl = self.acked_history_ttl_seconds if acked_first_time else self.history_ttl_seconds
         op_args = ("1" if settled else "0", last_status, summary, history_ttl, len(entries),
                    *(orjson.dumps(e) for e in entries))
-        return self._call(lambda: self.pipeliner.operation(
+        return self._call(subscription_key, lambda: self.pipeliner.operation(
             RECORD, (keys.settled_key(subscription_key),),
             (self.history_ttl_seconds, HISTORY_CAP, self.settled_ttl_seconds), op_keys, op_args, subscription_key,
             lazy))
 
     async def history(self, subscription_key: str, message_id: str) -> list[dict[str, Any]]:
         """The message's recorded history, oldest first."""
-        raw = await self._call(
-            lambda: self.pipeliner.submit("LRANGE", keys.history_key(subscription_key, message_id), 0, -1))
+        raw = await self._call(subscription_key, lambda: self.pipeliner.submit(
+            "LRANGE", keys.history_key(subscription_key, message_id), 0, -1))
         return [orjson.loads(entry) for entry in raw]

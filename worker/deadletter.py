@@ -4,7 +4,6 @@ broker, before the original is acked. One cached producer per dead-letter topic.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +13,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wai
 
 from worker.aio import wait_event
 from worker.consumer import broker_error_text
+from worker.failing import Failing
 from worker.messages import Envelope
 
 BrokerError = (pulsar_async.PulsarException, OSError, asyncio.TimeoutError)
@@ -21,7 +21,6 @@ BrokerError = (pulsar_async.PulsarException, OSError, asyncio.TimeoutError)
 # nothing else subscribes (a topic without subscriptions keeps no backlog), and it is the cursor
 # `push-worker dlq list|show|redrive` works on.
 DLQ_CURSOR = "push-worker-dlq"
-FAILING_LOG_EVERY = 30.0  # seconds between two "dead-letter publish failing" lines of one subscription
 
 
 def dead_letter_properties(
@@ -133,38 +132,7 @@ class DeadLetterPublisher:
             await self.forget(topic)
 
 
-class FailingPublishes:
+def failing_publishes(log: Any, count: Callable[[], None]) -> Failing:
     """One subscription's dead-letter publishes while they fail (a dead-letter topic whose namespace
-    does not exist, a missing permission, a broker outage): each failure counted, a log line at most
-    every FAILING_LOG_EVERY seconds, and a reason for the subscription's status until one succeeds.
-    Without it the retries were silent and exhausted messages piled up unacked."""
-
-    def __init__(self, log: Any, count: Callable[[], None]) -> None:
-        self.log = log
-        self.count = count
-        self.since: float | None = None
-        self.failures = 0
-        self.last_error = ""
-        self._logged_at = float("-inf")
-
-    def failed(self, topic: str, error: BaseException) -> None:
-        now = time.monotonic()
-        self.since = now if self.since is None else self.since
-        self.failures += 1
-        self.last_error = broker_error_text(error)
-        self.count()
-        if now - self._logged_at >= FAILING_LOG_EVERY:
-            self._logged_at = now
-            self.log.warning("dead-letter publish failing; exhausted messages wait unacked", dead_letter_topic=topic,
-                             error=self.last_error, failures=self.failures)
-
-    def published(self, topic: str) -> None:
-        if self.since is not None:
-            self.log.info("dead-letter publish works again", dead_letter_topic=topic, failures=self.failures)
-            self.since, self.failures, self._logged_at = None, 0, float("-inf")
-
-    @property
-    def reason(self) -> str:
-        if self.since is None:
-            return ""
-        return f"dead-letter publish failing for {time.monotonic() - self.since:.0f} s ({self.last_error})"
+    does not exist, a missing permission, a broker outage): exhausted messages pile up unacked."""
+    return Failing(log, "dead-letter publish", "exhausted messages wait unacked", count, broker_error_text)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from worker import logs
 from worker.aio import wait_any, wait_event
 from worker.attempts import AttemptStore
 from worker.backoff import retry_delay
-from worker.deadletter import DeadLetterPublisher, FailingPublishes, dead_letter_properties
+from worker.deadletter import DeadLetterPublisher, dead_letter_properties, failing_publishes
 from worker.delivery import Deliverer, Outcome, Result
 from worker.endpoint_health import EndpointHealth
 from worker.flow import AdaptiveLimit, Window
@@ -152,7 +153,7 @@ class Dispatcher:
         self._fence_wait: asyncio.Task[None] | None = None  # the one wait fenced messages share
         self._loop: asyncio.AbstractEventLoop | None = None
         self.log = logs.get(project=sub.tenant, subscription=sub.name)
-        self.dead_letter_failures = FailingPublishes(self.log, self.m.broker_errors.labels("dead_letter").inc)
+        self.dead_letter_failures = failing_publishes(self.log, self.m.broker_errors.labels("dead_letter").inc)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -211,7 +212,8 @@ class Dispatcher:
     @property
     def state_reason(self) -> str:
         """Why the state is what it is (for `subs list`); empty when Active and nothing is failing."""
-        return "; ".join(reason for reason in (self.health.reason, self.dead_letter_failures.reason) if reason)
+        reasons = (self.health.reason, self.attempts.failing_reason(self.sub.key), self.dead_letter_failures.reason)
+        return "; ".join(reason for reason in reasons if reason)
 
     async def _fenced(self) -> bool:
         """True while this worker may deliver. While it may not (its lease could not be renewed in
@@ -481,10 +483,10 @@ class Dispatcher:
         if sub.dead_letter_topic:
             props = dead_letter_properties(env, sub.topic, sub.name, attempts, last_status)
             topic = sub.dead_letter_topic
-            if not await self.dead_letters.publish(topic, env, props, stop=self._stopping,
-                                                   on_failure=lambda e: self.dead_letter_failures.failed(topic, e)):
+            failed = functools.partial(self.dead_letter_failures.failed, dead_letter_topic=topic)
+            if not await self.dead_letters.publish(topic, env, props, stop=self._stopping, on_failure=failed):
                 return None  # stopping: released unacked; spent attempts make the next owner dead-letter it
-            self.dead_letter_failures.published(topic)
+            self.dead_letter_failures.succeeded(dead_letter_topic=topic)
             self.stats.dead_lettered += 1
             self.m.dead_lettered.inc()
             log.warning("dead-lettered", dead_letter_topic=topic)
