@@ -89,12 +89,14 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 120,
                           timeout=timeout, env=environment or env(), stdin=subprocess.DEVNULL)
 
 
-async def cli(*args: str, stdin: str | None = None) -> tuple[int, str, str]:
+async def cli(*args: str, stdin: str | None = None, extra_env: dict[str, str] | None = None) -> tuple[int, str, str]:
     """`push-worker ARGS` as a separate process, awaited; (exit code, stdout, stderr). The test
-    environment's PUSH_WORKER_* variables are left out, so only the arguments choose the target."""
+    environment's PUSH_WORKER_* variables are left out, so only the arguments (and `extra_env`)
+    choose the target."""
+    clean = {k: v for k, v in env().items() if not k.startswith("PUSH_WORKER_")}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "worker.cli", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        stdin=asyncio.subprocess.PIPE, env={k: v for k, v in env().items() if not k.startswith("PUSH_WORKER_")})
+        stdin=asyncio.subprocess.PIPE, env=clean | (extra_env or {}))
     try:
         out, err = await asyncio.wait_for(proc.communicate(stdin.encode() if stdin else b""), timeout=60)
     except TimeoutError:

@@ -764,3 +764,21 @@ async def test_a_broker_behind_a_private_ca_is_trusted_on_both_its_protocols(
         await eventually(lambda: backlog_of(w, sub) == 4 and len(endpoint.requests) >= 4, timeout=30,
                          what="deliveries over TLS and the backlog read over https")
     assert not [e for e in logged if e["event"] == "backlog read failed"], logged
+
+
+@pytest.mark.apache_pulsar
+async def test_publish_uses_the_workers_token_and_tls_trust(secured, certificate, tmp_path, topic):
+    """`push-worker publish` built a client of its own with neither `PUSH_WORKER_PULSAR_TOKEN` nor
+    `pulsar.tls_trust_certs_file`: on a cluster that authenticates it timed out ("no answer from the
+    broker"), and over TLS with a private CA it could not connect."""
+    token = {"PUSH_WORKER_PULSAR_TOKEN": apache_pulsar.token(SECRET, "worker")}
+    code, out, err = await cli("publish", topic, "plain", "--service-url", secured.url, extra_env=token)
+    assert code == 0 and out.strip(), err
+    config = tmp_path / "w.yaml"
+    config.write_text(json.dumps({"pulsar": {"service_url": secured.tls_url,
+                                             "tls_trust_certs_file": str(certificate[0])}}))
+    code, out, err = await cli("publish", topic, "over tls", "-c", str(config), extra_env=token)
+    assert code == 0 and out.strip(), err
+    # Without a token the broker drops the connection unanswered: the one line says what to check.
+    code, _, err = await cli("publish", topic, "no token", "--service-url", secured.url)
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "$PUSH_WORKER_PULSAR_TOKEN" in err, err

@@ -40,6 +40,12 @@ def quiet_logger() -> Any:
 
 def make_client(settings: PulsarSettings, service_url: str, operator: bool = False) -> pulsar_async.Client:
     """An asyncio Pulsar client; TLS hostnames are verified."""
+    return pulsar_async.Client(service_url, **client_options(settings, operator))
+
+
+def client_options(settings: PulsarSettings, operator: bool = False) -> dict[str, Any]:
+    """What every Pulsar client of the worker and its commands is given, the asyncio and the
+    blocking one alike: timeouts, logging, TLS trust (hostnames verified) and the token."""
     kwargs: dict[str, Any] = {
         "operation_timeout_seconds": settings.operation_timeout_seconds,
         # The C++ client's own log lines, as structured events of the worker's log (logs.py says why
@@ -53,7 +59,7 @@ def make_client(settings: PulsarSettings, service_url: str, operator: bool = Fal
         kwargs["tls_trust_certs_file_path"] = settings.tls_trust_certs_file
     if settings.auth_token:
         kwargs["authentication"] = pulsar.AuthenticationToken(settings.auth_token)
-    return pulsar_async.Client(service_url, **kwargs)
+    return kwargs
 
 
 @asynccontextmanager

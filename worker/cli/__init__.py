@@ -121,8 +121,11 @@ def explain(error: BaseException) -> tuple[int, str]:
         if answered_by_broker(error):  # it is there and said no: its URL is not what to check
             name = result_name(broker_result(error))
             return 1, f"the broker refused: {name}" + _BROKER_REFUSALS.get(name, "")
+        # A broker that authenticates drops a connection without a valid token unanswered: the
+        # client sees the same timeout as from a dead broker (measured on Apache Pulsar).
         return 1, (f"the broker failed: {broker_error_text(error)}; check --service-url, pulsar.service_url or "
-                   "$PUSH_WORKER_PULSAR_URL, and that the broker is running")
+                   "$PUSH_WORKER_PULSAR_URL, that the broker is running, and $PUSH_WORKER_PULSAR_TOKEN if it "
+                   "authenticates clients")
     if isinstance(error, OSError):
         return 1, f"{text}"
     return 1, f"unexpected error: {type(error).__name__}: {text} (a bug: PUSH_WORKER_DEBUG=1 shows where)"

@@ -92,8 +92,8 @@ def _cmd_publish(args: argparse.Namespace) -> int:
     except ValueError:
         raise UsageError("publish", "TOPIC", f"{TOPIC_RULE} (got {args.topic!r})") from None
     target = locate(args.config, pulsar_url=args.service_url)
-    message_id = publish(target.pulsar("publish"), args.topic, args.data.encode(), attrs, args.key,
-                         min(10, target.settings.pulsar.operation_timeout_seconds))
+    message_id = publish(target.settings.pulsar, target.pulsar("publish"), args.topic, args.data.encode(), attrs,
+                         args.key, min(10, target.settings.pulsar.operation_timeout_seconds))
     print(message_id)
     return 0
 

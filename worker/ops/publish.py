@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import pulsar
 
-from worker.consumer import quiet_logger
+from worker.config import PulsarSettings
+from worker.consumer import client_options
 from worker.messages import format_message_id
 
 
-def publish(url: str, topic: str, data: bytes, attributes: dict[str, str], key: str | None = None,
-            timeout_seconds: int = 10) -> str:
-    """Publish one message and return its id in the contract's format."""
-    client = pulsar.Client(url, operation_timeout_seconds=timeout_seconds, logger=quiet_logger())
+def publish(settings: PulsarSettings, url: str, topic: str, data: bytes, attributes: dict[str, str],
+            key: str | None = None, timeout_seconds: int = 10) -> str:
+    """Publish one message and return its id in the contract's format. The client is the worker's
+    (its token and TLS trust), with a short timeout."""
+    options = client_options(settings, operator=True) | {"operation_timeout_seconds": timeout_seconds}
+    client = pulsar.Client(url, **options)
     try:
         producer = client.create_producer(topic, batching_enabled=False)
         kwargs: dict[str, object] = {"properties": attributes}
