@@ -20,6 +20,7 @@ from tests import brokers
 from tests.conftest import Client, Endpoint, make_sub
 from tests.helpers import cli, eventually, push_sub, worker_yaml
 from worker import broker_admin, keys
+from worker.backlog import BacklogReader
 from worker.config import FleetSettings, PulsarSettings, RedisSettings
 from worker.consumer import quiet_logger
 from worker.devtools import apache_pulsar
@@ -764,6 +765,28 @@ async def test_a_broker_behind_a_private_ca_is_trusted_on_both_its_protocols(
         await eventually(lambda: backlog_of(w, sub) == 4 and len(endpoint.requests) >= 4, timeout=30,
                          what="deliveries over TLS and the backlog read over https")
     assert not [e for e in logged if e["event"] == "backlog read failed"], logged
+
+
+@pytest.mark.apache_pulsar
+async def test_a_metrics_endpoint_that_wants_tokens_gets_the_workers(secured, start_worker, endpoint: Endpoint, topic):
+    """With `authenticateMetricsEndpoint`, the broker's /metrics/ answers 401 without a token: the
+    backlog read from `pulsar.metrics_url` failed at every interval, logged as a bare
+    ClientResponseError. The worker's token goes there too now."""
+    endpoint.behaviour = lambda rec: web.Response(status=503)
+    sub = make_sub(topic, endpoint.url, max_deliver=100, retry=RetryPolicy(30, 30))
+    settings = PulsarSettings(service_url=secured.url, metrics_url=secured.admin_url + "/metrics/",
+                              backlog_interval_seconds=0.5, auth_token=apache_pulsar.token(SECRET, "worker"))
+    with capture_logs() as logged:
+        w = await start_worker(sub, pulsar=settings)
+        publish_as_admin(secured, topic, 3)
+        await eventually(lambda: backlog_of(w, sub) == 3, timeout=30, what="the backlog read from /metrics/")
+    assert not [e for e in logged if e["event"] == "backlog read failed"], logged
+    session = broker_admin.make_session()  # without the token: said as what to set
+    try:
+        with pytest.raises(broker_admin.AdminError, match=r"wants a token \(set PUSH_WORKER_PULSAR_TOKEN"):
+            await BacklogReader(session, None, secured.admin_url + "/metrics/").read([sub])
+    finally:
+        await session.close()
 
 
 @pytest.mark.apache_pulsar

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from worker.broker_admin import BODY_CAP, AdminError, read_capped, subscription_stats
+from worker.broker_admin import BODY_CAP, AdminError, read_capped, refusal, subscription_stats
 from worker.subscriptions import Subscription, topic_parts
 
 _METRIC = "pulsar_subscription_back_log"
@@ -77,9 +77,12 @@ class BacklogReader:
                 # Apache Pulsar answers /metrics with a redirect to /metrics/; redirects are not followed.
                 location = urlsplit(response.headers.get("Location", "")).path
                 raise AdminError(f"pulsar.metrics_url answered HTTP {response.status}, a redirect to "
-                                       f"{location!r}: configure that URL (redirects are not followed)")
+                                 f"{location!r}: configure that URL (redirects are not followed)")
+            body = await read_capped(response, BODY_CAP)
+            if response.status in (401, 403):  # a broker with authenticateMetricsEndpoint
+                raise refusal("pulsar.metrics_url", response.status, body, self.session)
             response.raise_for_status()
-            return (await read_capped(response, BODY_CAP)).decode("utf-8", "replace")
+            return body.decode("utf-8", "replace")
 
     async def _from_admin(self, sub: Subscription) -> float | None:
         assert self.admin_url is not None

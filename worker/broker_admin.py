@@ -76,15 +76,20 @@ async def _call(session: aiohttp.ClientSession, method: str, url: str, seconds: 
                 url = str(target)
                 continue
             body = await read_capped(response, BODY_CAP)
-            if response.status in (401, 403):  # Apache Pulsar answers 401 for a role without permission too
-                if "Authorization" not in session.headers:
-                    raise AdminError(f"pulsar.admin_url answered HTTP {response.status}: the broker wants a "
-                                     "token (set PUSH_WORKER_PULSAR_TOKEN to one it accepts)")
-                raise AdminError(f"pulsar.admin_url refused the token (HTTP {response.status}: {_reason(body)}); "
-                                 "its role needs consume on the subscriptions' namespaces (topic stats) and, to "
-                                 "evict a frozen worker's consumer, admin of their tenants (unloading a topic)")
+            if response.status in (401, 403):
+                raise refusal("pulsar.admin_url", response.status, body, session)
             return response.status, body
     raise AdminError(f"pulsar.admin_url redirected more than {_REDIRECTS} times")
+
+
+def refusal(setting: str, status: int, body: bytes, session: aiohttp.ClientSession) -> AdminError:
+    """A 401 or 403 said as what to set: Apache Pulsar answers 401 for a role without permission too."""
+    if "Authorization" not in session.headers:
+        return AdminError(f"{setting} answered HTTP {status}: the broker wants a token (set PUSH_WORKER_PULSAR_TOKEN "
+                          "to one it accepts)")
+    return AdminError(f"{setting} refused the token (HTTP {status}: {_reason(body)}); its role needs consume on the "
+                      "subscriptions' namespaces (topic stats) and, to evict a frozen worker's consumer, admin of "
+                      "their tenants (unloading a topic)")
 
 
 def _reason(body: bytes) -> str:

@@ -94,6 +94,7 @@ authorizationEnabled=true
 superUserRoles=admin
 brokerClientAuthenticationPlugin=org.apache.pulsar.client.impl.auth.AuthenticationToken
 brokerClientAuthenticationParameters=token:{token}
+authenticateMetricsEndpoint=true
 """
 
 # TLS beside the plain ports (which the broker's own client and the readiness checks keep using).
