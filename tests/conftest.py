@@ -216,10 +216,11 @@ class Endpoint:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-async def serve(path: str, handler: Handler) -> tuple[web.AppRunner, str]:
-    """A real aiohttp server on a free loopback port answering POST `path`; returns (runner, url)."""
+async def serve(path: str, handler: Handler, method: str = "POST") -> tuple[web.AppRunner, str]:
+    """A real aiohttp server on a free loopback port answering `method` (`*`: any) on `path`;
+    returns (runner, url)."""
     app = web.Application(client_max_size=64 * 1024 * 1024)
-    app.router.add_post(path, handler)
+    app.router.add_route(method, path, handler)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -17,7 +17,7 @@ from aiohttp import web
 from structlog.testing import capture_logs
 
 from tests import brokers
-from tests.conftest import Client, Endpoint, make_sub
+from tests.conftest import Client, Endpoint, make_sub, serve
 from tests.helpers import cli, eventually, push_sub, worker_yaml
 from worker import broker_admin, keys
 from worker.backlog import BacklogReader
@@ -714,13 +714,8 @@ async def test_a_broker_that_wants_tokens_gets_the_workers_token_on_its_admin_ap
         redirected.append(request.headers.get("Authorization", ""))
         raise web.HTTPTemporaryRedirect(secured.admin_url + request.path_qs)
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", not_the_owner)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    other_broker = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    runner, url = await serve("/{tail:.*}", not_the_owner, method="*")
+    other_broker = url.removesuffix("/push")
     endpoint.behaviour = lambda rec: web.Response(status=503)
     sub = make_sub(topic, endpoint.url, max_deliver=100, retry=RetryPolicy(30, 30))
     admin_client = pulsar.Client(secured.url, authentication=pulsar.AuthenticationToken(secured.admin_token),

@@ -25,7 +25,7 @@ from worker import keys, logs
 from worker.config import RedisSettings
 from worker.failing import Failing
 from worker.redis_batch import BatchScript, Pipeliner
-from worker.redis_client import REDIS_DOWN
+from worker.redis_client import REDIS_DOWN, describe
 
 # Corrupt state (a key of the wrong type, a counter that is not an integer) must not fail the whole
 # batch: every message of the subscription would wait on it forever. `call` replaces such a key and
@@ -154,7 +154,7 @@ class AttemptStore:
         if failing is None:
             failing = self._failing[subscription_key] = Failing(
                 logs.get(subscription=subscription_key), "attempt store", "deliveries wait (no attempt without its "
-                "record)", self._on_error, lambda e: f"{type(e).__name__}: {e}"[:200])
+                "record)", self._on_error, lambda e: f"{type(e).__name__}: {describe(e)}"[:200])
         failing.failed(error)
 
     def _succeeded(self, subscription_key: str) -> None:
