@@ -17,7 +17,7 @@ from aiohttp import web
 from structlog.testing import capture_logs
 
 from tests import brokers
-from tests.conftest import Client, Endpoint, make_sub, serve
+from tests.conftest import Client, Endpoint, make_settings, make_sub, serve
 from tests.helpers import cli, eventually, push_sub, worker_yaml
 from worker import broker_admin, keys
 from worker.backlog import BacklogReader
@@ -28,6 +28,7 @@ from worker.fleet import leases, lifecycle
 from worker.fleet.lifecycle import SeekTarget
 from worker.fleet.registry import Registry
 from worker.ops.admin import SEEK_COMMAND
+from worker.service import Worker
 from worker.subscriptions import RetryPolicy, Subscription
 
 
@@ -777,11 +778,39 @@ async def test_a_metrics_endpoint_that_wants_tokens_gets_the_workers(secured, st
         await eventually(lambda: backlog_of(w, sub) == 3, timeout=30, what="the backlog read from /metrics/")
     assert not [e for e in logged if e["event"] == "backlog read failed"], logged
     session = broker_admin.make_session()  # without the token: said as what to set
+    forged = broker_admin.make_session(token=apache_pulsar.token(b"another-secret-of-32-bytes-long!!!", "worker"))
     try:
         with pytest.raises(broker_admin.AdminError, match=r"wants a token \(set PUSH_WORKER_PULSAR_TOKEN"):
             await BacklogReader(session, None, secured.admin_url + "/metrics/").read([sub])
+        # A token the broker cannot verify: any verified token may read /metrics/, so no role advice.
+        # The reason is the title of the broker's HTML error page, on the log line's one line.
+        with pytest.raises(broker_admin.AdminError, match=r"^pulsar.metrics_url refused the token \(HTTP 401: "
+                           r"Error 401 Authentication required\); the broker does not accept it"):
+            await BacklogReader(forged, None, secured.admin_url + "/metrics/").read([sub])
     finally:
         await session.close()
+        await forged.close()
+
+
+@pytest.mark.apache_pulsar
+async def test_readiness_names_the_token_when_an_authenticating_broker_does_not_answer(
+        secured, redis_target, endpoint: Endpoint, topic):
+    """Apache Pulsar drops a connection whose token it refuses, unanswered: the client sees the same
+    timeout as from a dead broker. /readyz said "broker unreachable" only; with a token configured
+    it names the token too, the one thing that may be wrong on a broker that is up."""
+    forged = apache_pulsar.token(b"another-secret-of-32-bytes-long!!!", "worker")
+    settings = make_settings(secured.url, redis_target.settings, (make_sub(topic, endpoint.url),),
+                             pulsar=PulsarSettings(service_url=secured.url, auth_token=forged,
+                                                   operation_timeout_seconds=5))
+    w = Worker(settings, worker_id="w-forged")
+    try:
+        await w.start()
+        deadline = time.monotonic() + 30
+        while (reason := (await w.readiness())[1]) != "broker unreachable or refusing PUSH_WORKER_PULSAR_TOKEN":
+            assert time.monotonic() < deadline, reason
+            await asyncio.sleep(0.2)
+    finally:
+        await w.close()
 
 
 @pytest.mark.apache_pulsar

@@ -13,6 +13,7 @@ stale consumer's unacked messages are redelivered to the new owner.
 from __future__ import annotations
 
 import json
+import re
 import ssl
 from typing import Any
 from urllib.parse import quote
@@ -82,23 +83,38 @@ async def _call(session: aiohttp.ClientSession, method: str, url: str, seconds: 
     raise AdminError(f"pulsar.admin_url redirected more than {_REDIRECTS} times")
 
 
+# What a refused token needs, by the URL that refused it: the admin API checks the role's
+# permissions; a metrics endpoint with authenticateMetricsEndpoint admits any token it can verify.
+_ROLE_NEEDS = {
+    "pulsar.admin_url": "its role needs consume on the subscriptions' namespaces (topic stats) and, to evict a "
+                        "frozen worker's consumer, admin of their tenants (unloading a topic)",
+    "pulsar.metrics_url": "the broker does not accept it (any token it can verify may read /metrics): check "
+                          "PUSH_WORKER_PULSAR_TOKEN against the broker's token key",
+}
+
+
 def refusal(setting: str, status: int, body: bytes, session: aiohttp.ClientSession) -> AdminError:
     """A 401 or 403 said as what to set: Apache Pulsar answers 401 for a role without permission too."""
     if "Authorization" not in session.headers:
         return AdminError(f"{setting} answered HTTP {status}: the broker wants a token (set PUSH_WORKER_PULSAR_TOKEN "
                           "to one it accepts)")
-    return AdminError(f"{setting} refused the token (HTTP {status}: {_reason(body)}); its role needs consume on the "
-                      "subscriptions' namespaces (topic stats) and, to evict a frozen worker's consumer, admin of "
-                      "their tenants (unloading a topic)")
+    return AdminError(f"{setting} refused the token (HTTP {status}: {_reason(body)}); {_ROLE_NEEDS[setting]}")
+
+
+_TITLE = re.compile(rb"<title>(.*?)</title>", re.IGNORECASE | re.DOTALL)
 
 
 def _reason(body: bytes) -> str:
-    """The broker's reason of a refusal (`{"reason": ...}`), or the start of its body."""
+    """The broker's reason of a refusal: `{"reason": ...}` from the admin API, the title of the
+    servlet's HTML error page (the metrics page's 401), or else the start of its body; on one line."""
     try:
         reason = json.loads(body).get("reason")
     except (ValueError, AttributeError):
         reason = None
-    return str(reason) if reason else body[:200].decode("utf-8", "replace")
+    if not reason:
+        title = _TITLE.search(body)
+        reason = (title.group(1) if title else body[:200]).decode("utf-8", "replace")
+    return " ".join(str(reason).split())
 
 
 def topic_path(admin_url: str, topic: str) -> str:

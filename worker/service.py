@@ -464,7 +464,10 @@ class Worker:
         # broker refuses) must not hold a rolling update forever. Until the broker has answered at
         # all, though, nothing can be delivered.
         if self._starting and not self.broker_answered and not await self._broker_answers():
-            return False, "broker unreachable"
+            # An authenticating broker drops a connection with a token it refuses, unanswered: to the
+            # client that is the same timeout as a dead broker's, so the reason names both.
+            token = " or refusing PUSH_WORKER_PULSAR_TOKEN" if self.settings.pulsar.auth_token else ""
+            return False, f"broker unreachable{token}"
         if self.fleet is None or not self.fleet.members:
             why = self.fleet.round_error if self.fleet else ""
             return False, f"not yet in the fleet ({why})" if why else "not yet in the fleet"
