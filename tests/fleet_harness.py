@@ -16,7 +16,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import Endpoint
-from tests.helpers import push_sub, spawn_worker, stays_sync, wait_sync
+from tests.helpers import http_get, push_sub, spawn_worker, stays_sync, wait_sync
 from tests.redis_targets import RedisTarget
 from worker.config import RedisSettings
 from worker.embedded import free_port, terminate
@@ -25,7 +25,7 @@ from worker.keys import lease_key
 
 class WorkerProcess:
     def __init__(self, worker_id: str, config: Path, log: Path) -> None:
-        self.id = worker_id
+        self.id, self.log = worker_id, log
         self.port = free_port()
         self.proc = spawn_worker(config, log, PUSH_WORKER_ID=worker_id, PUSH_WORKER_HTTP_PORT=str(self.port))
 
@@ -54,6 +54,11 @@ class WorkerProcess:
             return set()
         return {k for k, v in samples.items() if k.startswith("pushworker_subscription_owned{") and v == 1}
 
+    def readiness(self) -> tuple[int, str]:
+        """/readyz's status and reason; (0, "") while nothing answers."""
+        status, body = http_get(f"http://127.0.0.1:{self.port}/readyz")
+        return status, str(body.get("reason", ""))
+
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)
 
@@ -81,8 +86,9 @@ class FleetHarness:
     def start(self, worker_id: str | None = None) -> WorkerProcess:
         worker_id = worker_id or f"w{self._n}"
         self._n += 1
-        w = WorkerProcess(worker_id, self.config, self.tmp / f"{worker_id}.log")
-        self.workers[worker_id] = w
+        name = worker_id if worker_id not in self.workers else f"{worker_id}#{self._n}"  # a twin (same id)
+        w = WorkerProcess(worker_id, self.config, self.tmp / f"{name}.log")
+        self.workers[name] = w
         return w
 
     def apply(self, definitions: list[dict[str, Any]]) -> subprocess.CompletedProcess[str]:

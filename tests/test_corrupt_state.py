@@ -65,9 +65,10 @@ class Huge(bytes):
         return f"Huge({len(self)})"
 
 
+WORKER_ID = "w-garbage"
 # (what to corrupt, which Redis type to put there)
 TARGETS = ["members", "version", "registry", "registry-entry", "paused", "expired", "lease", "seek", "events",
-           "status"]
+           "status", "instance"]
 TYPES = ["string", "hash", "list", "set", "zset"]
 
 
@@ -123,7 +124,7 @@ def test_garbage_in_every_key_the_fleet_reads_never_stops_valid_subscriptions(br
 
     restore()
     log = tmp_path / "worker.log"
-    proc = spawn_worker(config, log)
+    proc = spawn_worker(config, log, PUSH_WORKER_ID=WORKER_ID)
     publisher = Client(broker.url)
     sent = 0
 
@@ -141,6 +142,7 @@ def test_garbage_in_every_key_the_fleet_reads_never_stops_valid_subscriptions(br
     @example(target="version", kind="string", value=b"not-a-number")  # once stopped all delivery silently
     @example(target="registry-entry", kind="string", value=b"\xff{")
     @example(target="members", kind="zset", value=b"ghost")
+    @example(target="instance", kind="hash", value=b"not a mark")
     def corrupt_then_deliver(target: str, kind: str, value: bytes) -> None:
         if target == "registry" and kind == "hash":
             # The registry's own type: garbage beside the valid entry. A hash without that entry would be a
@@ -159,6 +161,8 @@ def test_garbage_in_every_key_the_fleet_reads_never_stops_valid_subscriptions(br
         elif target == "seek":
             client.set(f"{keys.PREFIX}:{keys.tag('p-test/static')}:seek", value)
             client.publish(fleet_key(FLEET, "events"), b"seek p-test/static")
+        elif target == "instance":  # the mark of the process heartbeating under the worker's id
+            write(client, fleet_key(FLEET, f"instance:{WORKER_ID}"), kind, value)
         elif target == "status":
             write(client, f"{keys.PREFIX}:{keys.tag('p-test/static')}:status", kind, value)
         else:

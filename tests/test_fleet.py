@@ -347,6 +347,32 @@ async def test_a_slow_hand_over_does_not_cost_the_worker_the_subscriptions_it_ke
     assert "lease lost" not in (fleet.tmp / f"{first.id}.log").read_text()
 
 
+async def test_two_processes_under_one_worker_id_say_so_and_a_restart_under_it_does_not(
+        fleet: FleetHarness, endpoint: Endpoint):
+    """A constant PUSH_WORKER_ID (where the pod name belongs) made two processes one member of the
+    fleet: both served every subscription the id owned, with /readyz green and nothing logged. Now
+    both say so while both run (/readyz 503 and an error line), and stop saying so once one is
+    gone; a restart under the same id after kill -9 (a pod keeping its name) is not taken for one."""
+    assert fleet.apply([fleet_sub("t0", topics(1)[0], endpoint.url)]).returncode == 0
+    first = fleet.start("pod-a")
+    await asyncio.to_thread(wait_sync, lambda: first.readiness()[0] == 200, 30, "the first process ready")
+    first.signal(signal.SIGKILL)
+    await asyncio.to_thread(first.stop)
+    restarted = fleet.start("pod-a")
+    await asyncio.to_thread(wait_sync, lambda: restarted.readiness()[0] == 200, 30, "the restarted process ready")
+    # Several heartbeats (0.3 s apart) with the predecessor's mark still in Redis: no twin.
+    await asyncio.to_thread(stays_sync, lambda: restarted.readiness()[0] == 200, 2, "the restarted one ready")
+    twin = fleet.start("pod-a")
+    said = "another process runs as worker id pod-a"
+    await asyncio.to_thread(wait_sync, lambda: all(w.readiness()[0] == 503 and said in w.readiness()[1]
+                                                   for w in (restarted, twin)), 30, "both twins saying so")
+    for w in (restarted, twin):
+        assert "another process runs with this worker id" in w.log.read_text()
+    assert await asyncio.to_thread(twin.stop) == 0
+    await asyncio.to_thread(wait_sync, lambda: restarted.readiness()[0] == 200, 15, "ready again, alone")
+    assert "this worker id is its own again" in restarted.log.read_text()
+
+
 async def test_a_clean_stop_hands_over_at_once_not_at_the_next_heartbeat(
         tmp_path, broker, redis_url: str, endpoint: Endpoint):
     # The leaving worker tells the others when its leases are free: with heartbeats 5 s apart, the

@@ -57,6 +57,7 @@ def over_since_key(subscription_key: str) -> str:
 
 
 def fleet_key(fleet: str, what: str) -> str:
-    """A fleet-wide key (`members`, `registry`, `version`, `events`, `paused`, `expired`): all share
-    the fleet's hash tag, so the fleet's multi-key operations stay in one Cluster slot."""
+    """A fleet-wide key (`members`, `instance:<worker id>`, `registry`, `version`, `events`, `paused`,
+    `expired`): all share the fleet's hash tag, so the fleet's multi-key operations stay in one
+    Cluster slot."""
     return f"{PREFIX}:{tag('fleet/' + fleet)}:{what}"

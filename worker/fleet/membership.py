@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +49,11 @@ redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 dropped = dropped + redis.call('ZREMRANGEBYSCORE', KEYS[1], '(' .. (now + 3 * ttl), '+inf')
 local members = redis.call('ZRANGE', KEYS[1], 0, -1)
 members[#members + 1] = dropped
+-- Which process heartbeated under this id last (KEYS[2], ARGV[3] its instance): another one in
+-- between two of ours means two processes run with one id.
+local previous = redis.pcall('GET', KEYS[2])
+redis.call('SET', KEYS[2], ARGV[3], 'PX', 3 * ttl)
+members[#members + 1] = type(previous) == 'string' and previous or ''
 return members
 """
 DELETE_GRACE = 1.0  # seconds requests under way get when their subscription is deleted
@@ -94,6 +100,35 @@ class Fleet:
         # PING but refuses writes (full at maxmemory: OOM) stops every round, and with it the leases.
         self.last_round_ok = time.monotonic()
         self.round_error = ""
+        # Two processes with one PUSH_WORKER_ID (a constant where the pod name belongs) are one member
+        # to the fleet: both serve everything that id owns, and no scaling spreads it.
+        self.instance = uuid.uuid4().hex
+        self.instance_key = keys.fleet_key(settings.name, f"instance:{worker.worker_id}")
+        self._foreign_mark_at = -float("inf")
+        self._twin_seen_at = 0.0
+
+    def twin_reason(self) -> str:
+        """Why this worker's id is not its own, while another process heartbeats under it; else ''."""
+        if not self._twin_seen_at:
+            return ""
+        return (f"another process runs as worker id {self.me} (seen {time.monotonic() - self._twin_seen_at:.0f} s "
+                "ago): give each worker its own PUSH_WORKER_ID (the pod name)")
+
+    def _note_instance(self, previous: str) -> None:
+        # One foreign mark may be a predecessor's under the same id (a pod restarted with its name) or
+        # garbage; a second within a lease period is another process heartbeating under the id.
+        now = time.monotonic()
+        if previous and previous != self.instance:
+            if now - self._foreign_mark_at <= self.settings.lease_seconds:
+                if not self._twin_seen_at:
+                    self.log.error("another process runs with this worker id; both serve every subscription the "
+                                   "id owns, and the fleet cannot spread them: give each worker its own "
+                                   "PUSH_WORKER_ID (the pod name)")
+                self._twin_seen_at = now
+            self._foreign_mark_at = now
+        elif self._twin_seen_at and now - self._twin_seen_at > self.settings.lease_seconds:
+            self.log.info("this worker id is its own again")
+            self._twin_seen_at = 0.0
 
     def failing_for(self) -> float:
         """Seconds since the last round that went through, while rounds fail; 0 when the last one did."""
@@ -162,7 +197,8 @@ class Fleet:
         sent_at = time.monotonic()
         held = [key for key, lease in self.leases.items() if lease.due(sent_at)]
         results = await asyncio.gather(
-            self.batch.submit("EVAL", _HEARTBEAT, 1, self.members_key, self.me, self.member_ttl_ms),
+            self.batch.submit("EVAL", _HEARTBEAT, 2, self.members_key, self.instance_key, self.me,
+                              self.member_ttl_ms, self.instance),
             self.batch.submit("GET", self.registry.version_key),
             *(self._renewal(key) for key in held),
             return_exceptions=True)
@@ -171,7 +207,8 @@ class Fleet:
                 raise result  # the connection failed: the whole round did
         if isinstance(results[0], BaseException):
             raise results[0]
-        *members, dropped = results[0]
+        *members, dropped, previous = results[0]
+        self._note_instance(safe_text(previous))
         if dropped:
             self._ignore("fleet members", f"{dropped} entries with an impossible expiry or of the wrong type")
         self.members = sorted(safe_text(m) for m in members)
