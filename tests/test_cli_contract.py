@@ -50,7 +50,10 @@ def test_every_option_of_every_command_has_help():
     (["no-such-command"], "invalid choice"),
     # a negative wait went through to Redis; a broken URL given as an argument was said as configuration
     (["discard", "1:2:-1:-1", "-s", "orders", "--wait", "-5"], "--wait: must be 0 or more seconds"),
-    (["subs", "pause", "orders", "--wait", "nan"], "--wait: must be 0 or more seconds"),
+    (["subs", "pause", "orders", "--wait", "nan"], "--wait: must be a finite number"),
+    # an infinite number was taken: a soak that never ends, a redrive without pacing
+    (["dlq", "redrive", "orders", "--rate", "inf"], "--rate: must be a finite number"),
+    (["soak", "--seconds", "inf"], "--seconds: must be a finite number"),
     (["subs", "list", "--redis-url", "http://redis"], "subs list: --redis-url: must be a URL with scheme redis"),
     (["publish", "persistent://p-x/main/t", "x", "--service-url", "garbage"], "--service-url: must be a URL"),
 ])

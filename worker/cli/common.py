@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 from collections.abc import Coroutine
 from typing import Any, NoReturn, TypeVar
 
@@ -28,12 +29,19 @@ def positive_int(text: str) -> int:
     return value
 
 
-def positive_number(text: str) -> float:
-    """An argument that must be a number above 0."""
+def _finite(text: str, what: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number (got {text!r})") from None
+        raise argparse.ArgumentTypeError(f"must be {what} (got {text!r})") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number (got {text})")
+    return value
+
+
+def positive_number(text: str) -> float:
+    """An argument that must be a number above 0."""
+    value = _finite(text, "a number")
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be above 0 (got {text})")
     return value
@@ -41,11 +49,8 @@ def positive_number(text: str) -> float:
 
 def seconds(text: str) -> float:
     """An argument that must be a number of seconds, 0 or more (a wait: 0 does not wait)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds (got {text!r})") from None
-    if not value >= 0 or value == float("inf"):
+    value = _finite(text, "a number of seconds")
+    if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more seconds (got {text})")
     return value
 
