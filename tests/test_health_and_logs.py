@@ -10,9 +10,11 @@ import pulsar
 import redis as redis_sync
 import yaml
 from aiohttp import web
+from structlog.testing import capture_logs
 
 from tests.conftest import Client, make_sub
 from tests.helpers import eventually, http_get, spawn_worker
+from tests.redis_targets import ALL_REDIS
 from worker.config import FleetSettings
 from worker.embedded import free_port, start_redis, terminate
 
@@ -83,6 +85,37 @@ async def test_readiness_judges_the_worker_not_a_subscription_that_cannot_subscr
     finally:
         await worker.close()
         holder.close()
+
+
+@ALL_REDIS
+async def test_a_redis_that_evicts_keys_is_warned_of_at_start(start_worker, redis_target, endpoint, topic):
+    """Managed Redis services evict keys that have a TTL when full (`volatile-lru` by default), and
+    every key of the worker has one: an evicted attempt count restarts a message's numbering, an
+    evicted lease lets a second worker take a subscription. Nothing said so; now each evicting
+    master is named at start (every master of a Cluster), and a `noeviction` one is not."""
+    admin = redis_target.client()
+    masters = 3 if redis_target.mode == "cluster" else 1
+    every_master = {"target_nodes": "primaries"} if redis_target.mode == "cluster" else {}
+
+    def configure(name: str, value: object) -> None:
+        admin.config_set(name, value, **every_master)
+    try:
+        configure("maxmemory", "1gb")
+        configure("maxmemory-policy", "volatile-lru")
+        with capture_logs() as logged:
+            first = await start_worker(make_sub(topic, endpoint.url))
+        await first.close()  # the next worker gets the next subscription, not this one
+        warned = [e for e in logged if e["event"].startswith("redis evicts keys when full")]
+        assert len(warned) == masters and {e["maxmemory_policy"] for e in warned} == {"volatile-lru"}, warned
+        assert len({e["redis"] for e in warned}) == masters
+        configure("maxmemory-policy", "noeviction")
+        with capture_logs() as logged:
+            await start_worker(make_sub(topic + "-b", endpoint.url))
+        assert not [e for e in logged if e["event"].startswith("redis evicts keys")], logged
+    finally:
+        configure("maxmemory-policy", "noeviction")
+        configure("maxmemory", 0)
+        admin.close()
 
 
 async def test_a_full_redis_turns_readiness_red_with_why_and_delivery_resumes_when_it_has_room(

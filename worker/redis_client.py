@@ -131,3 +131,18 @@ def describe(error: BaseException) -> str:
 
 def is_cluster(client: Any) -> bool:
     return isinstance(client, RedisCluster | SyncRedisCluster)
+
+
+async def evicting_masters(client: AsyncClient) -> dict[str, str]:
+    """The masters that evict keys when full, by address, with their `maxmemory-policy`: any policy
+    but `noeviction` under a `maxmemory` limit (the worker's keys carry TTLs, so the `volatile-*`
+    policies, managed Redis services' default, evict them too). Every master of a Cluster is asked."""
+    if isinstance(client, RedisCluster):
+        replies = await client.info("memory", target_nodes=RedisCluster.PRIMARIES)
+        by_node = {"": replies} if "maxmemory_policy" in replies else replies  # one master: its reply alone
+    else:
+        pool = client.connection_pool.connection_kwargs  # a Sentinel's master: found per connection
+        address = f"{pool['host']}:{pool.get('port', 6379)}" if pool.get("host") else "the master"
+        by_node = {address: await client.info("memory")}
+    return {node: str(info.get("maxmemory_policy")) for node, info in by_node.items()
+            if int(info.get("maxmemory", 0) or 0) and info.get("maxmemory_policy", "noeviction") != "noeviction"}

@@ -204,6 +204,7 @@ class Worker:
         self.backlog = BacklogReader(self.session, s.pulsar.admin_url, metrics_url)
         if not await self._wait_for_redis():
             return  # stopped while waiting
+        await self._warn_if_redis_evicts()
         self.fleet = Fleet(self, self.redis, s.fleet, s.subscriptions)
         await self.fleet.start()
         self.metrics.backlog_source.set(1 if self.backlog.enabled else 0)
@@ -238,6 +239,21 @@ class Worker:
                 await asyncio.to_thread(service.wait_ready)
                 self.log.info("embedded service started again", service=service.name, url=service.url)
             await wait_event(self._stop, EMBEDDED_CHECK_SECONDS)
+
+    async def _warn_if_redis_evicts(self) -> None:
+        """Managed Redis services evict keys with a TTL by default (`volatile-lru`): an evicted attempt
+        count restarts a message's numbering, an evicted lease lets a second worker take a
+        subscription. Said at start; a Redis that does not answer INFO (an ACL) is not judged."""
+        assert self.redis is not None
+        try:
+            evicting = await asyncio.wait_for(redis_client.evicting_masters(self.redis), REDIS_START_PING_SECONDS)
+        except (*REDIS_DOWN, TimeoutError) as e:
+            self.log.info("redis eviction policy not checked", error=redis_client.describe(e)[:200])
+            return
+        for address, policy in evicting.items():
+            self.log.warning("redis evicts keys when full: an evicted attempt count restarts a message's numbering "
+                             "and an evicted lease lets two workers serve a subscription; set maxmemory-policy "
+                             "noeviction", maxmemory_policy=policy, redis=address)
 
     async def _wait_for_redis(self) -> bool:
         """Until Redis answers a PING: one log line per retry, with backoff. A refusal that no retry
