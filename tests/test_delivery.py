@@ -8,8 +8,12 @@ import itertools
 import json
 from datetime import datetime
 
+import pulsar
 import pytest
 from aiohttp import web
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import padding, rsa
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from tests.conftest import Client, Endpoint, make_sub
 from tests.helpers import assert_stays, eventually
@@ -191,6 +195,42 @@ async def test_without_dead_letter_topic_exhausted_messages_are_dropped_and_coun
     assert len(endpoint.requests) == 4
     assert w.metrics.registry.get_sample_value(
         "pushworker_messages_dropped_total", {"project": sub.tenant, "subscription": sub.name}) == 2
+
+
+async def test_a_message_its_producer_encrypted_is_dead_lettered_with_what_decrypting_it_needs(
+        start_worker, endpoint, client: Client, broker, topic, tmp_path):
+    """Pulsar's end-to-end encryption: the worker holds no key. The client's default for such a
+    message (FAIL) kept it from the worker, unacked, with its flow permit: 60 of them ahead of plain
+    messages (a prefetch queue of 50) stalled the subscription for good, nothing delivered, nothing
+    logged but the client's own errors. Now each is dead-lettered unsent, with the data key and IV
+    its reader needs beside the private key: decrypted here from the dead letter alone."""
+    private = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    (tmp_path / "private.pem").write_bytes(private.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()))
+    (tmp_path / "public.pem").write_bytes(private.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    sub = make_sub(topic, endpoint.url, max_ack_pending=50, dead_letter_topic=topic + "-dlq")
+    dead = client.watch(topic + "-dlq")
+    w = await start_worker(sub)
+    keys = pulsar.CryptoKeyReader(str(tmp_path / "public.pem"), str(tmp_path / "private.pem"))
+    encrypting = client.client.create_producer(topic, encryption_key="orders-key", crypto_key_reader=keys,
+                                               batching_enabled=False)
+    for i in range(60):
+        encrypting.send_async(b"secret %d" % i, None)
+    encrypting.flush()
+    encrypting.close()
+    plain = client.publish(topic, [b"plain %d" % i for i in range(20)])
+    await eventually(lambda: set(plain) <= set(endpoint.by_id()), timeout=30, what="the plain messages")
+    assert len(endpoint.requests) == 20  # nothing encrypted was sent
+    await eventually(lambda: w.dispatchers[sub.key].stats.dead_lettered == 60, what="60 dead letters")
+    letters = client.drain(dead, 60)
+    assert len(letters) == 60 and {m.properties()["pubsub.last_status"] for m in letters} == {"unreadable"}
+    context = json.loads(letters[0].properties()["pubsub.encryption_context"])
+    [data_key] = context["keys"]
+    assert data_key["key"] == "orders-key"
+    key = private.decrypt(base64.b64decode(data_key["value"]),
+                          padding.OAEP(mgf=padding.MGF1(hashes.SHA1()), algorithm=hashes.SHA1(), label=None))
+    assert AESGCM(key).decrypt(base64.b64decode(context["param"]), letters[0].data(), None).startswith(b"secret ")
 
 
 async def test_retry_after_is_honoured_up_to_the_max(start_worker, endpoint, client, topic):

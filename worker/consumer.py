@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import functools
+import json
 import os
 import threading
 from collections.abc import AsyncIterator
@@ -77,9 +79,28 @@ def message_id_of(msg: pulsar.Message) -> str:
     return format_message_id(mid)
 
 
+# The dead letter of a message its producer encrypted carries what decrypting it needs besides the
+# private key (the payload stays as received): the data key encrypted for each key name, the IV...
+ENCRYPTION_PROPERTY = "pubsub.encryption_context"
+
+
+def _encryption_json(context: Any) -> str:
+    def b64(data: bytes) -> str:
+        return base64.b64encode(data).decode()
+    context = getattr(context, "_context", context)  # the C++ client's (the public one wraps it)
+    return json.dumps({
+        "algorithm": context.algorithm(), "param": b64(context.param()),
+        "keys": [{"key": k.key, "value": b64(k.value()), "metadata": dict(k.metadata)}
+                 for k in context.keys()],  # noqa: SIM118 - a method of the client's, not a dict's
+        "compression_type": context.compression_type().name,
+        "uncompressed_message_size": context.uncompressed_message_size(), "batch_size": context.batch_size(),
+    }, separators=(",", ":"))
+
+
 def to_envelope(msg: pulsar.Message) -> Envelope:
-    """The contract's view of a Pulsar message. A key or attributes that are not UTF-8 never raise
-    here: the message comes out with a `defect` (and is dead-lettered with that reason, unsent)."""
+    """The contract's view of a Pulsar message. A key or attributes that are not UTF-8, or a
+    payload encrypted by its producer, never raise or stall here: the message comes out with a
+    `defect` (and is dead-lettered with that reason, unsent)."""
     defects = []
     key: str | None = None
     attributes: dict[str, str] = {}
@@ -91,6 +112,10 @@ def to_envelope(msg: pulsar.Message) -> Envelope:
         attributes = dict(msg.properties())
     except UnicodeDecodeError:
         defects.append("attributes are not UTF-8")
+    context = msg.encryption_context()
+    if context is not None and context.is_decryption_failed():
+        defects.append("encrypted by its producer, and the worker holds no key")
+        attributes[ENCRYPTION_PROPERTY] = _encryption_json(context)
     return Envelope(
         message_id=message_id_of(msg),
         data=msg.data() or b"",
@@ -261,4 +286,8 @@ async def subscribe(client: pulsar_async.Client, sub: Subscription, consumer_nam
         receiver_queue_size=receiver_queue_size or max(1, min(sub.max_ack_pending, 1000)),
         consumer_name=consumer_name,
         negative_ack_redelivery_delay_ms=1000,
+        # An encrypted message the client cannot decrypt is handed over as it is (then dead-lettered
+        # as a defect): the default (FAIL) kept it from the worker unacked, and its flow permit
+        # with it; as many as the prefetch queue holds stalled the subscription for good.
+        crypto_failure_action=pulsar.ConsumerCryptoFailureAction.CONSUME,
     ), fast_path)
