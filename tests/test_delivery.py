@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from tests.conftest import Client, Endpoint, make_sub
-from tests.helpers import assert_stays, eventually
+from tests.helpers import assert_stays, cli, eventually, push_sub, worker_yaml
 from tests.redis_targets import ALL_REDIS
 
 CONTRACT_HEADERS = ("Pubsub-Subscription", "Pubsub-Topic", "Pubsub-Message-Id", "Pubsub-Delivery-Attempt",
@@ -198,18 +198,21 @@ async def test_without_dead_letter_topic_exhausted_messages_are_dropped_and_coun
 
 
 async def test_a_message_its_producer_encrypted_is_dead_lettered_with_what_decrypting_it_needs(
-        start_worker, endpoint, client: Client, broker, topic, tmp_path):
+        start_worker, endpoint, client: Client, broker, redis_url, topic, tmp_path):
     """Pulsar's end-to-end encryption: the worker holds no key. The client's default for such a
     message (FAIL) kept it from the worker, unacked, with its flow permit: 60 of them ahead of plain
     messages (a prefetch queue of 50) stalled the subscription for good, nothing delivered, nothing
     logged but the client's own errors. Now each is dead-lettered unsent, with the data key and IV
-    its reader needs beside the private key: decrypted here from the dead letter alone."""
+    its reader needs beside the private key: decrypted here from the dead letter alone. A redrive
+    does not send the ciphertext either: it dead-letters it again, context and all."""
     private = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     (tmp_path / "private.pem").write_bytes(private.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()))
     (tmp_path / "public.pem").write_bytes(private.public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
-    sub = make_sub(topic, endpoint.url, max_ack_pending=50, dead_letter_topic=topic + "-dlq")
+    config, settings = worker_yaml(tmp_path, broker.url, redis_url, push_sub(
+        "sealed", topic, endpoint.url, max_ack_pending=50, dead_letter={"topic": topic + "-dlq"}))
+    [sub] = settings.subscriptions
     dead = client.watch(topic + "-dlq")
     w = await start_worker(sub)
     keys = pulsar.CryptoKeyReader(str(tmp_path / "public.pem"), str(tmp_path / "private.pem"))
@@ -231,6 +234,13 @@ async def test_a_message_its_producer_encrypted_is_dead_lettered_with_what_decry
     key = private.decrypt(base64.b64decode(data_key["value"]),
                           padding.OAEP(mgf=padding.MGF1(hashes.SHA1()), algorithm=hashes.SHA1(), label=None))
     assert AESGCM(key).decrypt(base64.b64decode(context["param"]), letters[0].data(), None).startswith(b"secret ")
+    code, out, err = await cli("dlq", "redrive", sub.name, "--config", config, "--rate", "1000", "--json")
+    assert code == 0, err
+    assert (json.loads(out)["redriven"], json.loads(out)["dead_lettered_again"]) == (0, 60)
+    assert len(endpoint.requests) == 20
+    again = client.drain(dead, 60)
+    assert {m.properties()["pubsub.encryption_context"] for m in again} == {
+        m.properties()["pubsub.encryption_context"] for m in letters}
 
 
 async def test_retry_after_is_honoured_up_to_the_max(start_worker, endpoint, client, topic):

@@ -82,6 +82,7 @@ def message_id_of(msg: pulsar.Message) -> str:
 # The dead letter of a message its producer encrypted carries what decrypting it needs besides the
 # private key (the payload stays as received): the data key encrypted for each key name, the IV...
 ENCRYPTION_PROPERTY = "pubsub.encryption_context"
+ENCRYPTED = "encrypted by its producer, and the worker holds no key"
 
 
 def _encryption_json(context: Any) -> str:
@@ -114,7 +115,7 @@ def to_envelope(msg: pulsar.Message) -> Envelope:
         defects.append("attributes are not UTF-8")
     context = msg.encryption_context()
     if context is not None and context.is_decryption_failed():
-        defects.append("encrypted by its producer, and the worker holds no key")
+        defects.append(ENCRYPTED)
         attributes[ENCRYPTION_PROPERTY] = _encryption_json(context)
     return Envelope(
         message_id=message_id_of(msg),

@@ -62,13 +62,19 @@ def original_envelope(sub: Subscription, message: pulsar.Message) -> Envelope:
         published = int(props.get("pubsub.original_publish_time", ""))
     except ValueError:
         published = message.publish_timestamp()
+    attributes = {k: v for k, v in props.items() if not k.startswith("pubsub.")}
+    # Still the ciphertext its producer encrypted: never sent, dead-lettered again with its context.
+    encryption = props.get(pulsar_adapter.ENCRYPTION_PROPERTY)
+    if encryption is not None:
+        attributes[pulsar_adapter.ENCRYPTION_PROPERTY] = encryption
     return Envelope(
         message_id=props.get("pubsub.original_message_id") or pulsar_adapter.message_id_of(message),
         data=message.data() or b"",
         topic=sub.topic,
         publish_time_ms=published,
-        attributes={k: v for k, v in props.items() if not k.startswith("pubsub.")},
+        attributes=attributes,
         ordering_key=message.partition_key() or None,
+        defect=pulsar_adapter.ENCRYPTED if encryption is not None else None,
     )
 
 
