@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import socket
 import ssl
 from collections.abc import AsyncIterator
 
@@ -241,6 +242,49 @@ async def test_a_connection_closed_without_an_answer_is_not_replaced_otherwise(a
         finally:
             await c.close()
     assert server.connections == connections
+
+
+class TwoAddresses:
+    """DNS for one name with two addresses, the first a dead backend's (the sockets are real)."""
+
+    def __init__(self, *addresses: str) -> None:
+        self.addresses = addresses
+
+    async def resolve(self, host: str, port: int = 0, family: int = socket.AF_INET) -> list[dict]:
+        return [{"hostname": host, "host": a, "port": port, "family": socket.AF_INET, "proto": 0, "flags": 0}
+                for a in self.addresses]
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_an_address_that_drops_connection_attempts_does_not_hold_the_host():
+    """A host's addresses were tried one after another, each until it failed: one that drops
+    connection attempts (a dead backend among them) held every request to the host until its
+    deadline, though the next address answered. Now the next is tried 250 ms later (Happy Eyeballs,
+    as aiohttp connects)."""
+    async with serving([NO_CONTENT]) as (server, url):
+        # A listener that never accepts, its queue full: the kernel drops further SYNs, as a dead host does.
+        dead = socket.socket()
+        dead.bind(("127.0.0.2", url.port))
+        dead.listen(0)
+        fillers = []
+        for _ in range(8):
+            filler = socket.socket()
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                filler.connect(("127.0.0.2", url.port))
+            fillers.append(filler)
+        c = http1.Client(GuardedResolver(ALLOW, inner=TwoAddresses("127.0.0.2", "127.0.0.1")))  # type: ignore[arg-type]
+        try:
+            started = asyncio.get_running_loop().time()
+            answer = await c.post(url.with_host("backends.example"), {}, b"x", 65536, deadline=3)
+            assert answer.status == 204 and asyncio.get_running_loop().time() - started < 1.5
+        finally:
+            await c.close()
+            for sock in (dead, *fillers):
+                sock.close()
+    assert server.connections == 1
 
 
 async def test_unsafe_header_values_are_refused_before_anything_is_sent():

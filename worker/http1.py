@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, cast
 
+import aiohappyeyeballs
 import httptools
 from yarl import URL
 
@@ -31,6 +32,13 @@ KEEPALIVE_SECONDS = 15.0  # an idle connection older than this is closed rather 
 IDLE_PER_ENDPOINT = 256  # idle connections kept per endpoint (more are closed)
 DNS_TTL_SECONDS = 30.0
 WRITE_CHUNK = 256 * 1024  # large bodies go out in pieces, with flow control
+HAPPY_EYEBALLS_DELAY = 0.25  # seconds before the next of a host's addresses is tried too (RFC 8305's default)
+
+
+def _address_info(address: str, port: int) -> tuple[socket.AddressFamily, socket.SocketKind, int, str, tuple[Any, ...]]:
+    if ":" in address:
+        return socket.AF_INET6, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (address, port, 0, 0)
+    return socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (address, port)
 
 
 class ProtocolError(Exception):
@@ -376,15 +384,21 @@ class Client:
         tls: dict[str, Any] = {}
         if url.scheme == "https":
             tls = {"ssl": self.ssl_context, "server_hostname": host.strip("[]")}
-        loop = asyncio.get_running_loop()
-        error: OSError | None = None
-        for address in await self._addresses(host, port):
-            try:
-                _, conn = await loop.create_connection(_Connection, address, port, **tls)
-                return conn
-            except OSError as e:  # ssl.SSLError is one too
-                error = e
-        raise error or OSError(f"no address for {host!r}")
+        addresses = await self._addresses(host, port)
+        if not addresses:
+            raise OSError(f"no address for {host!r}")
+        # Happy Eyeballs (RFC 8305), as aiohttp connects: each next address is tried 250 ms after
+        # the one before, without waiting for it to fail. One after another, an address that drops
+        # connection attempts (a dead backend among a host's addresses) held every request to the
+        # host until its deadline, however many addresses answered.
+        sock = await aiohappyeyeballs.start_connection([_address_info(a, port) for a in addresses],
+                                                      happy_eyeballs_delay=HAPPY_EYEBALLS_DELAY, interleave=1)
+        try:  # TLS (ssl.SSLError is an OSError too) on the connected socket
+            _, conn = await asyncio.get_running_loop().create_connection(_Connection, sock=sock, **tls)
+        except BaseException:
+            sock.close()
+            raise
+        return conn
 
     async def close(self) -> None:
         if self._sweep_timer is not None:
