@@ -490,8 +490,8 @@ class Worker:
         # Past a lease period every lease has lapsed: nothing is delivered, though Redis answers PING.
         if self.fleet.failing_for() > self.settings.fleet.lease_seconds:
             return False, f"fleet round failing for {self.fleet.failing_for():.0f} s ({self.fleet.round_error})"
-        if self.fleet.twin_reason():
-            return False, self.fleet.twin_reason()
+        if twin := self.fleet.twin_reason():
+            return False, twin
         failing = self.supervisor.not_ready()
         if failing:
             return False, failing
