@@ -118,6 +118,7 @@ class _UndecodableMessage:
     def data(self) -> bytes: return b"\xff\xfe"
     def topic_name(self) -> str: return "persistent://p-a/main/t"
     def publish_timestamp(self) -> int: return 1
+    def encryption_context(self) -> None: return None  # not encrypted
 
 
 def test_an_undecodable_key_or_attributes_become_a_defect_not_an_exception():
