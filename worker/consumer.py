@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import functools
 import json
 import os
@@ -17,7 +16,7 @@ import pulsar.asyncio as pulsar_async
 
 from worker import logs
 from worker.config import PulsarSettings
-from worker.messages import Envelope, format_message_id
+from worker.messages import Envelope, base64_text, format_message_id
 from worker.subscriptions import Subscription
 
 # The fleet holds exactly one consumer per subscription and enforces per-key order itself (the
@@ -86,12 +85,10 @@ ENCRYPTED = "encrypted by its producer, and the worker holds no key"
 
 
 def _encryption_json(context: Any) -> str:
-    def b64(data: bytes) -> str:
-        return base64.b64encode(data).decode()
     context = getattr(context, "_context", context)  # the C++ client's (the public one wraps it)
     return json.dumps({
-        "algorithm": context.algorithm(), "param": b64(context.param()),
-        "keys": [{"key": k.key, "value": b64(k.value()), "metadata": dict(k.metadata)}
+        "algorithm": context.algorithm(), "param": base64_text(context.param()),
+        "keys": [{"key": k.key, "value": base64_text(k.value()), "metadata": dict(k.metadata)}
                  for k in context.keys()],  # noqa: SIM118 - a method of the client's, not a dict's
         "compression_type": context.compression_type().name,
         "uncompressed_message_size": context.uncompressed_message_size(), "batch_size": context.batch_size(),

@@ -63,7 +63,7 @@ def _utc_second(seconds: int) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
 
 
-def _base64(data: bytes) -> str:
+def base64_text(data: bytes) -> str:
     """Standard base64 (RFC 4648, padded). pybase64 (SIMD) encodes 1 MiB in about 0.15 ms where the
     standard library takes 2.5 ms (measured): the bulk of a large wrapped message's cost."""
     return pybase64.b64encode(data).decode("ascii")
@@ -111,7 +111,7 @@ def build_request(sub: Subscription, env: Envelope, attempt: int) -> PushRequest
             "subscription": sub.name,
             "message": {
                 "message_id": env.message_id,
-                "data": _base64(env.data),
+                "data": base64_text(env.data),
                 "attributes": env.attributes,
                 "ordering_key": env.ordering_key,
                 "publish_time": rfc3339(env.publish_time_ms),
@@ -196,7 +196,7 @@ def _cloudevent(sub: Subscription, env: Envelope, attempt: int, headers: dict[st
     if payload is not _NOT_JSON:
         event["data"] = payload
     else:
-        event["data_base64"] = _base64(env.data)
+        event["data_base64"] = base64_text(env.data)
     headers["Content-Type"] = "application/cloudevents+json"
     return PushRequest(headers, orjson.dumps(event), omitted)
 
@@ -222,7 +222,7 @@ def _gcp_body(sub: Subscription, env: Envelope, attempt: int) -> dict[str, Any]:
     left out; the id and publish time also under their snake_case names, as Google sends them)."""
     message: dict[str, Any] = {}
     if env.data:
-        message["data"] = _base64(env.data)
+        message["data"] = base64_text(env.data)
     if env.attributes:
         message["attributes"] = env.attributes
     published = rfc3339(env.publish_time_ms)

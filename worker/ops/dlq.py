@@ -17,7 +17,6 @@ that arrive after the redrive started are left for the next one (it always ends)
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
 import json
 import sys
@@ -38,7 +37,7 @@ from worker.deadletter import DeadLetterPublisher, subscribe_cursor
 from worker.delivery import Deliverer
 from worker.dispatcher import DeliveryContext, Dispatcher
 from worker.errors import NotFound
-from worker.messages import Envelope, rfc3339
+from worker.messages import Envelope, base64_text, rfc3339
 from worker.metrics import Metrics
 from worker.ops.admin import Admin, Target
 from worker.ops.render import Output, table
@@ -203,7 +202,7 @@ class DeadLetters:
                 try:
                     text, encoding = data.decode("utf-8"), "utf-8"
                 except UnicodeDecodeError:
-                    text, encoding = base64.b64encode(data).decode("ascii"), "base64"
+                    text, encoding = base64_text(data), "base64"
                 out = {**summary, "attributes": dict(message.properties()), "data": text, "data_encoding": encoding,
                        "ordering_key": message.partition_key() or None}
                 try:
