@@ -665,6 +665,7 @@ async def test_a_message_over_the_brokers_size_limit_is_delivered_whole_and_dead
 
 
 SECRET = b"push-worker-test-secret-of-32-bytes!"
+FORGED = b"another-secret-of-32-bytes-long!!!"  # signs tokens the secured broker cannot verify
 
 
 @pytest.fixture(scope="module")
@@ -778,7 +779,7 @@ async def test_a_metrics_endpoint_that_wants_tokens_gets_the_workers(secured, st
         await eventually(lambda: backlog_of(w, sub) == 3, timeout=30, what="the backlog read from /metrics/")
     assert not [e for e in logged if e["event"] == "backlog read failed"], logged
     session = broker_admin.make_session()  # without the token: said as what to set
-    forged = broker_admin.make_session(token=apache_pulsar.token(b"another-secret-of-32-bytes-long!!!", "worker"))
+    forged = broker_admin.make_session(token=apache_pulsar.token(FORGED, "worker"))
     try:
         with pytest.raises(broker_admin.AdminError, match=r"wants a token \(set PUSH_WORKER_PULSAR_TOKEN"):
             await BacklogReader(session, None, secured.admin_url + "/metrics/").read([sub])
@@ -798,7 +799,7 @@ async def test_readiness_names_the_token_when_an_authenticating_broker_does_not_
     """Apache Pulsar drops a connection whose token it refuses, unanswered: the client sees the same
     timeout as from a dead broker. /readyz said "broker unreachable" only; with a token configured
     it names the token too, the one thing that may be wrong on a broker that is up."""
-    forged = apache_pulsar.token(b"another-secret-of-32-bytes-long!!!", "worker")
+    forged = apache_pulsar.token(FORGED, "worker")
     settings = make_settings(secured.url, redis_target.settings, (make_sub(topic, endpoint.url),),
                              pulsar=PulsarSettings(service_url=secured.url, auth_token=forged,
                                                    operation_timeout_seconds=5))
