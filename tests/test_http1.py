@@ -308,6 +308,36 @@ async def test_a_large_body_arrives_whole():
             await c.close()
     assert hashlib.sha256(server.requests[0][1]).digest() == hashlib.sha256(body).digest()
 
+@pytest.mark.parametrize("then", ["close", "half-close"])
+async def test_an_answer_before_the_whole_body_is_the_attempts_answer(then):
+    """An endpoint over its size limit (or refusing the caller) answers after the head and closes,
+    as Go's server does (half-close, reading on for a while) or plainly. The attempt ends with that
+    status, not a connection error, and the connection is not reused."""
+    heads: list[bytes] = []
+
+    async def refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(Exception):
+            heads.append(await reader.readuntil(b"\r\n\r\n"))
+            writer.write(b"HTTP/1.1 413 Payload Too Large\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
+            await writer.drain()
+            if then == "half-close":
+                writer.write_eof()
+                while await reader.read(65536):
+                    pass
+        writer.close()
+
+    listener = await asyncio.start_server(refuse, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    deliverer = Deliverer(ALLOW)
+    try:
+        outcomes = [await deliverer.attempt(f"http://127.0.0.1:{port}/push", PushRequest({}, b"x" * (8 << 20)), 5.0)
+                    for _ in range(3)]
+    finally:
+        await deliverer.close()
+        listener.close()
+    assert [(o.result, o.last_status) for o in outcomes] == [(Result.NACK, "413")] * 3, outcomes
+    assert len(heads) == 3  # a connection each: a request cut short leaves nothing to reuse
+
 
 async def test_tls_certificates_are_verified(certificate, monkeypatch):
     cert, key = certificate

@@ -67,6 +67,7 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.expired = False
         self.stray = False  # bytes arrived that belong to no answer: the connection is not reused
+        self.cut_short = False  # the request's body was not sent whole: the connection is not reused
         self.idle_since = 0.0
         self._waiter: asyncio.Future[None] | None = None
         self._writable = True
@@ -157,9 +158,16 @@ class _Connection(asyncio.Protocol):
             return
         self.transport.write(head)
         view = memoryview(body)
+        x = self._exchange
         for start in range(0, len(body), WRITE_CHUNK):
-            while not self._writable and not self.closed:
+            while not self._writable and not self.closed and not x.final_head:
                 await self._wait()
+            if x.final_head:
+                # The endpoint answered before taking the whole body (a 413 over its size limit, a 401):
+                # that answer is the attempt's, as RFC 9112 (9.5) asks. Sending on, the client met the
+                # close that follows such answers and reported a connection error instead of the status.
+                self.cut_short = True
+                return
             if self.closed:
                 raise ProtocolError("connection closed while sending the request")
             self.transport.write(view[start:start + WRITE_CHUNK])
@@ -234,6 +242,12 @@ class _Exchange:
         self.head_done = True
         self.framed = "content-length" in self.headers or "transfer-encoding" in self.headers
         self.keep_alive = parser.get_http_version() == "1.1" and parser.should_keep_alive()
+
+    @property
+    def final_head(self) -> bool:
+        """Whether a final answer's head arrived, or the answer failed: sending more is pointless. A
+        102 is not final here: the endpoint still reads the body it is processing."""
+        return (self.head_done and self.status != 102) or self.error is not None
 
     def on_body(self, body: bytes) -> None:
         self.body_bytes += len(body)
@@ -316,7 +330,7 @@ class Client:
         if conn.expired:  # the answer did not end in time (a body read until close stops at the drop)
             raise TimeoutError
         # After a 102 the final answer would still come on this connection: it is not reused.
-        if ended and keep_alive and status != 102 and not conn.stray and not conn.closed:
+        if ended and keep_alive and status != 102 and not conn.stray and not conn.closed and not conn.cut_short:
             self._release(endpoint, conn)
         else:
             conn.close()
