@@ -10,7 +10,6 @@ import asyncio
 import gc
 import os
 import shutil
-import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -24,7 +23,7 @@ import redis
 from aiohttp import web
 
 from tests import brokers
-from tests.helpers import eventually
+from tests.helpers import eventually, self_signed
 from tests.redis_targets import RedisTarget
 from worker import embedded
 from worker.config import HttpSettings, PulsarSettings, RedisSettings, Settings
@@ -365,9 +364,5 @@ def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     private CA of its own, which no system trust store knows."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl not installed")
-    where = tmp_path_factory.mktemp("tls")
-    cert, key = where / "cert.pem", where / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
-    return cert, key
+    return self_signed(tmp_path_factory.mktemp("tls"), "IP:127.0.0.1")
+

@@ -153,3 +153,12 @@ def worker_yaml(tmp_path: Path, broker_url: str, redis: str | dict[str, Any], *s
     path = tmp_path / "worker.yaml"
     path.write_text(yaml.safe_dump(doc))
     return str(path), load_settings(path)
+
+
+def self_signed(where: Path, subject_alt_name: str) -> tuple[Path, Path]:
+    """A self-signed certificate for `subject_alt_name` (`IP:...` or `DNS:...`) and its key."""
+    cert, key = where / "cert.pem", where / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                    "/CN=" + subject_alt_name.split(":", 1)[1], "-addext", f"subjectAltName={subject_alt_name}",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    return cert, key

@@ -6,14 +6,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import shutil
 import socket
 import ssl
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from yarl import URL
 
-from tests.helpers import eventually
+from tests.helpers import eventually, self_signed
 from worker import http1
 from worker.delivery import Deliverer, Result
 from worker.destinations import DestinationPolicy, GuardedResolver
@@ -284,6 +286,45 @@ async def test_an_address_that_drops_connection_attempts_does_not_hold_the_host(
             await c.close()
             for sock in (dead, *fillers):
                 sock.close()
+    assert server.connections == 1
+
+
+@pytest.fixture(scope="module")
+def backends_certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    return self_signed(tmp_path_factory.mktemp("backends"), "DNS:backends.example")
+
+
+@pytest.mark.parametrize("broken", ["closes at once", "an untrusted certificate"])
+async def test_an_address_whose_tls_handshake_fails_leaves_the_request_to_the_next(
+        broken, backends_certificate, certificate):
+    """One of a host's backends breaks TLS (a terminator that hangs up, or serves a certificate the client
+    does not trust): the request goes to the next address instead of failing, as aiohttp's would."""
+    cert, key = backends_certificate
+    good = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    good.load_cert_chain(cert, key)
+    async with serving([NO_CONTENT], tls=good) as (server, url):
+        if broken == "closes at once":
+            bad_tls = None
+        else:
+            bad_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            bad_tls.load_cert_chain(*certificate)  # not one the client trusts (nor for backends.example)
+
+        async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            if bad_tls is not None:  # the handshake went through on this side: wait for the client to drop it
+                await reader.read()
+            writer.close()
+
+        bad = await asyncio.start_server(hang_up, "127.0.0.2", url.port, ssl=bad_tls)
+        c = http1.Client(GuardedResolver(ALLOW, inner=TwoAddresses("127.0.0.2", "127.0.0.1")),  # type: ignore[arg-type]
+                         ssl_context=ssl.create_default_context(cafile=str(cert)))
+        try:
+            answer = await c.post(url.with_host("backends.example"), {}, b"x", 65536, deadline=3)
+            assert answer.status == 204
+        finally:
+            await c.close()
+            bad.close()
     assert server.connections == 1
 
 

@@ -35,7 +35,7 @@ WRITE_CHUNK = 256 * 1024  # large bodies go out in pieces, with flow control
 HAPPY_EYEBALLS_DELAY = 0.25  # seconds before the next of a host's addresses is tried too (RFC 8305's default)
 
 
-def _address_info(address: str, port: int) -> tuple[socket.AddressFamily, socket.SocketKind, int, str, tuple[Any, ...]]:
+def _address_info(address: str, port: int) -> aiohappyeyeballs.AddrInfoType:
     if ":" in address:
         return socket.AF_INET6, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (address, port, 0, 0)
     return socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (address, port)
@@ -405,14 +405,24 @@ class Client:
         # the one before, without waiting for it to fail. One after another, an address that drops
         # connection attempts (a dead backend among a host's addresses) held every request to the
         # host until its deadline, however many addresses answered.
-        sock = await aiohappyeyeballs.start_connection([_address_info(a, port) for a in addresses],
-                                                      happy_eyeballs_delay=HAPPY_EYEBALLS_DELAY, interleave=1)
-        try:  # TLS (ssl.SSLError is an OSError too) on the connected socket
-            _, conn = await asyncio.get_running_loop().create_connection(_Connection, sock=sock, **tls)
-        except BaseException:
-            sock.close()
-            raise
-        return conn
+        infos = [_address_info(a, port) for a in addresses]
+        while True:
+            sock = await aiohappyeyeballs.start_connection(infos, happy_eyeballs_delay=HAPPY_EYEBALLS_DELAY,
+                                                          interleave=1)
+            peer = sock.getpeername()
+            try:  # TLS (ssl.SSLError is an OSError too) on the connected socket
+                _, conn = await asyncio.get_running_loop().create_connection(_Connection, sock=sock, **tls)
+                return conn
+            except OSError:
+                sock.close()
+                # An address whose handshake fails (a broken TLS terminator among a host's backends) is
+                # left for the next one, as aiohttp does; the caller's deadline bounds the whole search.
+                aiohappyeyeballs.remove_addr_infos(infos, peer)
+                if not infos:
+                    raise
+            except BaseException:
+                sock.close()
+                raise
 
     async def close(self) -> None:
         if self._sweep_timer is not None:
