@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import ssl
 import subprocess
 import sys
 import time
@@ -162,3 +163,43 @@ def self_signed(where: Path, subject_alt_name: str) -> tuple[Path, Path]:
                     "/CN=" + subject_alt_name.split(":", 1)[1], "-addext", f"subjectAltName={subject_alt_name}",
                     "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
     return cert, key
+
+
+class TlsTerminator:
+    """A TLS terminator in front of a plain TCP service (a managed Redis with in-transit encryption
+    looks like this to its clients): each connection is decrypted and piped to `target_port`."""
+
+    def __init__(self, target_port: int, certificate: tuple[Path, Path]) -> None:
+        self.target_port = target_port
+        self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self.context.load_cert_chain(*certificate)
+        self.server: asyncio.Server | None = None
+        self.port = 0
+
+    async def __aenter__(self) -> TlsTerminator:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0, ssl=self.context)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except OSError:
+        pass
+    finally:
+        writer.close()

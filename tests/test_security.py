@@ -8,8 +8,10 @@ import hashlib
 import hmac
 import time
 
+import redis
+
 from tests.conftest import Client, Endpoint, make_sub
-from tests.helpers import eventually
+from tests.helpers import TlsTerminator, cli, eventually
 from worker.destinations import DestinationPolicy
 from worker.signing import SecretRef, verify
 
@@ -117,3 +119,28 @@ async def test_hostile_messages_are_each_delivered_and_never_block_the_subscript
     assert hostile.headers["Pubsub-Attr-good"] == "fine" and "Pubsub-Attr-ok" not in hostile.headers
     many = next(r for r in raw if r.body == b"m")
     assert sum(1 for h in many.headers if h.startswith("Pubsub-Attr-")) == 64  # capped, the rest counted
+
+
+async def test_redis_over_tls_is_verified_and_delivers(start_worker, endpoint: Endpoint, client: Client, topic,
+                                                       own_redis, certificate, monkeypatch):
+    """A `rediss://` Redis (a managed one with in-transit encryption): its certificate is verified
+    (a private CA through SSL_CERT_FILE, as docs/operating.md says), the attempt records go through
+    TLS, and an untrusted certificate fails a command in one line that says so."""
+    port = int(own_redis.url.rsplit(":", 1)[1].split("/")[0])
+    async with TlsTerminator(port, certificate) as tls:
+        url = f"rediss://127.0.0.1:{tls.port}/0"
+        code, out, err = await cli("subs", "list", "--redis-url", url)
+        assert code == 1 and out == "" and len(err.strip().splitlines()) == 1, err
+        assert "certificate verify failed" in err, err
+        monkeypatch.setenv("SSL_CERT_FILE", str(certificate[0]))
+        sub = make_sub(topic, endpoint.url)
+        await start_worker(sub, redis=url)
+        client.publish(topic, [b"m%d" % i for i in range(20)])
+        await eventually(lambda: len(endpoint.requests) == 20, what="deliveries")
+        code, out, err = await cli("subs", "list", "--redis-url", url, extra_env={"SSL_CERT_FILE": str(certificate[0])})
+        assert code == 0 and sub.name in out, err
+    plain = redis.Redis.from_url(own_redis.url)
+    try:  # the records went through the terminator: they are in the Redis behind it
+        assert plain.keys("pw:*"), "nothing recorded"
+    finally:
+        plain.close()
