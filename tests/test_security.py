@@ -125,7 +125,7 @@ async def test_redis_over_tls_is_verified_and_delivers(start_worker, endpoint: E
                                                        own_redis, certificate, monkeypatch):
     """A `rediss://` Redis (a managed one with in-transit encryption): its certificate is verified
     (a private CA through SSL_CERT_FILE, as docs/operating.md says), the attempt records go through
-    TLS, and an untrusted certificate fails a command in one line that says so."""
+    TLS, and an untrusted certificate or another name's fails a command in one line that says so."""
     port = int(own_redis.url.rsplit(":", 1)[1].split("/")[0])
     async with TlsTerminator(port, certificate) as tls:
         url = f"rediss://127.0.0.1:{tls.port}/0"
@@ -139,6 +139,10 @@ async def test_redis_over_tls_is_verified_and_delivers(start_worker, endpoint: E
         await eventually(lambda: len(endpoint.requests) == 20, what="deliveries")
         code, out, err = await cli("subs", "list", "--redis-url", url, extra_env={"SSL_CERT_FILE": str(certificate[0])})
         assert code == 0 and sub.name in out, err
+        # Trusted, but not issued for the name asked for: refused too (host names are checked).
+        code, out, err = await cli("subs", "list", "--redis-url", f"rediss://localhost:{tls.port}/0",
+                                   extra_env={"SSL_CERT_FILE": str(certificate[0])})
+        assert code == 1 and "Hostname mismatch" in err, err
     plain = redis.Redis.from_url(own_redis.url)
     try:  # the records went through the terminator: they are in the Redis behind it
         assert plain.keys("pw:*"), "nothing recorded"
