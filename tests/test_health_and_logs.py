@@ -152,3 +152,20 @@ async def test_a_full_redis_turns_readiness_red_with_why_and_delivery_resumes_wh
     while (await asyncio.to_thread(http_get, url))[0] != 200:
         assert asyncio.get_running_loop().time() < deadline, "never ready again"
         await asyncio.sleep(0.1)
+
+
+async def test_proxy_settings_are_said_to_be_unused_and_their_values_never_logged(
+        start_worker, endpoint, client, topic, monkeypatch):
+    """A cluster whose egress goes through a proxy sets HTTPS_PROXY; the worker's clients connect
+    directly (the destination guard checks the addresses connected to). Silence left an operator
+    with connection errors and no cause; now the variables are named at start, their values (which
+    may hold a password) never."""
+    monkeypatch.setenv("HTTPS_PROXY", "http://egress:proxy-password@proxy.internal:3128")
+    monkeypatch.setenv("no_proxy", "localhost")  # not a proxy: not named
+    with capture_logs() as logged:
+        await start_worker(make_sub(topic, endpoint.url))
+    warned = [e for e in logged if e["event"].startswith("proxy settings are not used")]
+    assert [e["variables"] for e in warned] == [["HTTPS_PROXY"]], logged
+    assert "proxy-password" not in repr(logged)
+    client.publish(topic, [b"direct"])  # and delivery connects directly, as said
+    await eventually(lambda: len(endpoint.requests) == 1, what="delivery")

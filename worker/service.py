@@ -95,6 +95,8 @@ def check_secrets(sub: Subscription, secrets: SecretStore) -> None:
 # (each scans every object the worker has made since it started: 35-93 ms with 1,000 subscriptions).
 COLLECT_AFTER_RELEASE_SECONDS = 1.0
 COLLECT_INTERVAL_SECONDS = 60.0
+# Set in many clusters for egress; the worker's HTTP clients do not use them (said at start).
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 REDIS_START_PING_SECONDS = 5  # how long a start waits for each PING before it logs and tries again
 EMBEDDED_CHECK_SECONDS = 1.0  # how soon an embedded broker or Redis that exited is started again
 
@@ -194,6 +196,11 @@ class Worker:
         self._cleanup("close the Pulsar client", self.pulsar.close, 5)
         self.session = broker_admin.make_session(s.pulsar.auth_token, s.pulsar.tls_trust_certs_file)
         self._cleanup("close the HTTP session", self.session.close, 5)
+        if proxies := [name for name in PROXY_VARIABLES if os.environ.get(name)]:
+            # Named, never their values (a proxy URL may carry a password). Connecting directly is
+            # what the destination guard checks: a proxy would resolve and connect where it liked.
+            self.log.warning("proxy settings are not used: push requests and the broker's admin API connect directly; "
+                             "allow the worker's egress to the endpoints", variables=proxies)
         self.deliverer = Deliverer(s.destinations)
         self._cleanup("close the endpoint connections", self.deliverer.close, 5)
         self.dead_letters = DeadLetterPublisher(self.pulsar)
