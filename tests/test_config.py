@@ -161,6 +161,7 @@ def test_top_level_rules():
                        ({"destinations": {"allow_cidrs": "10.0.0.0/8"}}, "destinations.allow_cidrs"),
                        ({"destinations": {"allow_cidrs": ["10.0.0.1/8"]}}, "destinations.allow_cidrs[0]"),
                        ({"destinations": {"max_request_bytes": 10}}, "destinations.max_request_bytes"),
+                       ({"max_held_bytes_per_subscription": 1000}, "max_held_bytes_per_subscription"),
                        ({"redis": {"history_ttl_seconds": 0}}, "redis.history_ttl_seconds"),
                        ({"redis": {"acked_history_ttl_seconds": -1}}, "redis.acked_history_ttl_seconds"),
                        ({"bogus": 1}, "bogus")]:

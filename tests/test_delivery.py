@@ -280,3 +280,33 @@ async def test_max_ack_pending_bounds_concurrent_requests(start_worker, endpoint
     client.publish(topic, [b"m%d" % i for i in range(60)])
     await eventually(lambda: w.dispatchers[sub.key].stats.acked == 60, what="all acked")
     assert peak == 7
+
+
+async def test_held_bytes_bound_a_subscription_of_large_messages(start_worker, endpoint, client, topic):
+    """`max_ack_pending` counts messages: a subscription of large ones took a worker to 2 GiB (150
+    of 4 MiB, measured), enough to kill a pod and then each next owner. The payload bytes a
+    subscription holds are bounded by `max_held_bytes_per_subscription`; a message larger than the
+    bound goes alone, and nothing is lost."""
+    current = peak = 0
+    alone: list[int] = []  # requests under way, counted as the large message arrived
+
+    async def slow(rec):
+        nonlocal current, peak
+        current += 1
+        peak = max(peak, current)
+        if len(rec.body) > 1 << 20:
+            alone.append(current)
+        await asyncio.sleep(0.1)
+        current -= 1
+        return web.Response(status=204)
+
+    endpoint.behaviour = slow
+    sub = make_sub(topic, endpoint.url, content="raw")  # max_ack_pending 1000: not what bounds here
+    w = await start_worker(sub, max_held_bytes_per_subscription=1 << 20)
+    small = 256 << 10
+    client.publish(topic, [bytes(small)] * 12 + [bytes(3 << 20)] + [bytes(small)] * 8)
+    await eventually(lambda: w.dispatchers[sub.key].stats.acked == 21, timeout=60, what="all acked")
+    assert peak == 4, peak  # 4 of 256 KiB fill 1 MiB
+    assert alone == [1]
+    assert len(endpoint.requests) == 21
+

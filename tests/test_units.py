@@ -1,7 +1,9 @@
-"""Pure logic: message ids, header safety, backoff, Retry-After, ack statuses, address policy."""
+"""Pure logic: message ids, header safety, backoff, Retry-After, ack statuses, address policy, the
+byte budget."""
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import random
 from typing import Any
@@ -14,6 +16,7 @@ from worker.consumer import to_envelope
 from worker.delivery import is_ack_status, parse_retry_after
 from worker.destinations import DestinationPolicy
 from worker.dispatcher import lane_of
+from worker.flow import ByteBudget
 from worker.messages import Envelope, build_request, format_message_id, header_safe, rfc3339
 from worker.subscriptions import RetryPolicy, Subscription
 
@@ -147,3 +150,40 @@ def test_failing_dead_letter_publishes_are_counted_each_logged_at_most_every_30_
         ("dead-letter publish works again", 5),
         ("dead-letter publish failing; exhausted messages wait unacked", 1)]
     assert failing.reason.endswith("(TimeoutError)")
+
+
+async def test_byte_budget_serves_in_turn_lets_an_oversized_message_go_alone_and_survives_cancellation():
+    budget = ByteBudget(100)
+    assert budget.try_take(60) and not budget.try_take(60)  # over the limit
+    large = asyncio.ensure_future(budget.take(500))  # larger than the whole budget: waits until nothing is held
+    small = asyncio.ensure_future(budget.take(10))
+    await asyncio.sleep(0)
+    assert not budget.try_take(10)  # would fit, but waiters come first
+    budget.give_back(60)
+    await asyncio.sleep(0)
+    assert large.done() and not small.done() and budget.used == 500
+    budget.give_back(500)
+    await small
+    assert budget.used == 10
+    # A waiter cancelled while waiting leaves room for the next; one granted as it was cancelled gives back.
+    blocked = asyncio.ensure_future(budget.take(95))
+    behind = asyncio.ensure_future(budget.take(5))
+    await asyncio.sleep(0)
+    blocked.cancel()
+    await asyncio.gather(blocked, return_exceptions=True)
+    await behind
+    assert budget.used == 15
+    granted = asyncio.ensure_future(budget.take(90))
+    await asyncio.sleep(0)
+    budget.give_back(15)  # grants it...
+    granted.cancel()  # ...as it is cancelled
+    await asyncio.gather(granted, return_exceptions=True)
+    assert budget.used == 0
+    # Room made after a waiter's cancellation but before its task left the queue: skipped, not granted.
+    assert budget.try_take(10)
+    leaving = asyncio.ensure_future(budget.take(95))
+    await asyncio.sleep(0)
+    leaving.cancel()
+    budget.give_back(10)
+    await asyncio.gather(leaving, return_exceptions=True)
+    assert budget.used == 0 and budget.try_take(100)

@@ -93,6 +93,11 @@ class FleetSettings:
     expire_after_seconds: float = 3600.0  # ...for this long: state Expired (the platform docs' policy)
 
 
+# Payload bytes of the messages one subscription holds at once (taken from the broker, not settled):
+# `max_ack_pending` in bytes. The process holds about three times as much for them (the payload,
+# its base64 and the JSON body); docs/operating.md sizes the pod's memory from it.
+DEFAULT_MAX_HELD_BYTES = 64 * 1024 * 1024
+
 @dataclass(frozen=True)
 class Settings:
     """Everything a worker process needs, validated."""
@@ -105,6 +110,7 @@ class Settings:
     subscriptions: tuple[Subscription, ...] = ()
     fleet: FleetSettings = field(default_factory=FleetSettings)
     shutdown_grace_seconds: float = 30.0
+    max_held_bytes_per_subscription: int = DEFAULT_MAX_HELD_BYTES
     log_format: str = "auto"
     log_level: str = "info"
 
@@ -219,7 +225,8 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
                                         f"not a {type(data).__name__}")
     r = FieldReader("config", data)
     r.reject_unknown({"pulsar", "redis", "state_dir", "http", "destinations", "subscriptions",
-                      "shutdown_grace_seconds", "log", "fleet"})
+                      "shutdown_grace_seconds", "max_held_bytes_per_subscription", "log",
+                      "fleet"})
 
     p = r.sub("pulsar")
     p.reject_unknown({"service_url", "tls_trust_certs_file", "operation_timeout_seconds", "admin_url",
@@ -308,6 +315,8 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
         subscriptions=tuple(subs),
         fleet=fleet,
         shutdown_grace_seconds=r.number("shutdown_grace_seconds", 30.0, 0.0, 3600.0),
+        max_held_bytes_per_subscription=r.integer("max_held_bytes_per_subscription", DEFAULT_MAX_HELD_BYTES,
+                                                  1 << 20, 64 << 30),
         log_format=log.choice("format", ("auto", "json", "console"), "auto"),
         log_level=log.choice("level", ("debug", "info", "warning", "error"), "info"),
     )

@@ -21,10 +21,11 @@ from worker import logs
 from worker.aio import wait_any, wait_event
 from worker.attempts import AttemptStore
 from worker.backoff import retry_delay
+from worker.config import DEFAULT_MAX_HELD_BYTES
 from worker.deadletter import DeadLetterPublisher, dead_letter_properties, failing_publishes
 from worker.delivery import Deliverer, Outcome, Result
 from worker.endpoint_health import EndpointHealth
-from worker.flow import AdaptiveLimit, Window
+from worker.flow import AdaptiveLimit, ByteBudget, Window
 from worker.history import attempt_entry, event_entry
 from worker.messages import Envelope, PushRequest, build_request, format_message_id
 from worker.metrics import Metrics
@@ -96,6 +97,7 @@ class DeliveryContext:
     worker_id: str = ""
     supervisor: Supervisor = field(default_factory=Supervisor)
     tokens: Tokens | None = None  # OIDC tokens; made from `secrets` when not given
+    max_held_bytes: int = DEFAULT_MAX_HELD_BYTES  # per subscription (`max_held_bytes_per_subscription`)
 
     def __post_init__(self) -> None:
         if self.tokens is None:
@@ -143,6 +145,7 @@ class Dispatcher:
         self.m = ctx.metrics.for_subscription(sub.tenant, sub.name)
         self.stats = Stats()
         self.window = Window(sub.max_ack_pending)
+        self.held = ByteBudget(ctx.max_held_bytes)
         self._reserved = 0  # 1 while the receive loop holds a slot for a message not yet received
         self.endpoint_limit = AdaptiveLimit(sub.concurrency)
         self._lanes: dict[str, deque[tuple[Any, Envelope]]] = {}
@@ -162,6 +165,7 @@ class Dispatcher:
         self.m.owned.set(1)
         # Read when scraped, not written per message: exact, and free on the hot path.
         self.m.unsettled.set_function(lambda: self.unsettled)
+        self.m.held_bytes.set_function(lambda: self.held.used)
         self.m.in_flight.set_function(lambda: self.endpoint_limit.in_use)
         self.m.endpoint_window.set_function(lambda: self.endpoint_limit.size)
         self._reported_state = self.state
@@ -261,28 +265,47 @@ class Dispatcher:
                 await self._pause(1.0)
                 continue
             self._reserved = 0
-            self._take(message)
+            env = self._read(message)
+            if not self.held.try_take(len(env.data)):
+                await self._take_bytes(env)
+            self._admit(message, env)
             # What the client already holds is taken in the same turn: one wake-up per burst, not per message.
             while self.window.try_acquire():
                 message = self.consumer.receive_ready()
                 if message is None:
                     self.window.release()
                     break
-                self._take(message)
+                env = self._read(message)
+                if not self.held.try_take(len(env.data)):
+                    await self._take_bytes(env)
+                self._admit(message, env)
 
-    def _take(self, message: Any) -> None:
+    def _read(self, message: Any) -> Envelope:
         try:
-            env = self.to_envelope(message)
+            return self.to_envelope(message)
         except Exception as e:  # a message we cannot even read is dead-lettered with the reason, never a crash
-            env = Envelope(message_id=_raw_id(message), data=_raw_data(message), topic=self.sub.topic,
-                           publish_time_ms=0, defect=f"unreadable message ({type(e).__name__})")
-        self._admit(message, env)
+            return Envelope(message_id=_raw_id(message), data=_raw_data(message), topic=self.sub.topic,
+                            publish_time_ms=0, defect=f"unreadable message ({type(e).__name__})")
+
+    async def _take_bytes(self, env: Envelope) -> None:
+        """Wait until the subscription holds few enough bytes for this message. Stopped meanwhile,
+        it was never admitted: its slot is freed and closing the consumer returns it."""
+        try:
+            await self.held.take(len(env.data))
+        except asyncio.CancelledError:
+            self.window.release()
+            raise
+
+    def _release(self, env: Envelope) -> None:
+        """A message admitted is settled or handed back: its window slot and bytes are free."""
+        self.window.release()
+        self.held.give_back(len(env.data))
 
     def _admit(self, message: Any, env: Envelope) -> None:
         if env.message_id in self._active:
             # A redelivery (e.g. after a broker reconnect) of a message already in hand: the copy in
             # hand settles it; a second loop would send it twice at once.
-            self.window.release()
+            self._release(env)
             return
         self._active.add(env.message_id)
         lane = lane_of(self.sub, env)
@@ -312,7 +335,7 @@ class Dispatcher:
     def _end_lane(self, lane: str) -> None:
         for _, env in self._lanes.pop(lane):  # stopping: released to the broker with the consumer
             self._active.discard(env.message_id)
-            self.window.release()
+            self._release(env)
 
     # -- one message -------------------------------------------------------------------------
 
@@ -335,7 +358,7 @@ class Dispatcher:
                     await self.consumer.negative_acknowledge(message)
             finally:
                 self._active.discard(env.message_id)
-                self.window.release()
+                self._release(env)
             # Settled once the broker has the ack: the slot is free; the Redis record follows (in the
             # background when the lane's next message is waiting, so that it goes at once).
             following = self._next_in_lane(lane) if lane is not None else None

@@ -1,8 +1,10 @@
-"""Flow control: the `max_ack_pending` window and the adaptive per-endpoint concurrency limit."""
+"""Flow control: the `max_ack_pending` window, the worker's budget of held bytes, and the adaptive
+per-endpoint concurrency limit."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 
@@ -82,6 +84,59 @@ def server_error(outcome: Outcome) -> bool:
 SERVER_ERROR_SHARE = 0.3  # recent share of server errors above which they count as overload
 SHARE_WEIGHT = 0.05  # weight of each answer in that share (about the last 20-40 answers)
 
+
+class ByteBudget:
+    """Payload bytes of the messages a subscription holds (taken from the broker, not settled):
+    `max_ack_pending` counts messages, and a subscription of large ones took the worker's memory to
+    its window times their size (150 messages of 4 MiB: 2 GiB, measured), enough to kill a pod, and
+    then each next owner of the subscription. A message waits for room; one larger than the whole
+    budget goes when nothing else is held. Waiters are served in turn."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    def _fits(self, size: int) -> bool:
+        return self.used == 0 or self.used + size <= self.limit
+
+    def try_take(self, size: int) -> bool:
+        """Take `size` bytes if they fit and nobody waits before; never waits."""
+        if self._waiters or not self._fits(size):
+            return False
+        self.used += size
+        return True
+
+    async def take(self, size: int) -> None:
+        """Wait for `size` bytes, in turn."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((size, waiter))
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.give_back(size)  # granted as it was cancelled
+            else:
+                with contextlib.suppress(ValueError):  # `_wake` may have dropped it already
+                    self._waiters.remove((size, waiter))
+                self._wake()  # those behind it may fit now
+            raise
+
+    def give_back(self, size: int) -> None:
+        self.used -= size
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters:
+            size, waiter = self._waiters[0]
+            if waiter.done():  # cancelled: its task is leaving
+                self._waiters.popleft()
+                continue
+            if not self._fits(size):
+                return
+            self._waiters.popleft()
+            self.used += size
+            waiter.set_result(None)
 
 class AdaptiveLimit(_Slots):
     """TCP-like concurrency control for one endpoint.

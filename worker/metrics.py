@@ -41,6 +41,9 @@ class Metrics:
                                     SUB, registry=r)
         self.unsettled = Gauge("pushworker_unsettled", "Messages taken from the broker and not yet settled "
                                "(bounded by max_ack_pending)", SUB, registry=r)
+        self.held_bytes = Gauge("pushworker_held_bytes", "Payload bytes of the unsettled messages (bounded by "
+                                "max_held_bytes_per_subscription, but for one message larger than it)", SUB,
+                                registry=r)
         self.attributes_omitted = Counter("pushworker_attributes_omitted",
                                           "Attributes not sent as headers (unsafe name or value)", SUB, registry=r)
         self.redis_round_trips = Counter("pushworker_redis_round_trips", "Pipelined round trips to Redis",
@@ -95,9 +98,9 @@ class Metrics:
         without end (measured: 36 a subscription). The owner's series count on from zero, which
         rate() and increase() read as a counter reset."""
         self.set_state(project, subscription, None)
-        for metric in (self.in_flight, self.held_for_retry, self.unsettled, self.owned, self.endpoint_window,
-                       self.backlog, self.delivery_seconds, self.acked, self.dead_lettered, self.dropped,
-                       self.filtered, self.settled_redeliveries, self.retries, self.attributes_omitted):
+        for metric in (self.in_flight, self.held_for_retry, self.unsettled, self.held_bytes, self.owned,
+                       self.endpoint_window, self.backlog, self.delivery_seconds, self.acked, self.dead_lettered,
+                       self.dropped, self.filtered, self.settled_redeliveries, self.retries, self.attributes_omitted):
             with contextlib.suppress(KeyError):
                 metric.remove(project, subscription)
         for result in self._results.pop((project, subscription), ()):
@@ -124,6 +127,7 @@ class SubscriptionMetrics:
         self.in_flight = m.in_flight.labels(*labels)
         self.held_for_retry = m.held_for_retry.labels(*labels)
         self.unsettled = m.unsettled.labels(*labels)
+        self.held_bytes = m.held_bytes.labels(*labels)
         self.attributes_omitted = m.attributes_omitted.labels(*labels)
         self.endpoint_window = m.endpoint_window.labels(*labels)
         self.owned = m.owned.labels(*labels)

@@ -206,7 +206,8 @@ class Worker:
         self.dead_letters = DeadLetterPublisher(self.pulsar)
         self._cleanup("close dead-letter producers", self.dead_letters.close, 10)
         self.delivery = DeliveryContext(self.deliverer, self.attempts, self.dead_letters, self.metrics, self.secrets,
-                                        self.worker_id, self.supervisor, self.tokens)
+                                        self.worker_id, self.supervisor, self.tokens,
+                                        s.max_held_bytes_per_subscription)
         self.expiry = ExpiryWatch(self.redis, s.fleet.expire_backlog, s.fleet.expire_after_seconds)
         self.backlog = BacklogReader(self.session, s.pulsar.admin_url, metrics_url)
         if not await self._wait_for_redis():

@@ -229,7 +229,8 @@ class DeadLetters:
                                             operator=True)
         ctx = DeliveryContext(Deliverer(settings.destinations),
                               AttemptStore(pipeliner, settings.redis),
-                              DeadLetterPublisher(client), metrics, worker_id="dlq-redrive")
+                              DeadLetterPublisher(client), metrics, worker_id="dlq-redrive",
+                              max_held_bytes=settings.max_held_bytes_per_subscription)
         dispatcher: Dispatcher | None = None
         started = time.monotonic()
         try:
