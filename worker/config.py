@@ -98,6 +98,7 @@ class FleetSettings:
 # its base64 and the JSON body); docs/operating.md sizes the pod's memory from it.
 DEFAULT_MAX_HELD_BYTES = 64 * 1024 * 1024
 
+
 @dataclass(frozen=True)
 class Settings:
     """Everything a worker process needs, validated."""
@@ -225,8 +226,7 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
                                         f"not a {type(data).__name__}")
     r = FieldReader("config", data)
     r.reject_unknown({"pulsar", "redis", "state_dir", "http", "destinations", "subscriptions",
-                      "shutdown_grace_seconds", "max_held_bytes_per_subscription", "log",
-                      "fleet"})
+                      "shutdown_grace_seconds", "max_held_bytes_per_subscription", "log", "fleet"})
 
     p = r.sub("pulsar")
     p.reject_unknown({"service_url", "tls_trust_certs_file", "operation_timeout_seconds", "admin_url",

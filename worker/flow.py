@@ -1,5 +1,5 @@
-"""Flow control: the `max_ack_pending` window, the worker's budget of held bytes, and the adaptive
-per-endpoint concurrency limit."""
+"""Flow control: the `max_ack_pending` window, a subscription's budget of held bytes, and the
+adaptive per-endpoint concurrency limit."""
 
 from __future__ import annotations
 
@@ -137,6 +137,7 @@ class ByteBudget:
             self._waiters.popleft()
             self.used += size
             waiter.set_result(None)
+
 
 class AdaptiveLimit(_Slots):
     """TCP-like concurrency control for one endpoint.

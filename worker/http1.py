@@ -409,17 +409,18 @@ class Client:
         while True:
             sock = await aiohappyeyeballs.start_connection(infos, happy_eyeballs_delay=HAPPY_EYEBALLS_DELAY,
                                                           interleave=1)
-            peer = sock.getpeername()
+            peer = None
             try:  # TLS (ssl.SSLError is an OSError too) on the connected socket
+                peer = sock.getpeername()
                 _, conn = await asyncio.get_running_loop().create_connection(_Connection, sock=sock, **tls)
                 return conn
             except OSError:
                 sock.close()
+                if peer is None or len(infos) == 1:
+                    raise
                 # An address whose handshake fails (a broken TLS terminator among a host's backends) is
                 # left for the next one, as aiohttp does; the caller's deadline bounds the whole search.
                 aiohappyeyeballs.remove_addr_infos(infos, peer)
-                if not infos:
-                    raise
             except BaseException:
                 sock.close()
                 raise
