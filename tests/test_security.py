@@ -124,7 +124,7 @@ async def test_hostile_messages_are_each_delivered_and_never_block_the_subscript
 async def test_redis_over_tls_is_verified_and_delivers(start_worker, endpoint: Endpoint, client: Client, topic,
                                                        own_redis, certificate, monkeypatch):
     """A `rediss://` Redis (a managed one with in-transit encryption): its certificate is verified
-    (a private CA through SSL_CERT_FILE, as docs/operating.md says), the attempt records go through
+    (a private CA through SSL_CERT_FILE, as docs/configuration.md says), the attempt records go through
     TLS, and an untrusted certificate or another name's fails a command in one line that says so."""
     port = int(own_redis.url.rsplit(":", 1)[1].split("/")[0])
     async with TlsTerminator(port, certificate) as tls:
