@@ -90,8 +90,10 @@ async def test_a_request_over_the_size_limit_is_dead_lettered_at_once_and_others
 
 async def test_hostile_messages_are_each_delivered_and_never_block_the_subscription(
         start_worker, endpoint: Endpoint, client: Client, topic):
-    sub = make_sub(topic, endpoint.url, content="raw")
-    wrapped = make_sub(topic, endpoint.url, content="wrapped")
+    # A window of 8: a prefetch small enough for the 3 MiB message, which would otherwise make the
+    # consumer subscribe again with a smaller one (tests/test_resources.py) in the middle of this.
+    sub = make_sub(topic, endpoint.url, content="raw", max_ack_pending=8)
+    wrapped = make_sub(topic, endpoint.url, content="wrapped", max_ack_pending=8)
     w = await start_worker(sub, wrapped)
     producer = client.client.create_producer(topic, batching_enabled=False, chunking_enabled=False)
     garbage = bytes(range(256)) * 64

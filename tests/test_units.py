@@ -18,6 +18,7 @@ from worker.destinations import DestinationPolicy
 from worker.dispatcher import lane_of
 from worker.flow import ByteBudget
 from worker.messages import Envelope, build_request, format_message_id, header_safe, rfc3339
+from worker.prefetch import prefetch_for, too_large
 from worker.subscriptions import RetryPolicy, Subscription
 
 pytestmark = pytest.mark.broker_independent
@@ -187,3 +188,14 @@ async def test_byte_budget_serves_in_turn_lets_an_oversized_message_go_alone_and
     budget.give_back(10)
     await asyncio.gather(leaving, return_exceptions=True)
     assert budget.used == 0 and budget.try_take(100)
+
+
+def test_prefetch_follows_the_window_until_messages_are_large_then_fits_its_bytes():
+    budget = 16 << 20
+    assert prefetch_for(max_ack_pending=64, largest=0, budget=budget) == 64  # sizes unknown: the window
+    assert prefetch_for(max_ack_pending=5000, largest=0, budget=budget) == 1000  # at most 1,000
+    assert prefetch_for(max_ack_pending=1000, largest=1 << 20, budget=budget) == 16
+    assert prefetch_for(max_ack_pending=8, largest=1 << 20, budget=budget) == 8  # never above the window
+    assert prefetch_for(max_ack_pending=1000, largest=64 << 20, budget=budget) == 1  # never below one
+    # A consumer of 16 subscribes again for messages over twice what fits (2 MiB), not at 1.5 MiB.
+    assert too_large(16, budget) == 2 << 20

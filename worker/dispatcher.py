@@ -30,6 +30,7 @@ from worker.history import attempt_entry, event_entry
 from worker.messages import Envelope, PushRequest, build_request, format_message_id
 from worker.metrics import Metrics
 from worker.oidc import Tokens
+from worker.prefetch import MAX_PREFETCH, prefetch_bytes, too_large
 from worker.signing import SecretStore, SecretUnavailable, auth_headers
 from worker.subscriptions import State, Subscription
 from worker.supervisor import Supervisor
@@ -129,6 +130,8 @@ class Dispatcher:
         to_envelope: Callable[[Any], Envelope],
         ctx: DeliveryContext,
         lease: Fence | None = None,
+        prefetch: int = MAX_PREFETCH,
+        on_large_message: Callable[[int], None] | None = None,
     ) -> None:
         self.sub = sub
         self.ctx = ctx
@@ -146,6 +149,12 @@ class Dispatcher:
         self.stats = Stats()
         self.window = Window(sub.max_ack_pending)
         self.held = ByteBudget(ctx.max_held_bytes)
+        # A message above this size tells `on_large_message` (once per size): the consumer's
+        # prefetch holds too many bytes of such messages and is to be made smaller.
+        self.on_large_message = on_large_message
+        self.prefetch = prefetch
+        shrinkable = on_large_message is not None and prefetch > 1
+        self._too_large = too_large(prefetch, prefetch_bytes(ctx.max_held_bytes)) if shrinkable else 1 << 62
         self._reserved = 0  # 1 while the receive loop holds a slot for a message not yet received
         self.endpoint_limit = AdaptiveLimit(sub.concurrency)
         self._lanes: dict[str, deque[tuple[Any, Envelope]]] = {}
@@ -282,10 +291,15 @@ class Dispatcher:
 
     def _read(self, message: Any) -> Envelope:
         try:
-            return self.to_envelope(message)
+            env = self.to_envelope(message)
         except Exception as e:  # a message we cannot even read is dead-lettered with the reason, never a crash
-            return Envelope(message_id=_raw_id(message), data=_raw_data(message), topic=self.sub.topic,
-                            publish_time_ms=0, defect=f"unreadable message ({type(e).__name__})")
+            env = Envelope(message_id=_raw_id(message), data=_raw_data(message), topic=self.sub.topic,
+                           publish_time_ms=0, defect=f"unreadable message ({type(e).__name__})")
+        if len(env.data) > self._too_large:
+            self._too_large = len(env.data)
+            assert self.on_large_message is not None
+            self.on_large_message(len(env.data))
+        return env
 
     async def _take_bytes(self, env: Envelope) -> None:
         """Wait until the subscription holds few enough bytes for this message. Stopped meanwhile,

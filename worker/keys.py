@@ -51,6 +51,11 @@ def seek_result_key(subscription_key: str) -> str:
     return f"{PREFIX}:{tag(subscription_key)}:seek-result"
 
 
+def largest_message_key(subscription_key: str) -> str:
+    """The largest payload (bytes) the subscription has carried: its next owner's prefetch is sized by it."""
+    return f"{PREFIX}:{tag(subscription_key)}:largest"
+
+
 def over_since_key(subscription_key: str) -> str:
     """Since when (ms) the backlog has stayed over the expiry threshold."""
     return f"{PREFIX}:{tag(subscription_key)}:backlog-over-since"

@@ -27,13 +27,14 @@ from worker.config import Settings
 from worker.deadletter import DeadLetterPublisher
 from worker.delivery import Deliverer
 from worker.destinations import check_host
-from worker.dispatcher import DeliveryContext, Dispatcher, Fence
+from worker.dispatcher import DeliveryContext, Dispatcher, Fence, Stats
 from worker.errors import ConfigError, DestinationRefused, PushWorkerError, StartupError
 from worker.fleet import Fleet, lifecycle
 from worker.fleet.lifecycle import ExpiryWatch, SeekTarget
 from worker.http_server import StatusServer
 from worker.metrics import Metrics
 from worker.oidc import Oidc, Tokens
+from worker.prefetch import LargestMessages, prefetch_bytes, prefetch_for
 from worker.redis_batch import Pipeliner
 from worker.redis_client import REDIS_DOWN
 from worker.signing import SecretStore, SecretUnavailable, bearer, signing_key
@@ -117,7 +118,12 @@ class Worker:
         # it a subscription the broker refuses (a missing namespace, a busy exclusive subscription)
         # showed only "Starting", for good.
         self.subscribe_failures: dict[str, str] = {}
-        self._seeking: set[str] = set()  # served, with no consumer of ours while the cursor moves
+        # Served, with no consumer of ours for now: the cursor moves (a seek), or the consumer is
+        # replaced by one with a smaller prefetch (large messages).
+        self._resubscribing: set[str] = set()
+        self._largest: dict[str, int] = {}  # the largest message seen per subscription, if large
+        self._carried_stats: dict[str, Stats] = {}  # a dispatcher's counters, to its replacement
+        self.largest: LargestMessages | None = None
         self._orphans: set[asyncio.Future[None]] = set()
         self._services: list[embedded.Service] = []
         self._stack = contextlib.AsyncExitStack()  # what start() started, released in reverse by close()
@@ -191,6 +197,7 @@ class Worker:
         self.pipeliner = Pipeliner(self.redis, on_round_trip=self.metrics.round_trip)
         self._cleanup("stop the Redis pipeliner", self.pipeliner.close, 5)
         self.attempts = AttemptStore(self.pipeliner, s.redis, on_error=self.metrics.redis_errors.inc)
+        self.largest = LargestMessages(self.pipeliner, s.redis.attempts_ttl_seconds)
         self.pulsar = pulsar_adapter.make_client(s.pulsar, self.pulsar_url)
         # A subscribe still pending in the C++ client can hold close() for its operation timeout.
         self._cleanup("close the Pulsar client", self.pulsar.close, 5)
@@ -293,7 +300,7 @@ class Worker:
 
     def add(self, sub: Subscription, lease: Fence | None = None) -> None:
         """Start serving a subscription (subscribing retries until the broker answers)."""
-        if sub.key in self.dispatchers or sub.key in self._starting or sub.key in self._seeking or self.stopping:
+        if sub.key in self.dispatchers or sub.key in self._starting or sub.key in self._resubscribing or self.stopping:
             return
         task = asyncio.create_task(self._subscribe_and_run(sub, lease), name=f"subscribe {sub.key}")
         self._starting[sub.key] = task
@@ -302,9 +309,17 @@ class Worker:
         task.add_done_callback(log_task_failure(self.supervisor, "subscribe"))  # the fleet tries again
 
     async def _subscribe_and_run(self, sub: Subscription, lease: Fence | None) -> None:
+        if sub.key not in self._largest and self.largest is not None:
+            self._largest[sub.key] = await self.largest.recall(sub.key)
+        budget = prefetch_bytes(self.settings.max_held_bytes_per_subscription)
+        prefetch = prefetch_for(sub.max_ack_pending, self._largest.get(sub.key, 0), budget)
+        if self._largest.get(sub.key):
+            self.log.info("large messages: prefetch sized to them", subscription=sub.key,
+                          message_bytes=self._largest[sub.key], prefetch=prefetch)
         delay = 0.5
         while True:
-            subscribing = asyncio.ensure_future(pulsar_adapter.subscribe(self.pulsar, sub, self.worker_id))
+            subscribing = asyncio.ensure_future(pulsar_adapter.subscribe(self.pulsar, sub, self.worker_id,
+                                                                         receiver_queue_size=prefetch))
             try:
                 consumer = await asyncio.shield(subscribing)
                 self.broker_answered = True
@@ -322,7 +337,9 @@ class Worker:
                 self.log.warning("subscribe failed; retrying", subscription=sub.key, error=said, in_seconds=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
-        dispatcher = Dispatcher(sub, consumer, pulsar_adapter.to_envelope, self.delivery, lease)
+        dispatcher = Dispatcher(sub, consumer, pulsar_adapter.to_envelope, self.delivery, lease, prefetch,
+                                functools.partial(self._large_messages, sub.key))
+        dispatcher.stats = self._carried_stats.pop(sub.key, dispatcher.stats)  # counted on by the same worker
         dispatcher.health.error_after = self.settings.fleet.error_after_seconds
         self.dispatchers[sub.key] = dispatcher
         dispatcher.start()
@@ -344,7 +361,7 @@ class Worker:
         # Still served while it has no dispatcher: a fleet round must not start one now. A consumer
         # attached before the cursor moves keeps the messages it took, and would deliver them after
         # the seek with their counts forgotten (seen: a purged message delivered again, attempt 1).
-        self._seeking.add(key)
+        self._resubscribing.add(key)
         try:
             await self._stop_serving(key, grace=0)
             self.metrics.set_state(sub.tenant, sub.name, State.SEEKING)
@@ -352,8 +369,41 @@ class Worker:
             assert self.redis is not None
             return await lifecycle.forget_attempts(self.redis, key)
         finally:
-            if key in self._seeking:  # else stopped meanwhile (handed over, deleted, lease lost): stays so
-                self._seeking.discard(key)
+            if key in self._resubscribing:  # else stopped meanwhile (handed over, deleted, lease lost): stays so
+                self._resubscribing.discard(key)
+                self.add(sub, lease)
+
+    def _large_messages(self, key: str, size: int) -> None:
+        """The dispatcher of `key` took a message too large for its consumer's prefetch."""
+        dispatcher = self.dispatchers.get(key)
+        if dispatcher is None or size <= self._largest.get(key, 0):
+            return
+        self._largest[key] = size
+        budget = prefetch_bytes(self.settings.max_held_bytes_per_subscription)
+        smaller = prefetch_for(dispatcher.sub.max_ack_pending, size, budget) < dispatcher.prefetch
+        task = asyncio.create_task(self._subscribe_smaller(key, size, smaller), name=f"prefetch {key}")
+        self._orphans.add(task)
+        task.add_done_callback(self._orphans.discard)
+        task.add_done_callback(log_task_failure(self.supervisor, "prefetch"))
+
+    async def _subscribe_smaller(self, key: str, size: int, smaller: bool) -> None:
+        """Remember the size for the next owner, then (if that makes it `smaller`) replace the
+        consumer by one whose prefetch fits: as a handover does, requests under way finish within
+        the shutdown grace and the rest goes back to the broker, which redelivers it in order
+        (attempt counts go on)."""
+        assert self.largest is not None
+        await self.largest.remember(key, size)
+        dispatcher = self.dispatchers.get(key)
+        if not smaller or dispatcher is None or key in self._resubscribing:
+            return  # nothing to gain, not served here any more, or a seek is replacing the consumer anyway
+        sub, lease = dispatcher.sub, dispatcher.lease
+        self._resubscribing.add(key)
+        try:
+            await self._stop_serving(key)
+        finally:
+            if key in self._resubscribing:  # else stopped meanwhile (handed over, deleted, lease lost)
+                self._resubscribing.discard(key)
+                self._carried_stats[key] = dispatcher.stats
                 self.add(sub, lease)
 
     async def started(self, key: str) -> Dispatcher | None:
@@ -372,7 +422,7 @@ class Worker:
     @property
     def serving(self) -> set[str]:
         """Keys with a dispatcher, a subscribe or a seek under way."""
-        return set(self.dispatchers) | set(self._starting) | self._seeking
+        return set(self.dispatchers) | set(self._starting) | self._resubscribing
 
     def _close_orphan(self, subscribing: asyncio.Future[Any]) -> None:
         if subscribing.cancelled() or subscribing.exception() is not None:
@@ -407,7 +457,9 @@ class Worker:
     async def remove(self, key: str, grace: float | None = None, unsubscribe: bool = False) -> None:
         """Stop serving a subscription; its unsettled messages go back to the broker (or, with
         `unsubscribe`, the broker subscription and its backlog are deleted)."""
-        self._seeking.discard(key)  # a seek under way does not serve it again when it ends
+        self._resubscribing.discard(key)  # a seek under way does not serve it again when it ends
+        self._largest.pop(key, None)  # Redis remembers it for whoever serves it next
+        self._carried_stats.pop(key, None)
         await self._stop_serving(key, grace, unsubscribe)
 
     async def _stop_serving(self, key: str, grace: float | None = None, unsubscribe: bool = False) -> None:

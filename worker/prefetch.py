@@ -1,0 +1,66 @@
+"""How many messages a subscription's consumer prefetches.
+
+The Pulsar client prefetches a number of messages, whatever their size, and the C++ client has no
+memory limit for consumers (pulsar-client-cpp issue #161): 150 messages of 4 MiB sat in one
+consumer's queue (600 MiB) beside what the worker held. So a subscription prefetches as many as its
+window (at most 1,000) until its messages are seen to be large; then it subscribes again with as
+many as fit in a quarter of `max_held_bytes_per_subscription`. The largest size is remembered in
+Redis, so that the next owner starts small: a pod killed by one subscription's prefetch would
+otherwise take each next owner with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from worker import keys
+from worker.redis_batch import Pipeliner
+from worker.redis_client import REDIS_DOWN
+
+MAX_PREFETCH = 1000
+SHARE_OF_HELD_BYTES = 4  # prefetched bytes stay under max_held_bytes_per_subscription / this
+READ_SECONDS = 2.0  # a slow Redis delays no subscribe longer than this (the default prefetch then)
+
+
+def prefetch_bytes(max_held_bytes: int) -> int:
+    return max_held_bytes // SHARE_OF_HELD_BYTES
+
+
+def prefetch_for(max_ack_pending: int, largest: int, budget: int) -> int:
+    """The prefetch for a subscription whose largest message so far is `largest` bytes (0: unknown)."""
+    default = max(1, min(max_ack_pending, MAX_PREFETCH))
+    if largest <= 0:
+        return default
+    return max(1, min(default, budget // largest))
+
+
+def too_large(prefetch: int, budget: int) -> int:
+    """The size above which a consumer of `prefetch` messages subscribes again with fewer: twice
+    what would fit, so that sizes near the bound do not make a subscription subscribe over and over."""
+    return 2 * budget // prefetch
+
+
+class LargestMessages:
+    """The largest message size each subscription has carried (`keys.largest_message_key`)."""
+
+    def __init__(self, redis: Pipeliner, ttl_seconds: int) -> None:
+        self.redis = redis  # batched: a thousand subscriptions starting at once make one round trip
+        self.ttl_seconds = ttl_seconds
+
+    async def recall(self, subscription_key: str) -> int:
+        """The size remembered, or 0: none, unreadable (anything but a positive integer), or Redis
+        unavailable. Only the prefetch depends on it, so nothing here fails a subscribe."""
+        try:
+            value = await asyncio.wait_for(self.redis.submit("GET", keys.largest_message_key(subscription_key)),
+                                           READ_SECONDS)
+            size = int(value) if value is not None else 0
+        except (*REDIS_DOWN, TimeoutError, ValueError):  # a WRONGTYPE answer (garbage) is a RedisError too
+            return 0
+        return size if 0 < size < 1 << 40 else 0
+
+    async def remember(self, subscription_key: str, size: int) -> None:
+        try:
+            await asyncio.wait_for(self.redis.submit("SET", keys.largest_message_key(subscription_key), size,
+                                                     "EX", self.ttl_seconds), READ_SECONDS)
+        except (*REDIS_DOWN, TimeoutError):
+            pass  # this worker still subscribes again with less; only the next owner would not know
