@@ -26,6 +26,7 @@ from worker.attempts import AttemptStore
 from worker.config import RedisSettings
 from worker.embedded import terminate
 from worker.keys import fleet_key
+from worker.prefetch import LargestMessages
 from worker.redis_batch import Pipeliner
 
 FLEET = "garbage"
@@ -220,6 +221,32 @@ async def test_corrupt_attempt_records_start_over_instead_of_blocking(redis_url)
         assert again.settled  # a redelivered copy of a settled message: no new attempt
     finally:
         await store.pipeliner.close()
+        await async_client.aclose()
+        client.close()
+
+
+async def test_a_largest_message_size_that_is_garbage_is_taken_as_unknown(redis_url):
+    """The size that sizes a subscription's prefetch (`prefetch.LargestMessages`): anything but a
+    positive integer is "not known" (the default prefetch), never an error that stops a subscribe."""
+    import redis.asyncio as aioredis
+
+    client = redis_sync.Redis.from_url(redis_url)
+    async_client = aioredis.Redis.from_url(redis_url)
+    largest = LargestMessages(Pipeliner(async_client), ttl_seconds=60)
+    key = keys.largest_message_key("p-test/sizes")
+    try:
+        for garbage in (b"\xff", b"-5", b"0", b"9" * 40, b"1e9", b""):
+            client.set(key, garbage)
+            assert await largest.recall("p-test/sizes") == 0, garbage
+        client.delete(key)
+        client.hset(key, "f", "v")  # the wrong type
+        assert await largest.recall("p-test/sizes") == 0
+        client.delete(key)
+        assert await largest.recall("p-test/sizes") == 0
+        await largest.remember("p-test/sizes", 4 << 20)
+        assert await largest.recall("p-test/sizes") == 4 << 20 and 0 < client.ttl(key) <= 60
+    finally:
+        await largest.redis.close()
         await async_client.aclose()
         client.close()
 
