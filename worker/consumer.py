@@ -17,6 +17,7 @@ import pulsar.asyncio as pulsar_async
 from worker import logs
 from worker.config import PulsarSettings
 from worker.messages import Envelope, base64_text, format_message_id
+from worker.prefetch import default_prefetch
 from worker.subscriptions import Subscription
 
 # The fleet holds exactly one consumer per subscription and enforces per-key order itself (the
@@ -274,14 +275,15 @@ def answered_by_broker(error: BaseException) -> bool:
 
 async def subscribe(client: pulsar_async.Client, sub: Subscription, consumer_name: str,
                     receiver_queue_size: int | None = None, fast_path: bool = True) -> PulsarConsumer:
-    """The subscription's one consumer. The prefetch queue is bounded by `max_ack_pending`."""
+    """The subscription's one consumer, prefetching `receiver_queue_size` messages (by default as
+    many as `max_ack_pending` allows: `prefetch.default_prefetch`)."""
     return PulsarConsumer(await client.subscribe(
         sub.topic,
         sub.pulsar_subscription,
         consumer_type=CONSUMER_TYPES[sub.type],
         initial_position=(pulsar.InitialPosition.Earliest if sub.start_from == "all"
                           else pulsar.InitialPosition.Latest),
-        receiver_queue_size=receiver_queue_size or max(1, min(sub.max_ack_pending, 1000)),
+        receiver_queue_size=receiver_queue_size or default_prefetch(sub.max_ack_pending),
         consumer_name=consumer_name,
         negative_ack_redelivery_delay_ms=1000,
         # An encrypted message the client cannot decrypt is handed over as it is (then dead-lettered

@@ -26,9 +26,14 @@ def prefetch_bytes(max_held_bytes: int) -> int:
     return max_held_bytes // SHARE_OF_HELD_BYTES
 
 
+def default_prefetch(max_ack_pending: int) -> int:
+    """The prefetch while message sizes are unknown: the window, at most MAX_PREFETCH."""
+    return max(1, min(max_ack_pending, MAX_PREFETCH))
+
+
 def prefetch_for(max_ack_pending: int, largest: int, budget: int) -> int:
     """The prefetch for a subscription whose largest message so far is `largest` bytes (0: unknown)."""
-    default = max(1, min(max_ack_pending, MAX_PREFETCH))
+    default = default_prefetch(max_ack_pending)
     if largest <= 0:
         return default
     return max(1, min(default, budget // largest))

@@ -124,6 +124,7 @@ class Worker:
         self._largest: dict[str, int] = {}  # the largest message seen per subscription, if large
         self._carried_stats: dict[str, Stats] = {}  # a dispatcher's counters, to its replacement
         self.largest: LargestMessages | None = None
+        self._prefetch_budget = prefetch_bytes(settings.max_held_bytes_per_subscription)  # bytes, per subscription
         self._orphans: set[asyncio.Future[None]] = set()
         self._services: list[embedded.Service] = []
         self._stack = contextlib.AsyncExitStack()  # what start() started, released in reverse by close()
@@ -311,8 +312,7 @@ class Worker:
     async def _subscribe_and_run(self, sub: Subscription, lease: Fence | None) -> None:
         if sub.key not in self._largest and self.largest is not None:
             self._largest[sub.key] = await self.largest.recall(sub.key)
-        budget = prefetch_bytes(self.settings.max_held_bytes_per_subscription)
-        prefetch = prefetch_for(sub.max_ack_pending, self._largest.get(sub.key, 0), budget)
+        prefetch = prefetch_for(sub.max_ack_pending, self._largest.get(sub.key, 0), self._prefetch_budget)
         if self._largest.get(sub.key):
             self.log.info("large messages: prefetch sized to them", subscription=sub.key,
                           message_bytes=self._largest[sub.key], prefetch=prefetch)
@@ -379,8 +379,7 @@ class Worker:
         if dispatcher is None or size <= self._largest.get(key, 0):
             return
         self._largest[key] = size
-        budget = prefetch_bytes(self.settings.max_held_bytes_per_subscription)
-        smaller = prefetch_for(dispatcher.sub.max_ack_pending, size, budget) < dispatcher.prefetch
+        smaller = prefetch_for(dispatcher.sub.max_ack_pending, size, self._prefetch_budget) < dispatcher.prefetch
         task = asyncio.create_task(self._subscribe_smaller(key, size, smaller), name=f"prefetch {key}")
         self._orphans.add(task)
         task.add_done_callback(self._orphans.discard)
