@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint bench soak clean apache-pulsar apache-pulsar-stop test-apache-pulsar image-lock
+.PHONY: install demo test lint bench soak clean compile uncompile apache-pulsar apache-pulsar-stop test-apache-pulsar image-lock
 
 $(STAMP): pyproject.toml requirements.lock tests/cloudevents-sdk2.txt
 	$(PYTHON) -m venv $(VENV)
@@ -21,10 +21,23 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/push-worker demo
 
+# The per-message path compiled with mypyc beside its sources (as the image ships it); `uncompile`
+# removes it again. A compiled module older than its source refuses to import.
+COMPILE   := $(BIN)/python -m worker.devtools.compile
+UNCOMPILE := $(COMPILE) --clean >/dev/null
+
+compile: $(STAMP)
+	$(COMPILE)
+
+uncompile: $(STAMP)
+	$(COMPILE) --clean
+
+# The suite runs on the compiled modules (what the image runs), which are removed after it.
 test: $(STAMP)
 	$(BIN)/ruff check worker tests
 	$(BIN)/mypy
-	$(BIN)/pytest -p no:cacheprovider
+	$(COMPILE)
+	PUSH_WORKER_TEST_COMPILED=1 $(BIN)/pytest -p no:cacheprovider; rc=$$?; $(UNCOMPILE); exit $$rc
 
 # A real Apache Pulsar standalone (resolved from Maven Central by tools/apache-pulsar/pom.xml), in
 # the background on 127.0.0.1:$(PULSAR_PORT) with its admin API on $(PULSAR_HTTP_PORT); fresh data each start.
@@ -41,23 +54,28 @@ apache-pulsar-stop: $(STAMP)
 # The suite again, on the Apache Pulsar `make apache-pulsar` started (tests that kill or restart
 # their broker start an Apache Pulsar of their own).
 test-apache-pulsar: $(STAMP)
+	$(COMPILE)
 	PUSH_WORKER_TEST_PULSAR_URL=pulsar://127.0.0.1:$(PULSAR_PORT) \
 	PUSH_WORKER_TEST_PULSAR_ADMIN_URL=http://127.0.0.1:$(PULSAR_HTTP_PORT) \
-	$(BIN)/pytest -p no:cacheprovider
+	PUSH_WORKER_TEST_COMPILED=1 $(BIN)/pytest -p no:cacheprovider; rc=$$?; $(UNCOMPILE); exit $$rc
 
 bench: $(STAMP)
-	$(BIN)/push-worker bench
+	$(COMPILE)
+	$(BIN)/push-worker bench; rc=$$?; $(UNCOMPILE); exit $$rc
 
 soak: $(STAMP)
 	$(BIN)/push-worker soak --seconds $(or $(SOAK_SECONDS),60)
 
-# The image's lock with hashes (deploy/requirements.txt): the runtime dependencies at the versions of
-# requirements.lock, plus pip and setuptools (deploy/build-tools.in). Run after changing either.
+# The image's locks with hashes: deploy/requirements.txt (the runtime dependencies at the versions of
+# requirements.lock, plus pip and setuptools: deploy/build-tools.in) and deploy/compile-requirements.txt
+# (mypyc for the build stage: deploy/compile-tools.in). Run after changing any of them.
 image-lock: $(STAMP)
 	$(BIN)/pip install --quiet pip-tools
 	grep -v '^#' requirements.lock > $(VENV)/lock-constraints.txt
 	PIP_FIND_LINKS= $(BIN)/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras --no-emit-index-url \
 	  --no-emit-find-links -c $(VENV)/lock-constraints.txt -o deploy/requirements.txt pyproject.toml deploy/build-tools.in
+	PIP_FIND_LINKS= $(BIN)/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras --no-emit-index-url \
+	  --no-emit-find-links -c $(VENV)/lock-constraints.txt -o deploy/compile-requirements.txt deploy/compile-tools.in
 
 clean:
-	rm -rf $(VENV) .push-worker .pytest_cache .apache-pulsar tools/apache-pulsar/lib tools/apache-pulsar/target
+	rm -rf $(VENV) worker/*.so .push-worker .pytest_cache .apache-pulsar tools/apache-pulsar/lib tools/apache-pulsar/target

@@ -151,25 +151,36 @@ def test_the_image_lock_pins_every_runtime_dependency_with_hashes_at_the_tested_
 @pytest.mark.slow
 def test_the_image_build_steps_install_from_the_hashed_lock(tmp_path):
     """The Dockerfile's install steps, run here (no container engine on the build machines): the
-    hashed lock installs with --require-hashes, the package on top without resolving, pip check."""
+    hashed lock installs with --require-hashes, the package on top without resolving, pip check; then
+    the per-message path is compiled in the installed package from a build venv of its own."""
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     assert "--require-hashes --no-deps -r deploy/requirements.txt" in dockerfile
+    assert "-r deploy/requirements.txt -r deploy/compile-requirements.txt" in dockerfile
+    assert "/opt/compile/bin/python -m worker.devtools.compile \\" in dockerfile
+    assert "/opt/push-worker/bin/python -m worker.devtools.compile --check" in dockerfile
     assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11-slim@sha256:[0-9a-f]{64}$", dockerfile, re.M)
     src = tmp_path / "src"  # what the Dockerfile copies
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    shutil.copytree(ROOT / "worker", src / "worker", ignore=shutil.ignore_patterns("__pycache__"))
-    venv = tmp_path / "image"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    python = str(venv / "bin" / "python")
+    shutil.copytree(ROOT / "worker", src / "worker", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    venv, build = tmp_path / "image", tmp_path / "compile"
+    for where in (venv, build):
+        subprocess.run([sys.executable, "-m", "venv", str(where)], check=True)
+    python, build_python = str(venv / "bin" / "python"), str(build / "bin" / "python")
+    site_packages = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
     env = {**os.environ, "PIP_FIND_LINKS": "", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     steps = [[python, "-m", "pip", "install", "--quiet", "--no-cache-dir", "--require-hashes", "--no-deps",
               "-r", str(DEPLOY / "requirements.txt")],
              [python, "-m", "pip", "install", "--quiet", "--no-cache-dir", "--no-deps", "--no-build-isolation",
               str(src)],
              [python, "-m", "pip", "check"],
+             [build_python, "-m", "pip", "install", "--quiet", "--no-cache-dir", "--require-hashes", "--no-deps",
+              "-r", str(DEPLOY / "requirements.txt"), "-r", str(DEPLOY / "compile-requirements.txt")],
+             [build_python, "-m", "worker.devtools.compile"],
+             [python, "-m", "worker.devtools.compile", "--check"],  # exit 1 unless every module is compiled
              [str(venv / "bin" / "push-worker"), "--version"]]
     for step in steps:
-        done = subprocess.run(step, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+        cwd = site_packages if step[0] == build_python and "worker.devtools.compile" in step else tmp_path
+        done = subprocess.run(step, capture_output=True, text=True, env=env, timeout=600, cwd=cwd)
         assert done.returncode == 0, (step, done.stdout[-2000:], done.stderr[-2000:])

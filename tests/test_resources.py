@@ -30,7 +30,8 @@ async def test_a_released_subscription_is_freed_under_the_workers_collector_sett
         w = await start_worker(sub)
         [mid] = client.publish(topic, [b"one"])
         await eventually(lambda: any(r.acked for r in endpoint.by_id().get(mid, [])), what="delivered")
-        released = weakref.ref(w.dispatchers[sub.key])
+        # Its consumer is in the cycle; the dispatcher itself, compiled, takes no weak reference.
+        released = weakref.ref(w.dispatchers[sub.key].consumer)
         gc.collect()  # old now: from here only a full collection reaches it
         await w.remove(sub.key)
         await eventually(lambda: released() is None, timeout=5, what="the released dispatcher freed")

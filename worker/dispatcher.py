@@ -19,11 +19,11 @@ from typing import Any, Protocol
 
 from worker import logs
 from worker.aio import wait_any, wait_event
-from worker.attempts import AttemptStore
+from worker.attempts import AttemptRecord
 from worker.backoff import retry_delay
 from worker.config import DEFAULT_MAX_HELD_BYTES
 from worker.deadletter import DeadLetterPublisher, dead_letter_properties, failing_publishes
-from worker.delivery import Deliverer, Outcome, Result
+from worker.delivery import Outcome, Result
 from worker.endpoint_health import EndpointHealth
 from worker.flow import AdaptiveLimit, ByteBudget, Window
 from worker.history import attempt_entry, event_entry
@@ -86,12 +86,31 @@ def lane_of(sub: Subscription, env: Envelope) -> str | None:
     return None
 
 
+class Endpoints(Protocol):
+    """What a dispatcher sends through: `delivery.Deliverer` (a protocol, so that the compiled
+    dispatcher also runs on the in-memory parts of `make bench --section dispatcher`)."""
+
+    async def attempt(self, url: str, request: PushRequest, deadline: float) -> Outcome: ...
+
+
+class AttemptLog(Protocol):
+    """Where a dispatcher counts and records attempts: `attempts.AttemptStore`."""
+
+    async def begin(self, subscription_key: str, message_id: str) -> AttemptRecord: ...
+
+    def failing_reason(self, subscription_key: str) -> str: ...
+
+    def record(self, subscription_key: str, message_id: str, entries: list[dict[str, Any]],
+               settled: bool, last_status: str = "", acked_first_time: bool = False,
+               lazy: bool = False) -> Awaitable[None]: ...
+
+
 @dataclass
 class DeliveryContext:
     """What every dispatcher of one worker shares."""
 
-    deliverer: Deliverer
-    attempts: AttemptStore
+    deliverer: Endpoints
+    attempts: AttemptLog
     dead_letters: DeadLetterPublisher
     metrics: Metrics
     secrets: SecretStore = field(default_factory=SecretStore)
@@ -458,11 +477,12 @@ class Dispatcher:
         if not self.may_deliver():  # checked again right before the request: Redis may have been slow
             self.endpoint_limit.release(None)
             return None
-        outcome: Outcome | None = None
         try:
             outcome = await self._send(sub, env, request)
-        finally:
-            self.endpoint_limit.release(outcome)
+        except BaseException:
+            self.endpoint_limit.release(None)
+            raise
+        self.endpoint_limit.release(outcome)
         self.health.record(outcome.acked, outcome.last_status)
         if self.state is not self._reported_state:  # Error comes with time, so compare with what was reported
             self._reported_state = self.state

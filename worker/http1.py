@@ -303,18 +303,18 @@ class Client:
             if conn is None:
                 async with asyncio.timeout_at(expires):
                     conn = await self._connect(url)
+            used = conn
             # The deadline is a timer that drops the connection, not a timeout scope around the exchange:
             # a scope cost about 8% of a delivery's CPU (measured), and the connection is lost at the deadline anyway.
-            timer = None if expires is None else loop.call_at(expires, conn.expire)
+            timer = None if expires is None else loop.call_at(expires, used.expire)
             try:
-                await conn.send(head, body, cap)
-                status, answer_headers, ended, keep_alive = await conn.read_answer()
-                break
+                await used.send(head, body, cap)
+                status, answer_headers, ended, keep_alive = await used.read_answer()
             except ProtocolError:
-                conn.close()
-                if conn.expired:
+                used.close()
+                if used.expired:
                     raise TimeoutError from None
-                if not reused or conn.heard:
+                if not reused or used.heard:
                     raise
                 # Closed with not a byte of an answer: the endpoint closed the idle connection as the
                 # request went out (its keep-alive timeout; 20% of requests sent at that moment, measured).
@@ -322,18 +322,20 @@ class Client:
                 # or (an endpoint that died on it) at-least-once delivery allows the duplicate.
                 conn, reused = None, False
             except BaseException:
-                conn.close()
+                used.close()
                 raise
             finally:
                 if timer is not None:
                     timer.cancel()
-        if conn.expired:  # the answer did not end in time (a body read until close stops at the drop)
+            if conn is not None:  # answered (the break is out here: mypyc compiles none inside try/finally)
+                break
+        if used.expired:  # the answer did not end in time (a body read until close stops at the drop)
             raise TimeoutError
         # After a 102 the final answer would still come on this connection: it is not reused.
-        if ended and keep_alive and status != 102 and not conn.stray and not conn.closed and not conn.cut_short:
-            self._release(endpoint, conn)
+        if ended and keep_alive and status != 102 and not used.stray and not used.closed and not used.cut_short:
+            self._release(endpoint, used)
         else:
-            conn.close()
+            used.close()
         return Answer(status, answer_headers)
 
     def _idle_connection(self, endpoint: tuple[str, str, int]) -> _Connection | None:

@@ -39,7 +39,7 @@ import yaml
 import yarl
 from prometheus_client.parser import text_string_to_metric_families
 
-from worker import embedded
+from worker import compiled, embedded
 from worker.consumer import CONSUMER_TYPES, PulsarConsumer, to_envelope
 from worker.destinations import DestinationPolicy, GuardedResolver
 from worker.devtools import apache_pulsar, dispatcher_bench, redis_topologies
@@ -717,7 +717,8 @@ class Run:
 async def run_bench(messages: int = 20000, concurrency: int = 64, sections: tuple[str, ...] = SECTIONS,
                     steady_rate: float = 1000.0, rounds: int = 3) -> int:
     def work() -> int:
-        print(f"push-worker bench: {', '.join(sections)}; {os.cpu_count()} cores\n")
+        print(f"push-worker bench: {', '.join(sections)}; {os.cpu_count()} cores; "
+              f"per-message path {compiled.state()}\n")
         if "dispatcher" in sections:  # in-process: needs no broker, Redis or sink
             print(dispatcher_bench.report(window=concurrency))
             if set(sections) == {"dispatcher"}:  # nothing else asked for: no broker to start

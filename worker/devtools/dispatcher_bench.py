@@ -24,7 +24,7 @@ from worker.cli.worker import GC_THRESHOLD
 from worker.deadletter import DeadLetterPublisher
 from worker.delivery import Outcome, Result
 from worker.dispatcher import DeliveryContext, Dispatcher
-from worker.messages import Envelope
+from worker.messages import Envelope, PushRequest
 from worker.metrics import Metrics
 from worker.subscriptions import Subscription
 
@@ -70,7 +70,12 @@ class _Attempts:
     async def begin(self, subscription_key: str, message_id: str) -> AttemptRecord:
         return AttemptRecord(1, "")
 
-    def record(self, *args: Any, **kwargs: Any) -> asyncio.Future[None]:
+    def failing_reason(self, subscription_key: str) -> str:
+        return ""
+
+    def record(self, subscription_key: str, message_id: str, entries: list[dict[str, Any]],
+               settled: bool, last_status: str = "", acked_first_time: bool = False,
+               lazy: bool = False) -> asyncio.Future[None]:
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         done.set_result(None)
         return done
@@ -79,7 +84,7 @@ class _Attempts:
 class _Endpoint:
     """Acks every request after one turn of the loop."""
 
-    async def attempt(self, url: Any, request: Any, deadline: float) -> Outcome:
+    async def attempt(self, url: str, request: PushRequest, deadline: float) -> Outcome:
         await asyncio.sleep(0)
         return Outcome(Result.ACK, 204, 0.001)
 
@@ -88,8 +93,7 @@ async def _cpu_per_message(kind: str, keys: int, messages: int, window: int) -> 
     sub = Subscription(name=f"bench-{kind}", topic="persistent://p-bench/main/dispatcher",
                        url="http://127.0.0.1:9/push", type=kind, max_ack_pending=window)
     backlog = _Backlog(messages)
-    ctx = DeliveryContext(_Endpoint(), _Attempts(), DeadLetterPublisher(None),  # type: ignore[arg-type]
-                          Metrics())
+    ctx = DeliveryContext(_Endpoint(), _Attempts(), DeadLetterPublisher(None), Metrics())
 
     def envelope(n: int) -> Envelope:
         return Envelope(str(n), b"x", sub.topic, 0, ordering_key=f"key-{n % keys}" if keys else None)

@@ -227,7 +227,8 @@ class DeadLetters:
         metrics = Metrics()
         client = pulsar_adapter.make_client(self.pulsar_settings, self.pulsar_settings.service_url or "",
                                             operator=True)
-        ctx = DeliveryContext(Deliverer(settings.destinations),
+        deliverer = Deliverer(settings.destinations)
+        ctx = DeliveryContext(deliverer,
                               AttemptStore(pipeliner, settings.redis),
                               DeadLetterPublisher(client), metrics, worker_id="dlq-redrive",
                               max_held_bytes=settings.max_held_bytes_per_subscription)
@@ -259,7 +260,7 @@ class DeadLetters:
             await ctx.dead_letters.close()
             await asyncio.wait_for(client.close(), timeout=5.0)
             await pipeliner.close()
-            await ctx.deliverer.close()
+            await deliverer.close()
         return Output(result, f"{sub.key}: redrive done: {result['redriven']} delivered, "
                               f"{result['dead_lettered_again']} dead-lettered again, in {result['seconds']}s")
 

@@ -1,0 +1,59 @@
+"""Which modules are compiled with mypyc (`worker.devtools.compile`), and a guard against stale ones.
+
+Python imports an extension module before the source beside it, so an extension built before its
+source was edited would silently run the old code. The package refuses to import then.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+GROUP = "worker._compiled"  # the shared library of the group: worker/_compiled__mypyc.*.so
+# The per-message path: what a delivery runs through, from the consumer's message to the settled record.
+COMPILED_MODULES = (
+    "attempts", "backoff", "delivery", "dispatcher", "endpoint_health", "flow", "history", "http1",
+    "keys", "messages", "metrics", "redis_batch", "signing",
+)
+
+
+def compiled_files() -> list[Path]:
+    return sorted(PACKAGE_DIR.glob("*.so")) + sorted(PACKAGE_DIR.glob("*.pyd"))
+
+
+def stale_modules() -> list[str]:
+    """The compiled modules whose source changed after they were built."""
+    stale = []
+    for path in compiled_files():
+        name = path.name.split(".", 1)[0]
+        source = PACKAGE_DIR / f"{name}.py"
+        if source.exists() and source.stat().st_mtime > path.stat().st_mtime:
+            stale.append(name)
+    return stale
+
+
+def check_fresh() -> None:
+    if "worker.devtools.compile" in sys.orig_argv:  # the tool that rebuilds or removes them
+        return
+    stale = stale_modules()
+    if stale:
+        sys.stderr.write(f"push-worker: compiled modules older than their source ({', '.join(stale)}): run "
+                         "`make compile` again, or `make uncompile` to run the source\n")
+        raise SystemExit(2)
+
+
+def loaded_compiled() -> list[str]:
+    """The per-message modules this process runs compiled (importing them)."""
+    import importlib
+
+    return [name for name in COMPILED_MODULES
+            if not str(importlib.import_module(f"worker.{name}").__file__).endswith(".py")]
+
+
+def state() -> str:
+    """`compiled (mypyc)`, `interpreted`, or which part is compiled."""
+    done = loaded_compiled()
+    if len(done) == len(COMPILED_MODULES):
+        return "compiled (mypyc)"
+    return "interpreted" if not done else f"partly compiled ({', '.join(done)})"
