@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(BIN)/push-worker demo
 
 # The per-message path compiled with mypyc beside its sources (as the image ships it); `uncompile`
-# removes it again. A compiled module older than its source refuses to import.
+# removes it again. Compiled modules older than any source refuse to import.
 COMPILE   := $(BIN)/python -m worker.devtools.compile
 UNCOMPILE := $(COMPILE) --clean >/dev/null
 
@@ -32,7 +32,8 @@ compile: $(STAMP)
 uncompile: $(STAMP)
 	$(COMPILE) --clean
 
-# The suite runs on the compiled modules (what the image runs), which are removed after it.
+# The suite runs on the compiled modules (what the image runs; built unless up to date), which are
+# removed after it (`UNCOMPILE=:` keeps them, as .ci/run does between its lanes).
 test: $(STAMP)
 	$(BIN)/ruff check worker tests
 	$(BIN)/mypy

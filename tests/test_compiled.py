@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import ast
+import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
+from tests.helpers import spawn_worker, wait_sync
 from worker import compiled
+from worker.embedded import terminate
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -21,6 +26,21 @@ def test_the_suite_runs_the_form_it_was_asked_for():
         assert compiled.state() == "compiled (mypyc)"
     else:  # run by hand: either form, never a mix of a stale build and sources
         assert compiled.state() in ("compiled (mypyc)", "interpreted")
+
+
+def test_the_worker_says_which_form_it_runs(broker, redis_url, tmp_path):
+    """An operator reads from the start-up line whether the image's compiled modules are in use."""
+    config = tmp_path / "w.yaml"
+    config.write_text(yaml.safe_dump({"pulsar": {"service_url": broker.url}, "redis": {"url": redis_url},
+                                      "http": {"port": 0}, "log": {"format": "json"}}))
+    log = tmp_path / "worker.log"
+    proc = spawn_worker(config, log)
+    try:
+        wait_sync(lambda: b'"worker started"' in log.read_bytes(), timeout=60, what="the worker")
+        started = next(json.loads(line) for line in log.read_text().splitlines() if '"worker started"' in line)
+        assert started["per_message_path"] == compiled.state()
+    finally:
+        assert terminate(proc, 30) == 0
 
 
 def test_a_compiled_module_older_than_its_source_refuses_to_import(tmp_path):
@@ -37,12 +57,20 @@ def test_a_compiled_module_older_than_its_source_refuses_to_import(tmp_path):
         return subprocess.run([sys.executable, "-c", "import worker"], cwd=tmp_path, capture_output=True,
                               text=True, timeout=60)
 
+    for path in package.glob("*.py"):
+        os.utime(path, (500_000, 500_000))
     os.utime(extension, (1_000_000, 1_000_000))
     os.utime(source, (2_000_000, 2_000_000))  # edited after it was compiled
     stale = import_package()
     assert stale.returncode == 2
     assert stale.stderr.count("\n") == 1 and "Traceback" not in stale.stderr
-    assert "compiled modules older than their source (fake)" in stale.stderr and "make compile" in stale.stderr
+    assert "the compiled modules are older than worker/fake.py" in stale.stderr and "make compile" in stale.stderr
+
+    os.utime(source, (500_000, 500_000))
+    (package / "imported.py").write_text("LIMIT = 2\n")  # a module the compiled ones import changed
+    os.utime(package / "imported.py", (2_000_000, 2_000_000))
+    stale = import_package()
+    assert stale.returncode == 2 and "worker/imported.py" in stale.stderr
 
     os.utime(extension, (3_000_000, 3_000_000))  # compiled again
     fresh = import_package()

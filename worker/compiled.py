@@ -1,6 +1,6 @@
 """Which modules are compiled with mypyc (`worker.devtools.compile`), and a guard against stale ones.
 
-Python imports an extension module before the source beside it, so an extension built before its
+Python imports an extension module before the source beside it, so an extension built before a
 source was edited would silently run the old code. The package refuses to import then.
 """
 
@@ -22,24 +22,31 @@ def compiled_files() -> list[Path]:
     return sorted(PACKAGE_DIR.glob("*.so")) + sorted(PACKAGE_DIR.glob("*.pyd"))
 
 
-def stale_modules() -> list[str]:
-    """The compiled modules whose source changed after they were built."""
-    stale = []
-    for path in compiled_files():
-        name = path.name.split(".", 1)[0]
-        source = PACKAGE_DIR / f"{name}.py"
-        if source.exists() and source.stat().st_mtime > path.stat().st_mtime:
-            stale.append(name)
-    return stale
+def newer_sources() -> list[str]:
+    """The package's sources changed after its oldest compiled file was built. Any source counts, not
+    only the compiled ones': a compiled module builds in what it imports (constants, signatures)."""
+    built = compiled_files()
+    if not built:
+        return []
+    oldest = min(path.stat().st_mtime for path in built)
+    return sorted(str(path.relative_to(PACKAGE_DIR.parent)) for path in PACKAGE_DIR.rglob("*.py")
+                  if path.stat().st_mtime > oldest)
+
+
+def fresh() -> bool:
+    """Every per-message module is compiled, and no source changed since."""
+    names = {path.name.split(".", 1)[0] for path in compiled_files()}
+    return set(COMPILED_MODULES) <= names and not newer_sources()
 
 
 def check_fresh() -> None:
     if "worker.devtools.compile" in sys.orig_argv:  # the tool that rebuilds or removes them
         return
-    stale = stale_modules()
-    if stale:
-        sys.stderr.write(f"push-worker: compiled modules older than their source ({', '.join(stale)}): run "
-                         "`make compile` again, or `make uncompile` to run the source\n")
+    newer = newer_sources()
+    if newer:
+        shown = ", ".join(newer[:3]) + (f" and {len(newer) - 3} more" if len(newer) > 3 else "")
+        sys.stderr.write(f"push-worker: the compiled modules are older than {shown}: run `make compile` "
+                         "again, or `make uncompile` to run the source\n")
         raise SystemExit(2)
 
 

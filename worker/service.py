@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 from redis.exceptions import AuthenticationError, ResponseError
 
-from worker import broker_admin, embedded, logs, redis_client
+from worker import broker_admin, compiled, embedded, logs, redis_client
 from worker import consumer as pulsar_adapter
 from worker.aio import wait_event
 from worker.attempts import AttemptStore
@@ -230,7 +230,7 @@ class Worker:
             self.log.warning("no backlog source: set pulsar.admin_url (or pulsar.metrics_url); without it there is "
                              "no pushworker_subscription_backlog, no expiry, and nothing for the HPA to scale on")
         self.log.info("worker started", fleet=s.fleet.name, members=len(self.fleet.members),
-                      owned=len(self.fleet.leases), http_port=self.status.port)
+                      owned=len(self.fleet.leases), http_port=self.status.port, per_message_path=compiled.state())
 
     def _cleanup(self, step: str, close: Callable[[], Awaitable[Any]], limit: float) -> None:
         self._stack.push_async_callback(self._step, step, close, limit)
