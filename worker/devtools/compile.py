@@ -1,11 +1,12 @@
 """Compile the per-message path with mypyc, in place: `python -m worker.devtools.compile [--clean]`.
 
 The modules every message passes through are compiled from their own typed source (no second
-implementation of anything): a delivery costs about a sixth less CPU (docs/speed.md). The extension
-modules land beside their sources, where Python imports them first. `make test` runs the suite on
-them, and the image ships them; the sources alone still run as they are. Extensions older than
-any source of the package are refused at import (`worker.compiled.check_fresh`), so an edit is never
-shadowed; they are built again only then (or with --force).
+implementation of anything): a delivery in a burst or backlog costs about a sixth less CPU
+(docs/speed.md). The extension modules land beside their sources, where Python imports them
+first. `make test` runs the suite on them, and the image ships them; the sources alone still run
+as they are. Extensions older than any source of the package are refused at import
+(`worker.compiled.check_fresh`), so an edit is never shadowed; they are built again only then (or
+with --force).
 """
 
 from __future__ import annotations
