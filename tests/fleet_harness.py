@@ -16,10 +16,10 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import Endpoint
-from tests.helpers import http_get, push_sub, spawn_worker, stays_sync, wait_sync
+from tests.helpers import http_get, push_sub, spawn_worker, stays_sync, stop_worker, wait_sync
 from tests.redis_targets import RedisTarget
 from worker.config import RedisSettings
-from worker.embedded import free_port, terminate
+from worker.embedded import free_port
 from worker.keys import lease_key
 
 
@@ -63,7 +63,7 @@ class WorkerProcess:
         self.proc.send_signal(sig)
 
     def stop(self, timeout: float = 30) -> int:
-        return terminate(self.proc, timeout)
+        return stop_worker(self.proc, timeout)
 
 
 class FleetHarness:

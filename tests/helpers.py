@@ -5,8 +5,10 @@ definitions."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import ssl
 import subprocess
 import sys
@@ -81,6 +83,22 @@ def spawn_worker(config: Path | str, log: Path, cwd: Path | None = None, **extra
     with open(log, "ab") as out:
         return subprocess.Popen([sys.executable, "-m", "worker.cli", "run", "--config", str(config)],
                                 stdout=out, stderr=out, env=env(**extra_env), cwd=cwd)
+
+
+def stop_worker(proc: subprocess.Popen[bytes], timeout: float = 30) -> int:
+    """SIGTERM, then the exit code once it ends within `timeout`. One that has not is asked (SIGUSR1)
+    to log what each of its tasks waits on before it is killed: the hang leaves its cause in the log."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(2)  # time to write the dump; a hung worker does not end by itself
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 120,

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import yaml
 
-from tests.helpers import spawn_worker, wait_sync
+from tests.helpers import spawn_worker, stop_worker, wait_sync
 from worker import compiled
-from worker.embedded import terminate
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,7 +39,7 @@ def test_the_worker_says_which_form_it_runs(broker, redis_url, tmp_path):
         started = next(json.loads(line) for line in log.read_text().splitlines() if '"worker started"' in line)
         assert started["per_message_path"] == compiled.state()
     finally:
-        assert terminate(proc, 30) == 0
+        assert stop_worker(proc, 30) == 0
 
 
 def test_a_compiled_module_older_than_its_source_refuses_to_import(tmp_path):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import threading
 import time
 import uuid
@@ -20,11 +19,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import Client
-from tests.helpers import spawn_worker, wait_sync
+from tests.helpers import spawn_worker, stop_worker, wait_sync
 from worker import keys
 from worker.attempts import AttemptStore
 from worker.config import RedisSettings
-from worker.embedded import terminate
 from worker.keys import fleet_key
 from worker.prefetch import LargestMessages
 from worker.redis_batch import Pipeliner
@@ -179,13 +177,7 @@ def test_garbage_in_every_key_the_fleet_reads_never_stops_valid_subscriptions(br
         delivered_through_both()
         corrupt_then_deliver()
     finally:
-        proc.send_signal(15)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(10)  # SIGUSR1: the worker logs what each task waits on
-            time.sleep(1)
-        assert terminate(proc, 1) == 0
+        assert stop_worker(proc, 30) == 0
         publisher.close()
         server.shutdown()
         client.close()

@@ -21,9 +21,10 @@ from tests.helpers import (
     http_get,
     run_cli,
     spawn_worker,
+    stop_worker,
     wait_sync,
 )
-from worker.embedded import EmbeddedError, free_port, start_redis, terminate
+from worker.embedded import EmbeddedError, free_port, start_redis
 
 pytestmark = pytest.mark.broker_independent
 
@@ -51,7 +52,7 @@ def test_run_with_the_default_relative_state_dir_reads_its_backlog(tmp_path: Pat
         conf = (tmp_path / ".push-worker" / "pulsar-lite.toml").read_text()
         assert 'addr = "127.0.0.1:' in conf
     finally:
-        assert terminate(proc, 30) == 0
+        assert stop_worker(proc, 30) == 0
     assert "backlog read failed" not in (tmp_path / "w.log").read_text()
 
 
@@ -140,7 +141,7 @@ async def test_a_killed_worker_takes_its_broker_and_redis_along_and_the_next_sta
         third = await _publish(config, "third")
         await eventually(lambda: _delivered(endpoint, third), timeout=30, what="delivery by the third worker")
     finally:
-        assert terminate(proc, 30) == 0
+        assert stop_worker(proc, 30) == 0
     assert "stopped an embedded service that a killed worker left running" in (tmp_path / "w3.log").read_text()
     assert not any(_running(pid) for pid in left.values())  # a clean stop stops them too
     # With no worker running there, a command asks for a URL at once instead of timing out on old ports.
@@ -185,7 +186,7 @@ async def test_an_embedded_service_that_dies_is_started_again_and_delivery_goes_
                              what="ready again")
         pids = recorded()["pids"]
     finally:
-        assert terminate(proc, 30) == 0
+        assert stop_worker(proc, 30) == 0
     log = (tmp_path / "w.log").read_text()
     assert log.count("embedded service exited; starting it again") == 2, log[-3000:]
     assert not any(_running(pid) for pid in pids.values())  # the restarted ones stop with the worker

@@ -13,10 +13,10 @@ from aiohttp import web
 from structlog.testing import capture_logs
 
 from tests.conftest import Client, make_sub
-from tests.helpers import eventually, http_get, spawn_worker
+from tests.helpers import eventually, http_get, spawn_worker, stop_worker
 from tests.redis_targets import ALL_REDIS
 from worker.config import FleetSettings
-from worker.embedded import free_port, start_redis, terminate
+from worker.embedded import free_port, start_redis
 
 
 async def test_probes_and_json_logs_without_secrets(broker, endpoint, client: Client, topic, tmp_path: Path):
@@ -46,7 +46,7 @@ async def test_probes_and_json_logs_without_secrets(broker, endpoint, client: Cl
         assert http_get(f"http://127.0.0.1:{port}/readyz")[1]["reason"] == "redis unreachable"
         assert http_get(f"http://127.0.0.1:{port}/healthz")[0] == 200
     finally:
-        assert terminate(proc, 30) == 0
+        assert stop_worker(proc, 30) == 0
     text = log.read_text()
     assert password not in text
     events = [json.loads(line) for line in text.splitlines() if line.startswith("{")]

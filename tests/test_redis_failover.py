@@ -28,11 +28,11 @@ from structlog.testing import capture_logs
 
 from tests.conftest import Client, Endpoint, make_sub
 from tests.fleet_harness import FleetHarness, delivered, fleet_sub, settled_ownership, topics
-from tests.helpers import cli, eventually, http_get, push_sub, spawn_worker
+from tests.helpers import cli, eventually, http_get, push_sub, spawn_worker, stop_worker
 from tests.redis_targets import RedisTarget
 from worker import keys
 from worker.devtools import redis_topologies
-from worker.embedded import free_port, terminate
+from worker.embedded import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis_topology]
 
@@ -236,7 +236,7 @@ async def test_cluster_or_sentinels_down_at_start_the_worker_waits_and_commands_
         named = [f"127.0.0.1:{p}" in err for p in ports]  # a Cluster names the seed it tried last
         assert (any(named) if mode == "cluster" else all(named)) and "<redis" not in err, err
     finally:
-        assert terminate(proc, 30) == 0
+        assert stop_worker(proc, 30) == 0
     text = log.read_text()
     assert "Traceback" not in text
     retries = [json.loads(line) for line in text.splitlines() if "redis unreachable; retrying" in line]

@@ -22,9 +22,9 @@ from aiohttp import web
 
 from tests import brokers
 from tests.conftest import Client, Endpoint
-from tests.helpers import eventually, http_get, spawn_worker
+from tests.helpers import eventually, http_get, spawn_worker, stop_worker
 from worker import embedded
-from worker.embedded import free_port, terminate
+from worker.embedded import free_port
 from worker.messages import format_message_id
 
 
@@ -145,7 +145,7 @@ async def test_kill_9_right_after_2xx_answers_never_repeats_an_attempt_number(
     finally:
         stop_publishing.set()
         feeder.join()
-        terminate(worker["proc"], 20)
+        stop_worker(worker["proc"], 20)
         publisher.close()
 
     numbering = attempts_by_id(endpoint)
@@ -179,7 +179,7 @@ async def test_broker_outage_at_exhaustion_dead_letters_each_message_once(
         own_broker.restart()
         dead = await asyncio.to_thread(_drain_dead_letters, own_broker.url, topic + "-dlq", ids)
     finally:
-        terminate(proc, 20)
+        stop_worker(proc, 20)
     seen: dict[str, int] = {}
     for mid in dead:
         seen[mid] = seen.get(mid, 0) + 1
@@ -260,7 +260,7 @@ async def test_redis_and_broker_down_at_start_then_up(endpoint: Endpoint, topic,
         await eventually(lambda: any(r.headers["Pubsub-Message-Id"] == mid for r in endpoint.requests),
                          what="delivery")
     finally:
-        assert terminate(proc, 30) == 0
+        assert stop_worker(proc, 30) == 0
         for service in (redis_service, broker):
             if service is not None:
                 service.stop()

@@ -12,9 +12,8 @@ import yaml
 from aiohttp import web
 
 from tests.conftest import Endpoint, make_sub
-from tests.helpers import eventually, spawn_worker
+from tests.helpers import eventually, spawn_worker, stop_worker
 from worker.cli.worker import GC_THRESHOLD
-from worker.embedded import terminate
 
 
 async def test_a_released_subscription_is_freed_under_the_workers_collector_settings(
@@ -76,7 +75,7 @@ async def test_a_subscription_of_large_messages_prefetches_few_and_so_does_its_n
         event = json.loads(next(line for line in log.read_text().splitlines() if sized in line))
         assert (event["message_bytes"], event["prefetch"]) == (size, 1), event
     finally:
-        assert terminate(first, 30) == 0
+        assert stop_worker(first, 30) == 0
     log = tmp_path / "second.log"
     second = spawn_worker(config, log, PUSH_WORKER_ID="second")
     try:
@@ -93,7 +92,7 @@ async def test_a_subscription_of_large_messages_prefetches_few_and_so_does_its_n
                          timeout=120, what="every message delivered")
     finally:
         release.set()
-        assert terminate(second, 30) == 0
+        assert stop_worker(second, 30) == 0
     # Measured on Apache Pulsar: 128 MiB (an idle worker takes about 75; 4 held and 1 prefetched);
     # 263 MiB without the remembered size (the whole backlog prefetched). pulsar-lite hands a
     # consumer at most about 20 MiB per flow request, so there the figure cannot tell them apart.

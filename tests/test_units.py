@@ -4,6 +4,7 @@ byte budget."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import random
 from typing import Any
@@ -11,13 +12,18 @@ from typing import Any
 import pulsar
 import pytest
 
+from worker import dispatcher as dispatcher_module
+from worker import logs
 from worker.backoff import retry_delay
 from worker.consumer import to_envelope
+from worker.deadletter import DeadLetterPublisher
 from worker.delivery import is_ack_status, parse_retry_after
 from worker.destinations import DestinationPolicy
-from worker.dispatcher import lane_of
+from worker.devtools.dispatcher_bench import _Attempts, _Backlog, _Endpoint
+from worker.dispatcher import DeliveryContext, Dispatcher, lane_of
 from worker.flow import ByteBudget
 from worker.messages import Envelope, build_request, format_message_id, header_safe, rfc3339
+from worker.metrics import Metrics
 from worker.prefetch import prefetch_for, too_large
 from worker.subscriptions import RetryPolicy, Subscription
 
@@ -199,3 +205,36 @@ def test_prefetch_follows_the_window_until_messages_are_large_then_fits_its_byte
     assert prefetch_for(max_ack_pending=1000, largest=64 << 20, budget=budget) == 1  # never below one
     # A consumer of 16 subscribes again for messages over twice what fits (2 MiB), not at 1.5 MiB.
     assert too_large(16, budget) == 2 << 20
+
+
+class _DeafToCancel(_Backlog):
+    """A consumer whose receive does not end when cancelled (a client call that does not return),
+    until the test lets it go."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.let_go = asyncio.Event()
+
+    async def receive(self) -> int:
+        while not self.let_go.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.let_go.wait()
+        return 0
+
+
+async def test_a_receive_that_does_not_end_on_cancel_does_not_hold_a_stop(monkeypatch, capsys):
+    """Every step of a stop is bounded; the wait for the receive loop was not (a stop seen to hang
+    until the worker was killed)."""
+    monkeypatch.setattr(dispatcher_module, "CLOSE_TIMEOUT", 0.2)
+    logs.configure("json", "info")
+    consumer = _DeafToCancel()
+    dispatcher = Dispatcher(sub(), consumer, lambda n: Envelope(str(n), b"x", "t", 0),
+                            DeliveryContext(_Endpoint(), _Attempts(), DeadLetterPublisher(None), Metrics()))
+    dispatcher.start()
+    await asyncio.sleep(0)  # the receive loop is waiting in receive
+    stopping = asyncio.ensure_future(dispatcher.stop(1.0))
+    ended, _ = await asyncio.wait({stopping}, timeout=10)
+    consumer.let_go.set()
+    await stopping
+    assert ended, "the stop waited for the receive loop"
+    assert "receive loop did not end on cancel" in capsys.readouterr().err

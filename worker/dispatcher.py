@@ -212,7 +212,11 @@ class Dispatcher:
         self._stopping.set()
         if self._receiver is not None:
             self._receiver.cancel()
-            await asyncio.gather(self._receiver, return_exceptions=True)
+            # Bounded like every step of a stop: a receive loop that does not end on its cancel must
+            # not hold the shutdown (closing the consumer below still hands its messages back).
+            ended, _ = await asyncio.wait({self._receiver}, timeout=CLOSE_TIMEOUT)
+            if not ended:
+                self.log.warning("receive loop did not end on cancel; stopping without it")
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=grace)
             for task in pending:

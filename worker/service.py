@@ -27,7 +27,7 @@ from worker.config import Settings
 from worker.deadletter import DeadLetterPublisher
 from worker.delivery import Deliverer
 from worker.destinations import check_host
-from worker.dispatcher import DeliveryContext, Dispatcher, Fence, Stats
+from worker.dispatcher import CLOSE_TIMEOUT, DeliveryContext, Dispatcher, Fence, Stats
 from worker.errors import ConfigError, DestinationRefused, PushWorkerError, StartupError
 from worker.fleet import Fleet, lifecycle
 from worker.fleet.lifecycle import ExpiryWatch, SeekTarget
@@ -465,7 +465,9 @@ class Worker:
         starting = self._starting.pop(key, None)
         if starting is not None:
             starting.cancel()
-            await asyncio.gather(starting, return_exceptions=True)
+            ended, _ = await asyncio.wait({starting}, timeout=CLOSE_TIMEOUT)  # bounded, like every step of a stop
+            if not ended:
+                self.log.warning("subscribe did not end on cancel; stopping without it", subscription=key)
         dispatcher = self.dispatchers.pop(key, None)
         if dispatcher is not None:
             await dispatcher.stop(self.settings.shutdown_grace_seconds if grace is None else grace, unsubscribe)

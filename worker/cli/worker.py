@@ -61,7 +61,9 @@ def _dump_tasks() -> None:
                 break
             frames.append(f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno} {frame.f_code.co_name}")
             awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
-        logs.get().warning("task", name=task.get_name(), awaits=frames)
+        # A compiled coroutine (worker.compiled) shows no frames: what its task waits on still names the step.
+        waits_on = repr(getattr(task, "_fut_waiter", None))
+        logs.get().warning("task", name=task.get_name(), awaits=frames, waits_on=waits_on)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
