@@ -75,7 +75,8 @@ def stays_sync(predicate: Callable[[], bool], seconds: float, what: str = "condi
 
 def env(**extra: str) -> dict[str, str]:
     """The environment for a `push-worker` process run from the checkout."""
-    return {**os.environ, "PYTHONPATH": str(ROOT), **extra}
+    # faulthandler: a worker that stop_worker has to abort prints every thread's stack first.
+    return {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1", **extra}
 
 
 def spawn_worker(config: Path | str, log: Path, cwd: Path | None = None, **extra_env: str) -> subprocess.Popen[bytes]:
@@ -86,16 +87,18 @@ def spawn_worker(config: Path | str, log: Path, cwd: Path | None = None, **extra
 
 
 def stop_worker(proc: subprocess.Popen[bytes], timeout: float = 30) -> int:
-    """SIGTERM, then the exit code once it ends within `timeout`. One that has not is asked (SIGUSR1)
-    to log what each of its tasks waits on before it is killed: the hang leaves its cause in the log."""
+    """SIGTERM, then the exit code once it ends within `timeout`. One that has not leaves the cause
+    in its log before it goes: what each task waits on (SIGUSR1, answered by its event loop), then
+    every thread's stack (SIGABRT, answered by faulthandler even when the loop itself is blocked)."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGUSR1)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(2)  # time to write the dump; a hung worker does not end by itself
+            for dump in (signal.SIGUSR1, signal.SIGABRT):
+                proc.send_signal(dump)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(2)  # time to write it: a hung worker does not end on SIGUSR1
             proc.kill()
             proc.wait()
     return proc.returncode
