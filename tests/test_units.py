@@ -11,9 +11,9 @@ from typing import Any
 
 import pulsar
 import pytest
+from structlog.testing import capture_logs
 
 from worker import dispatcher as dispatcher_module
-from worker import logs
 from worker.backoff import retry_delay
 from worker.consumer import to_envelope
 from worker.deadletter import DeadLetterPublisher
@@ -213,28 +213,29 @@ class _DeafToCancel(_Backlog):
 
     def __init__(self) -> None:
         super().__init__(0)
-        self.let_go = asyncio.Event()
+        self.receiving, self.let_go = asyncio.Event(), asyncio.Event()
 
     async def receive(self) -> int:
+        self.receiving.set()
         while not self.let_go.is_set():
             with contextlib.suppress(asyncio.CancelledError):
                 await self.let_go.wait()
         return 0
 
 
-async def test_a_receive_that_does_not_end_on_cancel_does_not_hold_a_stop(monkeypatch, capsys):
+async def test_a_receive_that_does_not_end_on_cancel_does_not_hold_a_stop(monkeypatch):
     """Every step of a stop is bounded; the wait for the receive loop was not (a stop seen to hang
     until the worker was killed)."""
     monkeypatch.setattr(dispatcher_module, "CLOSE_TIMEOUT", 0.2)
-    logs.configure("json", "info")
     consumer = _DeafToCancel()
     dispatcher = Dispatcher(sub(), consumer, lambda n: Envelope(str(n), b"x", "t", 0),
                             DeliveryContext(_Endpoint(), _Attempts(), DeadLetterPublisher(None), Metrics()))
     dispatcher.start()
-    await asyncio.sleep(0)  # the receive loop is waiting in receive
-    stopping = asyncio.ensure_future(dispatcher.stop(1.0))
-    ended, _ = await asyncio.wait({stopping}, timeout=10)
-    consumer.let_go.set()
-    await stopping
+    await consumer.receiving.wait()
+    with capture_logs() as logged:
+        stopping = asyncio.ensure_future(dispatcher.stop(1.0))
+        ended, _ = await asyncio.wait({stopping}, timeout=10)
+        consumer.let_go.set()
+        await stopping
     assert ended, "the stop waited for the receive loop"
-    assert "receive loop did not end on cancel" in capsys.readouterr().err
+    assert "receive loop did not end on cancel; stopping without it" in [e["event"] for e in logged]
