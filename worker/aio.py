@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
+from typing import Any
 
 
 async def wait_event(event: asyncio.Event, seconds: float) -> bool:
@@ -27,3 +29,16 @@ async def wait_any(*events: asyncio.Event, seconds: float) -> None:
     finally:
         for waiter in waiters:
             waiter.cancel()
+
+
+async def cancel_within(tasks: Iterable[asyncio.Task[Any]], seconds: float) -> set[asyncio.Task[Any]]:
+    """Cancel `tasks` and wait up to `seconds` for them to end; returns those that did not. Every
+    stop waits this way: a task that does not end on its cancel (a client call that never returns)
+    must not hold up a shutdown."""
+    pending = set(tasks)
+    for task in pending:
+        task.cancel()
+    if not pending:
+        return pending
+    _, stuck = await asyncio.wait(pending, timeout=seconds)
+    return stuck

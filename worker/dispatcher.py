@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from worker import logs
-from worker.aio import wait_any, wait_event
+from worker.aio import cancel_within, wait_any, wait_event
 from worker.attempts import AttemptRecord
 from worker.backoff import retry_delay
 from worker.config import DEFAULT_MAX_HELD_BYTES
@@ -210,19 +210,12 @@ class Dispatcher:
         """Stop intake; let requests under way finish within `grace`; release the rest to the broker
         (or delete the broker subscription, with `unsubscribe`)."""
         self._stopping.set()
-        if self._receiver is not None:
-            self._receiver.cancel()
-            # Bounded like every step of a stop: a receive loop that does not end on its cancel must
-            # not hold the shutdown (closing the consumer below still hands its messages back).
-            ended, _ = await asyncio.wait({self._receiver}, timeout=CLOSE_TIMEOUT)
-            if not ended:
-                self.log.warning("receive loop did not end on cancel; stopping without it")
+        # Closing the consumer below hands back what a receive loop that did not end still holds.
+        if self._receiver is not None and await cancel_within([self._receiver], CLOSE_TIMEOUT):
+            self.log.warning("receive loop did not end on cancel; stopping without it")
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=grace)
-            for task in pending:
-                task.cancel()
-            if pending:  # bounded too: a task that does not end on cancel must not hold the shutdown
-                await asyncio.wait(pending, timeout=CLOSE_TIMEOUT)
+            await cancel_within(pending, CLOSE_TIMEOUT)
         # Closing the consumer hands every unacked message back to the broker for redelivery.
         # Bounded: a close that the client never confirms must not hold up a shutdown.
         if unsubscribe:

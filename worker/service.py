@@ -20,7 +20,7 @@ from redis.exceptions import AuthenticationError, ResponseError
 
 from worker import broker_admin, compiled, embedded, logs, redis_client
 from worker import consumer as pulsar_adapter
-from worker.aio import wait_event
+from worker.aio import cancel_within, wait_event
 from worker.attempts import AttemptStore
 from worker.backlog import BacklogReader
 from worker.config import Settings
@@ -463,11 +463,8 @@ class Worker:
 
     async def _stop_serving(self, key: str, grace: float | None = None, unsubscribe: bool = False) -> None:
         starting = self._starting.pop(key, None)
-        if starting is not None:
-            starting.cancel()
-            ended, _ = await asyncio.wait({starting}, timeout=CLOSE_TIMEOUT)  # bounded, like every step of a stop
-            if not ended:
-                self.log.warning("subscribe did not end on cancel; stopping without it", subscription=key)
+        if starting is not None and await cancel_within([starting], CLOSE_TIMEOUT):
+            self.log.warning("subscribe did not end on cancel; stopping without it", subscription=key)
         dispatcher = self.dispatchers.pop(key, None)
         if dispatcher is not None:
             await dispatcher.stop(self.settings.shutdown_grace_seconds if grace is None else grace, unsubscribe)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker import logs
+from worker.aio import cancel_within
 
 READY_AFTER = 30.0  # seconds a task may keep failing before the worker reports not ready
 LIVE_AFTER = 120.0  # ... before it reports not alive (the pod is restarted)
@@ -97,11 +98,7 @@ class Supervisor:
         return ", ".join(f"task {name} failing for {t:.0f}s" for name, t in sorted(worst.items()))
 
     async def close(self) -> None:
-        tasks = set(self._tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=5.0)
+        await cancel_within(self._tasks, 5.0)
 
 
 def log_task_failure(supervisor: Supervisor | None, name: str) -> Callable[[asyncio.Task[Any]], None]:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from redis.exceptions import ResponseError
 
 from worker import keys, logs
-from worker.aio import wait_event
+from worker.aio import cancel_within, wait_event
 from worker.config import FleetSettings
 from worker.fleet import lifecycle
 from worker.fleet.leases import ACQUIRE, RELEASE, RENEW, Lease, assign
@@ -386,13 +386,8 @@ class Fleet:
         soon as its lease is released; drain every subscription and release its lease. The leases are
         renewed while their subscriptions drain: left to lapse, a drain longer than the lease let the
         next owner start while this worker's requests were still under way."""
-        tasks = [*self._tasks, *self._seeks]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            _, stuck = await asyncio.wait(tasks, timeout=10)
-            for task in stuck:  # bounded: leaving must not wait on a task that did not end on cancel
-                self.log.warning("task did not stop when leaving the fleet", task=task.get_name())
+        for task in await cancel_within([*self._tasks, *self._seeks], 10):
+            self.log.warning("task did not stop when leaving the fleet", task=task.get_name())
         with contextlib.suppress(*REDIS_DOWN):
             await self.client.zrem(self.members_key, self.me)
             await self.client.publish(self.registry.channel, b"members")
