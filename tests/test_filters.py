@@ -49,6 +49,8 @@ def render(node: Node) -> str:
         return f"hasPrefix(attributes.{key_text(a[0])}, {quote(a[1])})"
     if op == "not":
         return f"NOT {render(a[0])}"
+    if op == "-":  # Google's other spelling of NOT
+        return f"-{render(a[0])}"
     return "(" + f" {op} ".join(render(x) for x in a) + ")"
 
 
@@ -62,7 +64,7 @@ def reference(node: Node, attributes: dict[str, str]) -> bool:
         return a[0] in attributes
     if op == "prefix":
         return a[0] in attributes and attributes[a[0]].startswith(a[1])
-    if op == "not":
+    if op in ("not", "-"):
         return not reference(a[0], attributes)
     results = [reference(x, attributes) for x in a]
     return all(results) if op == "AND" else any(results)
@@ -76,6 +78,7 @@ leaves = st.one_of(
 )
 expressions = st.recursive(leaves, lambda inner: st.one_of(
     st.builds(lambda x: Node("not", (x,)), inner),
+    st.builds(lambda x: Node("-", (x,)), inner),
     st.builds(lambda xs: Node("AND", tuple(xs)), st.lists(inner, min_size=2, max_size=3)),
     st.builds(lambda xs: Node("OR", tuple(xs)), st.lists(inner, min_size=2, max_size=3)),
 ), max_leaves=8)
@@ -98,6 +101,15 @@ def test_precedence_is_not_then_and_then_or():
     assert f.matches({"a": "1", "c": "1"})  # a OR (b AND NOT c)
     assert not f.matches({"b": "1", "c": "1"})
     assert f.matches({"b": "1"})
+
+
+def test_minus_is_another_spelling_of_not():
+    """Google's filter syntax (AIP-160) takes `-` for NOT, as in its emulator's own tests."""
+    f = parse_filter('attributes.name = "com" AND -attributes:"lang"')
+    assert f.matches({"name": "com"}) and not f.matches({"name": "com", "lang": "en"})
+    assert parse_filter('-(attributes:a OR attributes:b)').matches({"c": "1"})
+    assert not parse_filter('-(attributes:a OR attributes:b)').matches({"b": "1"})
+    assert parse_filter("attributes:-k").matches({"-k": "1"})  # in a key it is still a key's character
 
 
 @pytest.mark.parametrize(("text", "column"), [

@@ -1,11 +1,13 @@
 """Subscription filters on message attributes, in the Google Cloud Pub/Sub filter syntax:
 
     attributes.KEY = "v"      attributes.KEY != "v"      attributes:KEY      hasPrefix(attributes.KEY, "p")
-    NOT x      x AND y      x OR y      ( x )
+    NOT x      -x      x AND y      x OR y      ( x )
 
 KEY is a name of letters, digits, `_` and `-`, or any name as a quoted string (`attributes."a b"`).
-NOT binds tightest, then AND, then OR. Parsed by lark (an LALR grammar), compiled once into nested
-closures: evaluating a message costs a few dictionary lookups.
+`-` is Google's other spelling of NOT. NOT binds tightest, then AND, then OR (Google's own emulator,
+on AIP-160's grammar, binds OR before AND: docs/configuration.md asks for parentheses). Parsed by
+lark (an LALR grammar), compiled once into nested closures: evaluating a message costs a few
+dictionary lookups.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ _GRAMMAR = r"""
 ?start: or_expr
 ?or_expr: and_expr (_OR and_expr)*      -> any_of
 ?and_expr: unary (_AND unary)*          -> all_of
-?unary: _NOT unary                      -> negate
+?unary: (_NOT | _MINUS) unary           -> negate
       | atom
 ?atom: "(" or_expr ")"
      | "attributes" "." key "=" STRING   -> equals
@@ -34,6 +36,7 @@ key: NAME | STRING
 _OR: "OR"
 _AND: "AND"
 _NOT: "NOT"
+_MINUS: "-"
 NAME: /[A-Za-z0-9_-]+/
 STRING: /"(?:[^"\\]|\\.)*"/
 %import common.WS
@@ -131,7 +134,7 @@ def parse_filter(text: str) -> Filter:
         near = text[e.column - 1:e.column + 14] if e.column > 0 else ""
         raise FilterError(f"syntax error at column {e.column}" + (f" near {near!r}" if near else "")
                           + ' (expected e.g. attributes.KEY = "v", attributes:KEY, '
-                            'hasPrefix(attributes.KEY, "p"), NOT, AND, OR, parentheses)') from None
+                            'hasPrefix(attributes.KEY, "p"), NOT or -, AND, OR, parentheses)') from None
     except (VisitError, ValueError):
         raise FilterError("a quoted string has an invalid escape (\\\" \\\\ \\n \\t, \\xHH, \\ooo, \\uHHHH "
                           "and \\UHHHHHHHH are known)") from None
