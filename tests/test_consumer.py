@@ -4,11 +4,13 @@ C++ consumer and message, verified with the pinned version) and the public async
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pulsar.asyncio as pulsar_async
 import pytest
 
 from tests.conftest import Client, make_sub
+from worker import consumer as consumer_module
 from worker.config import PulsarSettings
 from worker.consumer import make_client, subscribe, to_envelope
 
@@ -70,6 +72,37 @@ async def test_fast_path_after_a_wait_skips_the_queue_and_keeps_order(broker, cl
         assert [to_envelope(m).message_id for m in taken] == ids
         for message in (first, *taken):
             await consumer.acknowledge(message)
+        await consumer.close()
+    finally:
+        await pulsar.close()
+
+
+async def test_the_client_thread_keeps_its_python_thread_state_between_messages(broker, client: Client, topic,
+                                                                               monkeypatch):
+    """Messages that arrive while a receive waits come through a callback on the client's thread.
+    That thread keeps one Python thread state instead of being given a new one per message: it
+    takes it once, however many messages it hands over."""
+    kept: list[int] = []
+    keep = consumer_module._keep_thread_state
+
+    def counted() -> None:
+        kept.append(threading.get_ident())
+        keep()
+
+    monkeypatch.setattr(consumer_module, "_keep_thread_state", counted)
+    sub = make_sub(topic, "http://127.0.0.1:9/push")
+    pulsar = make_client(PulsarSettings(), broker.url)
+    try:
+        consumer = await subscribe(pulsar, sub, "adapter-thread-state")
+        for n in range(4):
+            waiting = asyncio.ensure_future(consumer.receive())
+            await asyncio.sleep(0)  # the receive is registered with the client before the message is published
+            [message_id] = client.publish(topic, [f"m{n}".encode()])
+            message = await asyncio.wait_for(waiting, 10)
+            assert to_envelope(message).message_id == message_id
+            await consumer.acknowledge(message)
+        assert kept, "no message came through the client's thread"
+        assert len(kept) == len(set(kept)), f"a client thread took a new thread state per message: {kept}"
         await consumer.close()
     finally:
         await pulsar.close()

@@ -3,7 +3,8 @@
 Everything runs on this machine: the embedded broker and Redis, a sink endpoint answering 204 (in
 its own process), the references and one `push-worker run` process per case. References: a bare
 aiohttp POST loop at the same concurrency sending the same bodies (its own process; its rate and its
-CPU per request), for latency a bare Pulsar consumer on the same topic, and in `core` the floor: a
+CPU per request; in `subscriptions` the same loop at the steady rate, evenly spaced), for latency a
+bare Pulsar consumer on the same topic, and in `core` the floor: a
 process that only receives, POSTs and acks, as the worker does but with nothing else (what the
 worker spends above it is what the delivery contract costs). Sections: `core` (1 KiB
 throughput and latency), `subscriptions` (many subscriptions at a steady rate), `payload` (64 KiB
@@ -14,6 +15,7 @@ and 1 MiB bodies), `concurrency` (16 and 256), `dispatcher` (the dispatcher alon
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -158,6 +160,35 @@ async def reference_main(url: str, total: int, concurrency: int, body: bytes) ->
         print(json.dumps({"elapsed": time.monotonic() - started, "cpu": time.process_time() - cpu}))
 
 
+async def paced_reference_main(url: str, rate: float, seconds: float, body: bytes) -> None:
+    """The same bare aiohttp POST loop at a steady `rate` requests/s, evenly spaced (each request
+    started on its own timer, as a message of a steady stream wakes the worker), measured over
+    `seconds` after 2 s of warm-up: the reference of the steady streams."""
+    done = 0
+    async with aiohttp.ClientSession() as session:
+        async def one() -> None:
+            nonlocal done
+            async with session.post(url, data=body, headers={"Content-Type": "application/octet-stream"}) as r:
+                await r.read()
+            done += 1
+
+        running: set[asyncio.Task[None]] = set()
+        started = time.monotonic()
+        window: tuple[int, float, float] | None = None  # requests done, wall and CPU time at its start
+        sent = 0
+        while (now := time.monotonic()) < started + 2 + seconds:
+            if window is None and now >= started + 2:
+                window = (done, now, time.process_time())
+            task = asyncio.create_task(one())
+            running.add(task)
+            task.add_done_callback(running.discard)
+            sent += 1
+            await asyncio.sleep(max(0.0, started + sent / rate - time.monotonic()))
+        assert window is not None
+        print(json.dumps({"elapsed": time.monotonic() - window[1], "cpu": time.process_time() - window[2],
+                          "requests": done - window[0]}))
+
+
 # -- the bare Pulsar consumer (own process) -----------------------------------------------------
 
 def bare_consumer_main(service_url: str, topic: str, subscription: str, count: int) -> None:
@@ -227,6 +258,7 @@ def _measured_process(args: list[str], messages: int) -> Reference:
     out = subprocess.run([sys.executable, "-m", "worker.devtools.bench", *args], capture_output=True, text=True,
                          check=True, timeout=600)
     figures = json.loads(out.stdout.splitlines()[-1])
+    messages = int(figures.get("requests", messages))  # the paced reference counts its own
     return Reference(messages / float(figures["elapsed"]), 1e6 * float(figures["cpu"]) / messages)
 
 
@@ -356,6 +388,11 @@ class Bench:
         body_file.write_bytes(body)
         return _measured_process(["reference", sink + "/push", str(messages), str(concurrency or self.concurrency),
                                   str(body_file)], messages)
+
+    def paced_reference(self, sink: str, rate: float, seconds: float = 10.0) -> Reference:
+        body_file = self.dir / "body-paced"
+        body_file.write_bytes(PAYLOAD)
+        return _measured_process(["paced-reference", sink + "/push", str(rate), str(seconds), str(body_file)], 0)
 
     def floor(self, name: str) -> Reference:
         """The floor program (`floor_main`) on a backlog like the shared case's, to the same kind of sink."""
@@ -665,21 +702,31 @@ class Run:
         print(_ratio_table(rows) + "\n")
 
     def subscriptions(self, rate: float) -> None:
-        rows = [self.bench.steady(n, rate) for n in (1, 100, 1000)]
+        # Each row between paced references (shared between neighbours): the bare aiohttp loop sending
+        # the same total rate, evenly spaced. A message of a steady stream costs every process more
+        # than one of a burst (a wake-up each), so the burst reference is not its measure.
+        rows: list[Steady] = []
+        refs = [self.bench.paced_reference(self.ref_sink, rate)]
+        for n in (1, 100, 1000):
+            rows.append(self.bench.steady(n, rate))
+            refs.append(self.bench.paced_reference(self.ref_sink, rate))
         one = rows[0].cpu_us
         single = self.shared.cpu_us if self.shared else float("nan")
         print(f"subscriptions: one worker, {rate:,.0f} msg/s of 1 KiB offered in total, spread evenly over "
               "the subscriptions (each its own topic and endpoint path); 10 s once caught up (a 2 s window with p99 "
-              "under 1 s)")
+              f"under 1 s). Reference: the bare aiohttp loop at {rate:,.0f} evenly spaced requests/s, before and "
+              "after each row")
         print(table([{"subscriptions": f"{s.subscriptions:,}", "msg/s each": f"{s.offered / s.subscriptions:,.1f}",
                       "delivered/s": f"{s.rate:,.0f}", "cpu us/msg": f"{s.cpu_us:.0f}",
+                      "ref cpu us/req": f"{ref.cpu_us:.0f}", "x ref cpu": f"{s.cpu_us / ref.cpu_us:.2f}",
                       "x 1 subscription": f"{s.cpu_us / one:.2f}", "x core shared": f"{s.cpu_us / single:.2f}",
                       "p50 ms": f"{s.p50_ms:.1f}", "p99 ms": f"{s.p99_ms:.1f}", "rss MiB": f"{s.rss_mb:.0f}"}
-                     for s in rows],
-                    ["subscriptions", "msg/s each", "delivered/s", "cpu us/msg", "x 1 subscription", "x core shared",
-                     "p50 ms", "p99 ms", "rss MiB"],
-                    right=("subscriptions", "msg/s each", "delivered/s", "cpu us/msg", "x 1 subscription",
-                           "x core shared", "p50 ms", "p99 ms", "rss MiB")) + "\n")
+                     for s, ref in zip(rows, (Reference.around(a, b) for a, b in itertools.pairwise(refs)),
+                                       strict=True)],
+                    ["subscriptions", "msg/s each", "delivered/s", "cpu us/msg", "ref cpu us/req", "x ref cpu",
+                     "x 1 subscription", "x core shared", "p50 ms", "p99 ms", "rss MiB"],
+                    right=("subscriptions", "msg/s each", "delivered/s", "cpu us/msg", "ref cpu us/req", "x ref cpu",
+                           "x 1 subscription", "x core shared", "p50 ms", "p99 ms", "rss MiB")) + "\n")
 
     def payload(self) -> None:
         b = self.bench
@@ -752,6 +799,9 @@ if __name__ == "__main__":
     elif sys.argv[1] == "reference":  # URL, messages, concurrency, a file holding the body
         uvloop.run(reference_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),
                                   Path(sys.argv[5]).read_bytes()))  # on uvloop, as the worker runs
+    elif sys.argv[1] == "paced-reference":  # URL, requests/s, seconds, a file holding the body
+        uvloop.run(paced_reference_main(sys.argv[2], float(sys.argv[3]), float(sys.argv[4]),
+                                        Path(sys.argv[5]).read_bytes()))
     elif sys.argv[1] == "floor":  # service URL, topic, subscription, endpoint URL, messages, concurrency
         uvloop.run(floor_main(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], int(sys.argv[6]), int(sys.argv[7])))
     elif sys.argv[1] == "bare-consumer":
