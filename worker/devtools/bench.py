@@ -157,7 +157,7 @@ async def reference_main(url: str, total: int, concurrency: int, body: bytes) ->
 
         started, cpu = time.monotonic(), time.process_time()  # process_time: every thread of the process
         await asyncio.gather(*(loop() for _ in range(concurrency)))
-        print(json.dumps({"elapsed": time.monotonic() - started, "cpu": time.process_time() - cpu}))
+        print(json.dumps({"elapsed": time.monotonic() - started, "cpu": time.process_time() - cpu, "requests": total}))
 
 
 async def paced_reference_main(url: str, rate: float, seconds: float, body: bytes) -> None:
@@ -236,7 +236,8 @@ async def floor_main(service_url: str, topic: str, subscription: str, url: str, 
             await consumer.acknowledge(message)
 
     await asyncio.gather(*(loop() for _ in range(concurrency)))
-    print(json.dumps({"elapsed": time.monotonic() - started[0], "cpu": time.process_time() - started[1]}), flush=True)
+    print(json.dumps({"elapsed": time.monotonic() - started[0], "cpu": time.process_time() - started[1],
+                      "requests": total}), flush=True)
     os._exit(0)  # the client's threads need not be waited for: the figure is out
 
 
@@ -252,14 +253,14 @@ class Reference:
         return Reference((before.rate + after.rate) / 2, (before.cpu_us + after.cpu_us) / 2)
 
 
-def _measured_process(args: list[str], messages: int) -> Reference:
-    """Run `python -m worker.devtools.bench *args` (the reference or the floor) and read the figures
-    it prints last: its rate and CPU per message."""
+def _measured_process(args: list[str]) -> Reference:
+    """Run `python -m worker.devtools.bench *args` (a reference or the floor) and read the figures it
+    prints last (requests, elapsed time, CPU): its rate and CPU per request."""
     out = subprocess.run([sys.executable, "-m", "worker.devtools.bench", *args], capture_output=True, text=True,
                          check=True, timeout=600)
     figures = json.loads(out.stdout.splitlines()[-1])
-    messages = int(figures.get("requests", messages))  # the paced reference counts its own
-    return Reference(messages / float(figures["elapsed"]), 1e6 * float(figures["cpu"]) / messages)
+    requests = int(figures["requests"])
+    return Reference(requests / float(figures["elapsed"]), 1e6 * float(figures["cpu"]) / requests)
 
 
 @dataclass
@@ -384,22 +385,25 @@ class Bench:
     def reference(self, sink: str, body: bytes = PAYLOAD, messages: int | None = None,
                   concurrency: int | None = None) -> Reference:
         messages = messages or self.messages
-        body_file = self.dir / f"body-{len(body)}-{hash(body) & 0xffff}"
-        body_file.write_bytes(body)
         return _measured_process(["reference", sink + "/push", str(messages), str(concurrency or self.concurrency),
-                                  str(body_file)], messages)
+                                  str(self._body_file(body))])
 
     def paced_reference(self, sink: str, rate: float, seconds: float = 10.0) -> Reference:
-        body_file = self.dir / "body-paced"
-        body_file.write_bytes(PAYLOAD)
-        return _measured_process(["paced-reference", sink + "/push", str(rate), str(seconds), str(body_file)], 0)
+        return _measured_process(["paced-reference", sink + "/push", str(rate), str(seconds),
+                                  str(self._body_file(PAYLOAD))])
+
+    def _body_file(self, body: bytes) -> Path:
+        """The body a reference sends, in a file of the run's directory (given to its process by name)."""
+        path = self.dir / f"body-{len(body)}-{hash(body) & 0xffff}"
+        path.write_bytes(body)
+        return path
 
     def floor(self, name: str) -> Reference:
         """The floor program (`floor_main`) on a backlog like the shared case's, to the same kind of sink."""
         sink = self.sink()
         topic = self.backlog(name, "shared", self.messages)
         return _measured_process(["floor", self.broker.url, topic, name, sink + "/push", str(self.messages),
-                                  str(self.concurrency)], self.messages)
+                                  str(self.concurrency)])
 
     def backlog(self, name: str, kind: str, messages: int, keys: int = 0, payload: bytes = PAYLOAD) -> str:
         """A topic holding `messages` for subscription `name`; returns the topic."""
