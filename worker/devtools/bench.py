@@ -157,7 +157,7 @@ async def reference_main(url: str, total: int, concurrency: int, body: bytes) ->
 
         started, cpu = time.monotonic(), time.process_time()  # process_time: every thread of the process
         await asyncio.gather(*(loop() for _ in range(concurrency)))
-        print(json.dumps({"elapsed": time.monotonic() - started, "cpu": time.process_time() - cpu, "requests": total}))
+        _print_figures(total, time.monotonic() - started, time.process_time() - cpu)
 
 
 async def paced_reference_main(url: str, rate: float, seconds: float, body: bytes) -> None:
@@ -185,8 +185,7 @@ async def paced_reference_main(url: str, rate: float, seconds: float, body: byte
             sent += 1
             await asyncio.sleep(max(0.0, started + sent / rate - time.monotonic()))
         assert window is not None
-        print(json.dumps({"elapsed": time.monotonic() - window[1], "cpu": time.process_time() - window[2],
-                          "requests": done - window[0]}))
+        _print_figures(done - window[0], time.monotonic() - window[1], time.process_time() - window[2])
 
 
 # -- the bare Pulsar consumer (own process) -----------------------------------------------------
@@ -236,8 +235,7 @@ async def floor_main(service_url: str, topic: str, subscription: str, url: str, 
             await consumer.acknowledge(message)
 
     await asyncio.gather(*(loop() for _ in range(concurrency)))
-    print(json.dumps({"elapsed": time.monotonic() - started[0], "cpu": time.process_time() - started[1],
-                      "requests": total}), flush=True)
+    _print_figures(total, time.monotonic() - started[0], time.process_time() - started[1])
     os._exit(0)  # the client's threads need not be waited for: the figure is out
 
 
@@ -251,6 +249,11 @@ class Reference:
     @staticmethod
     def around(before: Reference, after: Reference) -> Reference:
         return Reference((before.rate + after.rate) / 2, (before.cpu_us + after.cpu_us) / 2)
+
+
+def _print_figures(requests: int, elapsed: float, cpu: float) -> None:
+    """What a measured program (a reference, the floor) prints last, for `_measured_process`."""
+    print(json.dumps({"requests": requests, "elapsed": elapsed, "cpu": cpu}), flush=True)
 
 
 def _measured_process(args: list[str]) -> Reference:
