@@ -136,10 +136,10 @@ BAD = [
     (dict(deliver__push__signing_secrets=[{"env": "A"}] * 3), "deliver.push.signing_secrets", "two during a rotation"),
     (dict(deliver__push__signing_secrets=["s3cret"]), "deliver.push.signing_secrets[0]", "{env: VARIABLE}"),
     (dict(deliver__push__signing_secrets=[{"env": "A", "file": "/x"}]), "deliver.push.signing_secrets[0]",
-     "exactly one of env or file"),
+     "exactly one of secret, env or file"),
     (dict(deliver__push__signing_secrets=[{"env": "A B"}]), "deliver.push.signing_secrets[0].env",
      "environment variable name"),
-    (dict(deliver__push__bearer_token="tok"), "deliver.push.bearer_token", "never go in the config"),
+    (dict(deliver__push__bearer_token="tok"), "deliver.push.bearer_token", "never go in the definition"),
 ]
 
 

@@ -16,10 +16,11 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from tests.conftest import Client, Endpoint, make_sub
 from tests.helpers import eventually
-from worker.config import HttpSettings
+from worker.admission import preflight
+from worker.config import HttpSettings, parse_settings
 from worker.embedded import free_port
 from worker.errors import ConfigError
-from worker.oidc import Oidc, OidcKey, Tokens
+from worker.oidc import Oidc, OidcIssuer, OidcKey, Tokens
 from worker.signing import SecretRef, SecretStore
 from worker.subscriptions import parse_subscription
 
@@ -30,6 +31,10 @@ def pem(key: rsa.RSAPrivateKey | ec.EllipticCurvePrivateKey, path: Path) -> Path
     return path
 
 
+def issuer_with(issuer: str, *keys: tuple[Path, str]) -> OidcIssuer:
+    return OidcIssuer(issuer, tuple(OidcKey(SecretRef(file=str(path)), kid) for path, kid in keys))
+
+
 async def test_tokens_verify_with_the_published_jwks_and_wrong_ones_are_rejected(
         start_worker, endpoint: Endpoint, client: Client, topic, tmp_path):
     new = pem(rsa.generate_private_key(public_exponent=65537, key_size=2048), tmp_path / "new.pem")
@@ -37,9 +42,9 @@ async def test_tokens_verify_with_the_published_jwks_and_wrong_ones_are_rejected
     retired = pem(rsa.generate_private_key(public_exponent=65537, key_size=2048), tmp_path / "retired.pem")
     port = free_port()
     issuer = f"http://127.0.0.1:{port}"
-    oidc = Oidc(issuer, (OidcKey(SecretRef(file=str(new)), "k2"), OidcKey(SecretRef(file=str(old)), "k1")))
-    sub = make_sub(topic, endpoint.url, oidc=oidc)
-    w = await start_worker(sub, http=HttpSettings(port=port))
+    fleet_keys = issuer_with(issuer, (new, "k2"), (old, "k1"))
+    sub = make_sub(topic, endpoint.url, oidc=Oidc())
+    w = await start_worker(sub, http=HttpSettings(port=port), oidc=fleet_keys)
     client.publish(topic, [b"one", b"two"])
     await eventually(lambda: w.dispatchers[sub.key].stats.acked == 2, what="delivered")
     tokens = [r.headers["Authorization"].removeprefix("Bearer ") for r in endpoint.requests]
@@ -61,16 +66,16 @@ async def test_tokens_verify_with_the_published_jwks_and_wrong_ones_are_rejected
 
         with pytest.raises(jwt.InvalidAudienceError):
             jwt.decode(token, jwks.get_signing_key_from_jwt(token).key, algorithms=["RS256"], audience="https://other")
-        minter = Tokens(SecretStore())
-        expired = minter.token(oidc, sub.tenant, sub.name, endpoint.url, now=time.time() - 7200)
+        minter = Tokens(SecretStore(), fleet_keys)
+        expired = minter.token(Oidc(), sub.tenant, sub.name, endpoint.url, now=time.time() - 7200)
         with pytest.raises(jwt.ExpiredSignatureError):
             jwt.decode(expired, jwks.get_signing_key_from_jwt(expired).key, algorithms=["RS256"], audience=endpoint.url)
-        old_signed = minter.token(Oidc(issuer, (OidcKey(SecretRef(file=str(old)), "k1"),)), sub.tenant, sub.name,
-                                  endpoint.url)
+        old_signed = Tokens(SecretStore(), issuer_with(issuer, (old, "k1"))).token(Oidc(), sub.tenant, sub.name,
+                                                                                  endpoint.url)
         assert jwt.decode(old_signed, jwks.get_signing_key_from_jwt(old_signed).key, algorithms=["ES256"],
                           audience=endpoint.url)["iss"] == issuer  # the previous key still verifies during the rotation
-        by_retired = minter.token(Oidc(issuer, (OidcKey(SecretRef(file=str(retired)), "k0"),)), sub.tenant, sub.name,
-                                  endpoint.url)
+        by_retired = Tokens(SecretStore(), issuer_with(issuer, (retired, "k0"))).token(Oidc(), sub.tenant, sub.name,
+                                                                                       endpoint.url)
         with pytest.raises(jwt.PyJWKClientError):
             jwks.get_signing_key_from_jwt(by_retired)  # a retired key is not published: nothing verifies it
 
@@ -79,31 +84,51 @@ async def test_tokens_verify_with_the_published_jwks_and_wrong_ones_are_rejected
 
 def test_oidc_configuration_rules(tmp_path):
     base = {"name": "o", "topic": "persistent://p-a/main/t",
-            "deliver": {"mode": "push", "push": {"url": "https://example.com/h", "oidc": {
-                "issuer": "https://push.example.com", "signing_key": {"file": "/k.pem"}, "key_id": "k1"}}}}
+            "deliver": {"mode": "push", "push": {"url": "https://example.com/h", "oidc": {}}}}
     sub = parse_subscription(base)
-    assert sub.oidc is not None and sub.oidc.keys[0].key_id == "k1" and sub.oidc.audience is None
-    rotation = json.loads(json.dumps(base))
-    rotation["deliver"]["push"]["oidc"] = {"issuer": "https://push.example.com", "signing_key": [
-        {"file": "/new.pem", "key_id": "k2"}, {"env": "OLD_KEY", "key_id": "k1"}]}
-    assert [k.key_id for k in parse_subscription(rotation).oidc.keys] == ["k2", "k1"]
+    assert sub.oidc == Oidc(audience=None)
+    with_audience = json.loads(json.dumps(base))
+    with_audience["deliver"]["push"]["oidc"] = {"audience": "https://aud.example"}
+    assert parse_subscription(with_audience).oidc == Oidc("https://aud.example")
     both = json.loads(json.dumps(base))
-    both["deliver"]["push"]["bearer_token"] = {"env": "TOKEN"}
+    both["deliver"]["push"]["bearer_token"] = {"secret": "token"}
     with pytest.raises(ConfigError, match="oidc: cannot be combined with bearer_token"):
         parse_subscription(both)
-    no_issuer = json.loads(json.dumps(base))
-    no_issuer["deliver"]["push"]["oidc"]["issuer"] = "push.example.com"
-    with pytest.raises(ConfigError, match=r"oidc\.issuer: must be an http or https URL"):
-        parse_subscription(no_issuer)
+    # Keys and issuer are the fleet's: a subscription that brings its own is refused, pointing at the setting.
+    for moved in ({"issuer": "https://push.example.com"}, {"signing_key": {"file": "/k.pem"}, "key_id": "k1"}):
+        old_form = json.loads(json.dumps(base))
+        old_form["deliver"]["push"]["oidc"] = moved
+        for trusted in (True, False):
+            with pytest.raises(ConfigError, match=r"is the worker's setting now.*oidc: \{issuer, signing_keys\}"):
+                parse_subscription(old_form, trusted=trusted)
+
+
+def test_the_worker_oidc_setting_rules(tmp_path):
+    key = pem(ec.generate_private_key(ec.SECP256R1()), tmp_path / "k.pem")
+    good = {"issuer": "https://push.example.com", "signing_keys": [{"file": str(key), "key_id": "k2"},
+                                                                   {"env": "OLD_KEY", "key_id": "k1"}]}
+    settings = parse_settings({"oidc": good}, env={})
+    assert settings.oidc is not None and [k.key_id for k in settings.oidc.keys] == ["k2", "k1"]
+    for broken, rule in ((dict(good, issuer="push.example.com"), r"oidc\.issuer: must be a URL"),
+                         (dict(good, signing_keys=[]), r"oidc\.signing_keys: must be a list of one to four"),
+                         (dict(good, signing_keys=[{"file": str(key), "key_id": "k1"}, {"env": "X", "key_id": "k1"}]),
+                          r"key_id 'k1' is given twice"),
+                         (dict(good, signing_keys=[{"key_id": "k1"}]), r"exactly one of file or env")):
+        with pytest.raises(ConfigError, match=rule):
+            parse_settings({"oidc": broken}, env={})
+    # A subscription asking for tokens needs the setting: refused at load, not at its first request.
+    sub_doc = {"name": "o", "topic": "persistent://p-a/main/t",
+               "deliver": {"mode": "push", "push": {"url": "https://example.com/h", "oidc": {}}}}
+    with pytest.raises(ConfigError, match=r"deliver\.push\.oidc: needs the worker setting oidc"):
+        preflight(parse_settings({"subscriptions": [sub_doc]}, env={}))
 
 
 def test_expired_tokens_are_not_kept(tmp_path):
     """A token per subscription was cached for good: subscriptions that came and went piled up."""
     key = pem(ec.generate_private_key(ec.SECP256R1()), tmp_path / "k.pem")
-    oidc = Oidc("https://issuer.example", (OidcKey(SecretRef(file=str(key)), "k1"),))
-    minter = Tokens(SecretStore())
+    minter = Tokens(SecretStore(), issuer_with("https://issuer.example", (key, "k1")))
     start = time.time()
     for n in range(3):
-        minter.token(oidc, "p", f"gone-{n}", "https://e.example/push", now=start)
-    fresh = minter.token(oidc, "p", "stays", "https://e.example/push", now=start + 3600)
+        minter.token(Oidc(), "p", f"gone-{n}", "https://e.example/push", now=start)
+    fresh = minter.token(Oidc(), "p", "stays", "https://e.example/push", now=start + 3600)
     assert list(minter._tokens.values()) == [(int(start + 3600) + 3600, fresh)]

@@ -24,6 +24,7 @@ from worker.backlog import BacklogReader
 from worker.config import FleetSettings, PulsarSettings, RedisSettings
 from worker.consumer import quiet_logger
 from worker.devtools import apache_pulsar
+from worker.errors import ConfigError
 from worker.fleet import leases, lifecycle
 from worker.fleet.lifecycle import SeekTarget
 from worker.fleet.registry import Registry
@@ -291,11 +292,13 @@ async def test_a_subscription_the_broker_refuses_shows_why_and_is_served_once_it
     await listed_until(lambda r: r["state"] == "Active" and r["reason"] == "", "Active with no reason")
 
 
-async def test_a_registry_entry_named_like_a_config_subscription_takes_its_place_until_deleted(
+async def test_a_registry_entry_named_like_a_config_subscription_never_takes_its_place(
         start_worker, endpoint: Endpoint, client: Client, topic, redis_url):
-    """As docs/operating.md says: the config's definition sends JSON, the registry's raw bodies."""
+    """The registry is written on behalf of projects; the config file by the operator. An entry with a
+    config subscription's key is Invalid (docs/security.md): the config's definition (JSON bodies)
+    keeps serving, never the registry's (raw bodies)."""
     sub = make_sub(topic, endpoint.url)
-    await start_worker(sub, fleet=FleetSettings(heartbeat_seconds=0.2))
+    w = await start_worker(sub, fleet=FleetSettings(heartbeat_seconds=0.2))
 
     async def delivered_as(payload: bytes) -> str:
         [mid] = client.publish(topic, [payload])
@@ -304,16 +307,15 @@ async def test_a_registry_entry_named_like_a_config_subscription_takes_its_place
 
     assert await delivered_as(b"config") == "application/json"
     redis = aioredis.Redis.from_url(redis_url)
-    registry = Registry(redis, "default")
-    await registry.apply({"name": sub.name, "topic": topic,
-                          "deliver": {"mode": "push", "push": {"url": endpoint.url, "content": "raw"}}})
-    deadline = time.monotonic() + 20
-    while await delivered_as(b"registry") == "application/json":  # the edit reaches the worker by itself
-        assert time.monotonic() < deadline, "the registry's definition never took the config's place"
-    await registry.delete(sub.key)
-    deadline = time.monotonic() + 20
-    while await delivered_as(b"config again") != "application/json":
-        assert time.monotonic() < deadline, "the config's definition never came back"
+    shadow = {"name": sub.name, "topic": topic, "deliver": {"mode": "push", "push": {"url": endpoint.url,
+                                                                                      "content": "raw"}}}
+    with pytest.raises(ConfigError, match="is a subscription of the workers' config file"):
+        await Registry(redis, "default", static=[sub.key]).apply(shadow)  # what `subs apply --config` says
+    await Registry(redis, "default").apply(shadow)  # without the config, the worker is the one to refuse it
+    await eventually(lambda: any(sub.key in detail and "config file" in detail for _, detail in w.fleet._ignored),
+                     what="the shadowing entry refused")
+    assert await delivered_as(b"registry") == "application/json"
+    assert w.dispatchers[sub.key].sub == sub
     await redis.aclose()
 
 

@@ -29,6 +29,8 @@ import yaml
 
 from worker.destinations import DEFAULT_MAX_REQUEST_BYTES, DestinationPolicy
 from worker.errors import ConfigError
+from worker.oidc import OidcIssuer, OidcKey
+from worker.signing import SecretRef
 from worker.subscriptions import NAME_PATTERN, NAME_RULE, FieldReader, Subscription, is_push, parse_subscription
 
 PULSAR_SCHEMES = ("pulsar", "pulsar+ssl")
@@ -112,6 +114,8 @@ class Settings:
     fleet: FleetSettings = field(default_factory=FleetSettings)
     shutdown_grace_seconds: float = 30.0
     max_held_bytes_per_subscription: int = DEFAULT_MAX_HELD_BYTES
+    secrets_dir: Path | None = None  # project secrets: <dir>/<project>/<name> (`secrets.dir`)
+    oidc: OidcIssuer | None = None  # the fleet's OIDC issuer and signing keys
     log_format: str = "auto"
     log_level: str = "info"
 
@@ -130,7 +134,10 @@ def _url(r: FieldReader, name: str, schemes: tuple[str, ...], env_name: str = ""
 
 
 def url_rule(schemes: tuple[str, ...]) -> str:
-    return f"must be a URL with scheme {' or '.join(schemes)} and a host (e.g. {schemes[0]}://host:port)"
+    rule = f"must be a URL with scheme {' or '.join(schemes)} and a host (e.g. {schemes[0]}://host:port)"
+    if schemes == PULSAR_SCHEMES:
+        rule += ", without credentials (the token comes from $PUSH_WORKER_PULSAR_TOKEN)"
+    return rule
 
 
 def url_rule_broken(value: str, schemes: tuple[str, ...]) -> bool:
@@ -138,6 +145,8 @@ def url_rule_broken(value: str, schemes: tuple[str, ...]) -> bool:
         parts = urlsplit(value)
         _ = parts.port  # a port that is not a number raises here
     except ValueError:
+        return True
+    if schemes == PULSAR_SCHEMES and "@" in parts.netloc:  # the client would take user:pw@ for a host name
         return True
     return parts.scheme not in schemes or (parts.scheme != "unix" and not parts.hostname)
 
@@ -216,6 +225,33 @@ def _destinations(d: FieldReader) -> DestinationPolicy:
     )
 
 
+def _oidc(o: FieldReader) -> OidcIssuer | None:
+    """`oidc: {issuer, signing_keys: [{file|env, key_id}, ...]}`: the first key signs, all are published."""
+    if not o.data:
+        return None
+    o.reject_unknown({"issuer", "signing_keys"})
+    issuer = o.text("issuer")
+    if url_rule_broken(issuer, ("https", "http")):
+        raise o.fail("issuer", url_rule(("https", "http")))
+    raw = o.data.get("signing_keys")
+    if not isinstance(raw, list) or not 1 <= len(raw) <= 4:
+        raise o.fail("signing_keys", "must be a list of one to four {file: PATH or env: VARIABLE, key_id: ID} "
+                                     "(the first signs; the others are published during a rotation)")
+    keys = []
+    for i, item in enumerate(raw):
+        k = FieldReader(o.where, item, f"{o.prefix}signing_keys[{i}].")
+        k.reject_unknown({"file", "env", "key_id"})
+        if k.has("file") == k.has("env"):
+            raise o.fail(f"signing_keys[{i}]", "must have exactly one of file or env")
+        ref = SecretRef(file=k.text("file")) if k.has("file") else SecretRef(env=k.text("env"))
+        keys.append(OidcKey(ref, k.text("key_id")))
+    ids = [key.key_id for key in keys]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise o.fail("signing_keys", f"key_id {dup!r} is given twice (each published key needs its own)")
+    return OidcIssuer(issuer, tuple(keys))
+
+
 def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
     """Validate a parsed config document (plus environment overrides) into `Settings`."""
     env = os.environ if env is None else env
@@ -226,7 +262,7 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
                                         f"not a {type(data).__name__}")
     r = FieldReader("config", data)
     r.reject_unknown({"pulsar", "redis", "state_dir", "http", "destinations", "subscriptions",
-                      "shutdown_grace_seconds", "max_held_bytes_per_subscription", "log", "fleet"})
+                      "shutdown_grace_seconds", "max_held_bytes_per_subscription", "log", "fleet", "secrets", "oidc"})
 
     p = r.sub("pulsar")
     p.reject_unknown({"service_url", "tls_trust_certs_file", "operation_timeout_seconds", "admin_url",
@@ -291,6 +327,11 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
     log = r.sub("log")
     log.reject_unknown({"format", "level"})
 
+    sec = r.sub("secrets")
+    sec.reject_unknown({"dir"})
+    secrets_dir = Path(sec.text("dir")).absolute() if sec.has("dir") else None
+    oidc = _oidc(r.sub("oidc"))
+
     raw_subs = data.get("subscriptions") or []
     if not isinstance(raw_subs, list):
         raise r.fail("subscriptions", "must be a list")
@@ -299,7 +340,7 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
     for i, item in enumerate(raw_subs):
         if not is_push(item):
             continue
-        sub = parse_subscription(item, where=f"subscriptions[{i}]")
+        sub = parse_subscription(item, where=f"subscriptions[{i}]", trusted=True)
         if sub.key in seen:
             raise ConfigError(f"subscription {sub.name!r}", "name", "is defined twice in this project")
         seen.add(sub.key)
@@ -317,6 +358,8 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
         shutdown_grace_seconds=r.number("shutdown_grace_seconds", 30.0, 0.0, 3600.0),
         max_held_bytes_per_subscription=r.integer("max_held_bytes_per_subscription", DEFAULT_MAX_HELD_BYTES,
                                                   1 << 20, 64 << 30),
+        secrets_dir=secrets_dir,
+        oidc=oidc,
         log_format=log.choice("format", ("auto", "json", "console"), "auto"),
         log_level=log.choice("level", ("debug", "info", "warning", "error"), "info"),
     )

@@ -6,12 +6,11 @@ import enum
 import time
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
-from urllib.parse import urlsplit
 
 from yarl import URL
 
 from worker import http1
-from worker.destinations import DestinationPolicy, GuardedResolver, check_host
+from worker.destinations import DestinationPolicy, GuardedResolver
 from worker.errors import DestinationRefused
 from worker.messages import PushRequest
 
@@ -90,36 +89,31 @@ class Deliverer:
     def __init__(self, policy: DestinationPolicy, client: http1.Client | None = None) -> None:
         self.policy = policy
         self.client = client or http1.Client(GuardedResolver(policy), USER_AGENT)
-        self._targets: dict[str, tuple[URL, str | None]] = {}
+        self._targets: dict[str, URL] = {}
 
-    def _target(self, url: str) -> tuple[URL, str | None]:
-        """The parsed URL and why it is refused (None: allowed), worked out once per URL. The resolver
-        checks names at connect time; IP literals are checked here."""
+    def _target(self, url: str) -> URL:
+        """The parsed URL, worked out once per URL. Its host is checked where it is connected to
+        (`http1.Client`: literals and resolved names alike), so no other spelling of it is checked."""
         known = self._targets.get(url)
         if known is None:
-            refused = None
-            try:
-                check_host(urlsplit(url).hostname or "", self.policy, resolve=False)
-            except DestinationRefused as e:
-                refused = str(e)
             if len(self._targets) >= TARGET_CACHE_SIZE:
                 self._targets.clear()
-            known = self._targets[url] = (URL(url), refused)
+            known = self._targets[url] = URL(url)
         return known
 
-    async def attempt(self, url: str, request: PushRequest, deadline: float) -> Outcome:
-        """POST once; the whole exchange (connect, send, status, capped body) is bounded by `deadline` s."""
+    async def attempt(self, url: str, request: PushRequest, deadline: float, credentials: bool = False) -> Outcome:
+        """POST once; the whole exchange (connect, send, status, capped body) is bounded by `deadline` s.
+        `credentials`: the request carries some (plain http:// then reaches only admitted private addresses)."""
         started = time.monotonic()
         if len(request.body) > self.policy.max_request_bytes:
             return Outcome(Result.TOO_LARGE, detail=f"request body of {len(request.body)} bytes is over "
                            f"destinations.max_request_bytes ({self.policy.max_request_bytes})")
-        target, refused = self._target(url)
-        if refused:
-            return Outcome(Result.CONNECTION_ERROR, detail=refused)
         try:
+            target = self._target(url)  # a URL yarl cannot parse is a ValueError: a connection error below
             # An answer counts once complete within the deadline; a huge or endless body costs at
             # most the cap (then the connection is dropped). The body itself is not used.
-            answer = await self.client.post(target, request.headers, request.body, RESPONSE_BODY_CAP, deadline)
+            answer = await self.client.post(target, request.headers, request.body, RESPONSE_BODY_CAP, deadline,
+                                             credentials)
         except TimeoutError:
             return Outcome(Result.TIMEOUT, latency=time.monotonic() - started, detail=f"no answer in {deadline:g}s")
         except (DestinationRefused, http1.ProtocolError) as e:

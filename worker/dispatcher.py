@@ -90,7 +90,7 @@ class Endpoints(Protocol):
     """What a dispatcher sends through: `delivery.Deliverer` (a protocol, so that the compiled
     dispatcher also runs on the in-memory parts of `make bench --section dispatcher`)."""
 
-    async def attempt(self, url: str, request: PushRequest, deadline: float) -> Outcome: ...
+    async def attempt(self, url: str, request: PushRequest, deadline: float, credentials: bool = False) -> Outcome: ...
 
 
 class AttemptLog(Protocol):
@@ -498,7 +498,7 @@ class Dispatcher:
             return Outcome(Result.NOT_SENT, detail=str(e))
         if extra:
             request = PushRequest({**request.headers, **extra}, request.body, request.omitted_attributes)
-        return await self.deliverer.attempt(sub.url, request, float(sub.ack_deadline_seconds))
+        return await self.deliverer.attempt(sub.url, request, float(sub.ack_deadline_seconds), bool(extra))
 
     async def _ack(self, message: Any, env: Envelope, sub: Subscription, history: list[dict[str, Any]],
                    acked_first_time: bool = False, record_first: bool = False) -> Awaitable[None] | None:

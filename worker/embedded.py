@@ -256,14 +256,22 @@ def start_redis(state_dir: Path, port: int | None = None, *extra: str, die_with_
 ENDPOINTS_FILE = "endpoints.json"
 
 
-def record_endpoints(state_dir: Path, pulsar_url: str, redis_url: str, services: Sequence[Service] = ()) -> None:
-    """Where the embedded services listen, for the operator commands (no secrets: loopback), and
-    which processes they are, so that the next start can stop them if this worker dies without
-    stopping them."""
+def service_urls(services: Sequence[Service]) -> dict[str, str]:
+    """The URLs of embedded services as `record_endpoints` names them (`pulsar_url`, `redis_url`)."""
+    return {f"{'pulsar' if s.name.startswith('pulsar') else 'redis'}_url": s.url for s in services}
+
+
+def record_endpoints(state_dir: Path, urls: dict[str, str], services: Sequence[Service] = ()) -> None:
+    """Where the embedded services listen (`pulsar_url`, `redis_url`: only those this worker started,
+    on loopback without credentials; an external service's URL may carry a password and is never
+    written), for the operator commands, and which processes they are, so that the next start can
+    stop them if this worker dies without stopping them. The file is the owner's alone (0600)."""
     state_dir.mkdir(parents=True, exist_ok=True)
     staged = state_dir / (ENDPOINTS_FILE + ".new")
-    staged.write_text(json.dumps({"pulsar_url": pulsar_url, "redis_url": redis_url, "worker_pid": os.getpid(),
-                                  "pids": {s.name: s.proc.pid for s in services}}))
+    staged.unlink(missing_ok=True)
+    fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(json.dumps({**urls, "worker_pid": os.getpid(), "pids": {s.name: s.proc.pid for s in services}}))
     staged.replace(state_dir / ENDPOINTS_FILE)  # whole or not at all, for a reader at any moment
 
 

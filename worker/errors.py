@@ -1,5 +1,16 @@
 """One base error for the package; `retriable` tells callers whether trying again can help."""
 
+import re
+
+_USERINFO = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://)[^/\s@]*@")
+_BARE_USERINFO = re.compile(r"(?<![\w/.:-])[^\s/@:'\"]*:[^\s/@'\"]*@(?=[\w\[])")  # `user:pw@host`, no scheme
+
+
+def strip_userinfo(text: str) -> str:
+    """`text` with the credentials of every URL in it removed (`redis://:pw@host` -> `redis://host`,
+    `user:pw@host` -> `host`): an error that quotes a URL must not print its password."""
+    return _BARE_USERINFO.sub("", _USERINFO.sub(r"\1", text))
+
 
 class PushWorkerError(Exception):
     """Base of every error this package raises on purpose."""

@@ -14,7 +14,6 @@ redirects are never followed (a 3xx is an answer like any other), and an answer 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import socket
 import ssl
 import time
@@ -26,12 +25,14 @@ import httptools
 from yarl import URL
 
 from worker.destinations import GuardedResolver
+from worker.errors import DestinationRefused
 
 HEAD_LIMIT = 64 * 1024  # the status line and headers of one answer
 KEEPALIVE_SECONDS = 15.0  # an idle connection older than this is closed rather than reused
 IDLE_PER_ENDPOINT = 256  # idle connections kept per endpoint (more are closed)
 DNS_TTL_SECONDS = 30.0
 WRITE_CHUNK = 256 * 1024  # large bodies go out in pieces, with flow control
+Endpoint = tuple[str, str, int, bool]  # scheme, host, port, for credentials over plain http
 HAPPY_EYEBALLS_DELAY = 0.25  # seconds before the next of a host's addresses is tried too (RFC 8305's default)
 
 
@@ -278,21 +279,23 @@ class Client:
         self.resolver = resolver
         self.user_agent = user_agent
         self.ssl_context = ssl_context or ssl.create_default_context()
-        self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
+        self._idle: dict[Endpoint, list[_Connection]] = {}
         self._dns: dict[tuple[str, int], tuple[float, list[str]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sweep_timer: asyncio.TimerHandle | None = None
 
     async def post(self, url: URL, headers: dict[str, str], body: bytes, cap: int,
-                   deadline: float | None = None) -> Answer:
+                   deadline: float | None = None, credentials: bool = False) -> Answer:
         """One POST; the answer's head and (to `cap` bytes) body are read before it returns. A 102
         answer returns at once (the final answer is not awaited). With `deadline`, the whole exchange
         (connecting included) must end within that many seconds, else TimeoutError and the connection
         is dropped. A kept-alive connection the endpoint closed before any byte of an answer is
         replaced once by a new one. Raises ProtocolError, OSError (connect, TLS and resolver
-        refusals) or HeaderRefused."""
+        refusals) or HeaderRefused. `credentials`: the headers carry some, so a plain http:// connection
+        may only go to an address the policy admits for them (`clear_text_refusal`)."""
         head = _head(url, headers, len(body), self.user_agent)
-        endpoint = (url.scheme, url.raw_host or "", url.port or 0)
+        # Connections opened for credentials are kept apart: one opened without them may lead anywhere.
+        endpoint = (url.scheme, url.raw_host or "", url.port or 0, credentials and url.scheme == "http")
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()  # kept: a lookup is a getpid() on Python 3.11
@@ -302,7 +305,7 @@ class Client:
         while True:
             if conn is None:
                 async with asyncio.timeout_at(expires):
-                    conn = await self._connect(url)
+                    conn = await self._connect(url, endpoint[3])
             used = conn
             # The deadline is a timer that drops the connection, not a timeout scope around the exchange:
             # a scope cost about 8% of a delivery's CPU (measured), and the connection is lost at the deadline anyway.
@@ -338,7 +341,7 @@ class Client:
             used.close()
         return Answer(status, answer_headers)
 
-    def _idle_connection(self, endpoint: tuple[str, str, int]) -> _Connection | None:
+    def _idle_connection(self, endpoint: Endpoint) -> _Connection | None:
         idle = self._idle.get(endpoint)
         now = time.monotonic()
         while idle:
@@ -348,7 +351,7 @@ class Client:
             conn.close()
         return None
 
-    def _release(self, endpoint: tuple[str, str, int], conn: _Connection) -> None:
+    def _release(self, endpoint: Endpoint, conn: _Connection) -> None:
         idle = self._idle.setdefault(endpoint, [])
         if len(idle) >= IDLE_PER_ENDPOINT:
             conn.close()
@@ -381,11 +384,9 @@ class Client:
             self._sweep_timer = self._loop.call_later(KEEPALIVE_SECONDS, self._sweep)
 
     async def _addresses(self, host: str, port: int) -> list[str]:
-        try:
-            ipaddress.ip_address(host.strip("[]"))
-            return [host.strip("[]")]  # literals are checked by the caller, as aiohttp skipped them too
-        except ValueError:
-            pass
+        literal = self.resolver.literal(host)  # the address connected to is the one checked (refused: raises)
+        if literal is not None:
+            return [literal]
         known = self._dns.get((host, port))
         now = time.monotonic()
         if known is not None and known[0] > now:
@@ -395,12 +396,18 @@ class Client:
         self._dns[(host, port)] = (now + DNS_TTL_SECONDS, addresses)
         return addresses
 
-    async def _connect(self, url: URL) -> _Connection:
+    async def _connect(self, url: URL, credentials_in_clear: bool) -> _Connection:
         host, port = url.raw_host or "", url.port or (443 if url.scheme == "https" else 80)
         tls: dict[str, Any] = {}
         if url.scheme == "https":
             tls = {"ssl": self.ssl_context, "server_hostname": host.strip("[]")}
         addresses = await self._addresses(host, port)
+        if credentials_in_clear:
+            policy = self.resolver.policy
+            refusals = [policy.clear_text_refusal(a) for a in addresses]
+            if addresses and all(refusals):
+                raise DestinationRefused(f"host {host!r} refused: {refusals[0]}")
+            addresses = [a for a, why in zip(addresses, refusals, strict=True) if not why]
         if not addresses:
             raise OSError(f"no address for {host!r}")
         # Happy Eyeballs (RFC 8305), as aiohttp connects: each next address is tried 250 ms after

@@ -11,10 +11,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from worker.errors import StartupError
 from worker.metrics import Metrics
-from worker.oidc import Oidc, Tokens, openid_configuration
+from worker.oidc import Tokens, openid_configuration
 
 ReadyCheck = Callable[[], Awaitable[tuple[bool, str]]]
-OidcConfigs = Callable[[], list[Oidc]]
 AliveCheck = Callable[[], tuple[bool, str]]
 
 
@@ -22,14 +21,12 @@ class StatusServer:
     """Serves metrics and probes; `port` is the bound port (useful when configured as 0)."""
 
     def __init__(self, host: str, port: int, metrics: Metrics, ready: ReadyCheck,
-                 alive: AliveCheck | None = None, tokens: Tokens | None = None,
-                 oidc_configs: OidcConfigs | None = None) -> None:
+                 alive: AliveCheck | None = None, tokens: Tokens | None = None) -> None:
         self.host, self.port = host, port
         self.metrics = metrics
         self.ready = ready
         self.alive = alive or (lambda: (True, "ok"))
         self.tokens = tokens
-        self.oidc_configs = oidc_configs or (lambda: [])
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
@@ -71,17 +68,13 @@ class StatusServer:
         return web.json_response({"ready": ok, "reason": reason}, status=200 if ok else 503)
 
     async def _jwks(self, _: web.Request) -> web.Response:
-        """The public keys of every OIDC subscription this worker knows (the whole fleet's registry)."""
+        """The fleet's OIDC public keys (the worker setting `oidc`; none without it)."""
         if self.tokens is None:
             return web.json_response({"keys": []})
-        return web.json_response(self.tokens.jwks(self.oidc_configs()), headers={"Cache-Control": "max-age=300"})
+        return web.json_response(self.tokens.jwks(), headers={"Cache-Control": "max-age=300"})
 
-    async def _openid_configuration(self, request: web.Request) -> web.Response:
-        """The discovery document of the issuer this URL serves: the configured issuer whose scheme, host
-        and port are the request's, or the only one configured."""
-        issuers = sorted({config.issuer for config in self.oidc_configs()})
-        here = f"{request.scheme}://{request.host}"
-        chosen = [i for i in issuers if i.rstrip("/").startswith(here)] or (issuers if len(issuers) == 1 else [])
-        if not chosen:
-            return web.json_response({"error": "no OIDC issuer is configured for this address"}, status=404)
-        return web.json_response(openid_configuration(chosen[0]))
+    async def _openid_configuration(self, _: web.Request) -> web.Response:
+        """The discovery document of the fleet's issuer, whose keys this worker serves."""
+        if self.tokens is None or self.tokens.issuer is None:
+            return web.json_response({"error": "no OIDC issuer is configured (the worker setting oidc)"}, status=404)
+        return web.json_response(openid_configuration(self.tokens.issuer.issuer))

@@ -1,5 +1,7 @@
 """Redis key layout. Every key of one subscription shares the hash tag `{tenant/name}`, so a
-subscription's state lives in one Redis Cluster slot and multi-key operations stay legal there."""
+subscription's state lives in one Redis Cluster slot and multi-key operations stay legal there.
+Fleet-wide keys use the tag `{fleet/<fleet name>}`: no subscription key can take it, since every
+project's tenant is `p-<short>` (`subscriptions.PROJECT_PATTERN`)."""
 
 from __future__ import annotations
 
@@ -21,9 +23,19 @@ def history_key(subscription_key: str, message_id: str) -> str:
     return f"{PREFIX}:{tag(subscription_key)}:h:{message_id}"
 
 
+def escape_glob(text: str) -> str:
+    """`text` matched literally in a SCAN/KEYS pattern: a name is data, never a wildcard."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
 def pattern(subscription_key: str) -> str:
     """A SCAN pattern for every key of one subscription (all in one cluster slot)."""
-    return f"{PREFIX}:{tag(subscription_key)}:*"
+    return f"{PREFIX}:{escape_glob(tag(subscription_key))}:*"
+
+
+def message_pattern(subscription_key: str) -> str:
+    """A SCAN pattern for the attempt records of one subscription."""
+    return f"{PREFIX}:{escape_glob(tag(subscription_key))}:m:*"
 
 
 def settled_key(subscription_key: str) -> str:

@@ -3,16 +3,17 @@
 (the subscription's full name, `projects/<project>/subscriptions/<name>`), `iat` and `exp` (one hour
 later). A token is reused until five minutes before it expires.
 
-The worker publishes the public keys of every OIDC subscription it knows as a JWKS at
-`/.well-known/jwks.json` and the issuer's `/.well-known/openid-configuration` on its HTTP port, so
-an endpoint verifies with any OIDC library. Rotation: a subscription names two keys, the first signs,
-both are published until the old one is removed.
+The signing keys are the fleet's (the worker setting `oidc: {issuer, signing_keys}`), never a
+subscription's: a project can choose only its tokens' audience, so it cannot mint a token that
+names another project's subscription, nor replace a key in the published set. The worker publishes
+those keys as a JWKS at `/.well-known/jwks.json` and the issuer's `/.well-known/openid-configuration`
+on its HTTP port, so an endpoint verifies with any OIDC library and checks `aud` and `sub`. Rotation:
+two keys, the first signs, both are published until the old one is removed.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,11 +38,18 @@ class OidcKey:
 
 
 @dataclass(frozen=True)
-class Oidc:
-    """`deliver.push.oidc`: `keys[0]` signs; every key is published. `audience` None: the push URL."""
+class OidcIssuer:
+    """The worker setting `oidc`: the issuer every token names, and the fleet's keys (`keys[0]` signs;
+    every key is published)."""
 
     issuer: str
     keys: tuple[OidcKey, ...]
+
+
+@dataclass(frozen=True)
+class Oidc:
+    """`deliver.push.oidc`: what a subscription chooses. `audience` None: the push URL."""
+
     audience: str | None = None
 
 
@@ -58,12 +66,14 @@ def algorithm(key: PrivateKey) -> str:
 
 
 class Tokens:
-    """Signs and caches tokens; reads keys through the worker's SecretStore (rotated files are seen)."""
+    """Signs and caches tokens with the fleet's keys; reads keys through the worker's SecretStore
+    (rotated files are seen). `issuer` None: the worker has no `oidc` setting, and signs nothing."""
 
-    def __init__(self, store: SecretStore) -> None:
+    def __init__(self, store: SecretStore, issuer: OidcIssuer | None = None) -> None:
         self.store = store
+        self.issuer = issuer
         self._keys: dict[bytes, PrivateKey] = {}
-        self._tokens: dict[tuple[str, str, str, str], tuple[float, str]] = {}
+        self._tokens: dict[tuple[str, str, str], tuple[float, str]] = {}
 
     def private_key(self, key: OidcKey) -> PrivateKey:
         pem = self.store.read(key.ref)
@@ -82,16 +92,18 @@ class Tokens:
 
     def token(self, oidc: Oidc, project: str, name: str, url: str, now: float | None = None) -> str:
         """A valid token for one request to `url`, minted or reused."""
+        if self.issuer is None:
+            raise SecretUnavailable("deliver.push.oidc needs the worker setting oidc (issuer and signing_keys)")
         now = time.time() if now is None else now
-        signer = oidc.keys[0]
+        signer = self.issuer.keys[0]
         audience = oidc.audience or url
-        cache_key = (oidc.issuer, audience, subject(project, name), signer.key_id)
+        cache_key = (audience, subject(project, name), signer.key_id)
         cached = self._tokens.get(cache_key)
         if cached is not None and cached[0] - RENEW_BEFORE_SECONDS > now:
             return cached[1]
         key = self.private_key(signer)
         issued = int(now)
-        claims = {"iss": oidc.issuer, "aud": audience, "sub": subject(project, name), "iat": issued,
+        claims = {"iss": self.issuer.issuer, "aud": audience, "sub": subject(project, name), "iat": issued,
                   "exp": issued + TOKEN_SECONDS}
         token = jwt.encode(claims, key, algorithm=algorithm(key), headers={"kid": signer.key_id})
         # Expired tokens go when one is minted (once an hour a subscription, beside a signature that
@@ -101,22 +113,19 @@ class Tokens:
         self._tokens[cache_key] = (issued + TOKEN_SECONDS, token)
         return token
 
-    def jwks(self, configs: Iterable[Oidc]) -> dict[str, Any]:
-        """The public keys of `configs` (each key once); a key that cannot be read now is left out."""
-        keys: dict[str, dict[str, Any]] = {}
-        for config in configs:
-            for key in config.keys:
-                if key.key_id in keys:
-                    continue
-                try:
-                    private = self.private_key(key)
-                except SecretUnavailable:
-                    continue
-                public = private.public_key()
-                jwk = (RSAAlgorithm.to_jwk(public, as_dict=True) if isinstance(public, rsa.RSAPublicKey)
-                       else ECAlgorithm.to_jwk(public, as_dict=True))
-                keys[key.key_id] = {**jwk, "kid": key.key_id, "use": "sig", "alg": algorithm(private)}
-        return {"keys": list(keys.values())}
+    def jwks(self) -> dict[str, Any]:
+        """The fleet's public keys; a key that cannot be read now is left out."""
+        keys: list[dict[str, Any]] = []
+        for key in self.issuer.keys if self.issuer is not None else ():
+            try:
+                private = self.private_key(key)
+            except SecretUnavailable:
+                continue
+            public = private.public_key()
+            jwk = (RSAAlgorithm.to_jwk(public, as_dict=True) if isinstance(public, rsa.RSAPublicKey)
+                   else ECAlgorithm.to_jwk(public, as_dict=True))
+            keys.append({**jwk, "kid": key.key_id, "use": "sig", "alg": algorithm(private)})
+        return {"keys": keys}
 
 
 def openid_configuration(issuer: str) -> dict[str, Any]:

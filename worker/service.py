@@ -11,7 +11,6 @@ import functools
 import gc
 import os
 import socket
-import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -20,77 +19,25 @@ from redis.exceptions import AuthenticationError, ResponseError
 
 from worker import broker_admin, compiled, embedded, logs, redis_client
 from worker import consumer as pulsar_adapter
+from worker.admission import admit_for, secret_store
 from worker.aio import cancel_within, wait_event
 from worker.attempts import AttemptStore
 from worker.backlog import BacklogReader
 from worker.config import Settings
 from worker.deadletter import DeadLetterPublisher
 from worker.delivery import Deliverer
-from worker.destinations import check_host
 from worker.dispatcher import CLOSE_TIMEOUT, DeliveryContext, Dispatcher, Fence, Stats
-from worker.errors import ConfigError, DestinationRefused, PushWorkerError, StartupError
+from worker.errors import PushWorkerError, StartupError
 from worker.fleet import Fleet, lifecycle
 from worker.fleet.lifecycle import ExpiryWatch, SeekTarget
 from worker.http_server import StatusServer
 from worker.metrics import Metrics
-from worker.oidc import Oidc, Tokens
+from worker.oidc import Tokens
 from worker.prefetch import LargestMessages, prefetch_bytes, prefetch_for
 from worker.redis_batch import Pipeliner
 from worker.redis_client import REDIS_DOWN
-from worker.signing import SecretStore, SecretUnavailable, bearer, signing_key
 from worker.subscriptions import State, Subscription
 from worker.supervisor import Supervisor, log_task_failure
-
-
-def preflight(settings: Settings, secrets: SecretStore | None = None) -> None:
-    """Refuse, at load, push URLs whose host is or resolves to a refused address, and secrets that
-    cannot be read (a worker that cannot sign would fail every attempt)."""
-    from urllib.parse import urlsplit
-
-    secrets = secrets or SecretStore()
-    for field, path in (("pulsar.tls_trust_certs_file", settings.pulsar.tls_trust_certs_file),
-                        ("redis.tls_ca_file", settings.redis.tls_ca_file)):
-        if path:
-            _check_ca_file(field, path)
-    for sub in settings.subscriptions:
-        where = f"subscription {sub.name!r}"
-        try:
-            check_host(urlsplit(sub.url).hostname or "", settings.destinations)
-        except DestinationRefused as e:
-            raise ConfigError(where, "deliver.push.url", str(e)) from None
-        check_secrets(sub, secrets)
-
-
-def _check_ca_file(field: str, path: str) -> None:
-    """A CA file that cannot be read or holds no certificate: every TLS connection would fail, one
-    retry after another, where `check` can say so at once."""
-    try:
-        ssl.create_default_context(cafile=path)
-    except ssl.SSLError:
-        raise ConfigError("config", field, f"must hold PEM certificates ({path} holds none)") from None
-    except OSError as e:
-        raise ConfigError("config", field, f"cannot be read ({e.strerror}: {path})") from None
-
-
-def check_secrets(sub: Subscription, secrets: SecretStore) -> None:
-    """Every signing secret, bearer token and OIDC key of `sub` can be read and used as delivery
-    uses it (a `whsec_` secret decodes, a token fits in a header, a key can sign), else a
-    ConfigError naming it."""
-    def usable(field: str, use: Callable[[], object]) -> None:
-        try:
-            use()
-        except SecretUnavailable as e:
-            raise ConfigError(f"subscription {sub.name!r}", field, str(e)) from None
-
-    for i, ref in enumerate(sub.signing_secrets):
-        usable(f"deliver.push.signing_secrets[{i}]", lambda: signing_key(secrets.read(ref)))  # noqa: B023 - called at once
-    if sub.bearer_token is not None:
-        usable("deliver.push.bearer_token", functools.partial(bearer, secrets, sub.bearer_token))
-    if sub.oidc is not None:
-        tokens = Tokens(secrets)
-        for i, key in enumerate(sub.oidc.keys):
-            usable(f"deliver.push.oidc.signing_key[{i}]", functools.partial(tokens.private_key, key))
-
 
 # See Worker._collect_soon: the first collection a second after a release, then at most one a minute
 # (each scans every object the worker has made since it started: 35-93 ms with 1,000 subscriptions).
@@ -109,7 +56,7 @@ class Worker:
         self.settings = settings
         self.worker_id = worker_id or os.environ.get("PUSH_WORKER_ID") or f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = Metrics()
-        self.secrets = SecretStore()
+        self.secrets = secret_store(settings)
         self.log = logs.get(worker=self.worker_id)
         self.dispatchers: dict[str, Dispatcher] = {}
         self._starting: dict[str, asyncio.Task[None]] = {}
@@ -164,9 +111,8 @@ class Worker:
         self.pulsar_url = s.pulsar.service_url or ""
         self.redis_url = s.redis.url or ""
         metrics_url = s.pulsar.metrics_url
-        self.tokens = Tokens(self.secrets)
-        self.status = StatusServer(s.http.host, s.http.port, self.metrics, self.readiness, self.liveness,
-                                   self.tokens, self._oidc_configs)
+        self.tokens = Tokens(self.secrets, s.oidc)
+        self.status = StatusServer(s.http.host, s.http.port, self.metrics, self.readiness, self.liveness, self.tokens)
         await self.status.start()
         self._cleanup("close the status server", self.status.close, 5)
         embedded_redis = not self.redis_url and s.redis.mode == "standalone"
@@ -190,7 +136,7 @@ class Worker:
             self.redis_url = service.url
             self.log.info("embedded redis started", port=service.port)
         if self._services:
-            embedded.record_endpoints(state_dir, self.pulsar_url, self.redis_url, self._services)
+            embedded.record_endpoints(state_dir, embedded.service_urls(self._services), self._services)
             self.supervisor.spawn("embedded", self._keep_embedded_running)
         self.redis = redis_client.connect(s.redis, self.redis_url, socket_timeout=10, socket_connect_timeout=5,
                                           health_check_interval=15)
@@ -221,7 +167,7 @@ class Worker:
         if not await self._wait_for_redis():
             return  # stopped while waiting
         await self._warn_if_redis_evicts()
-        self.fleet = Fleet(self, self.redis, s.fleet, s.subscriptions)
+        self.fleet = Fleet(self, self.redis, s.fleet, s.subscriptions, admit_for(s))
         await self.fleet.start()
         self.metrics.backlog_source.set(1 if self.backlog.enabled else 0)
         if self.backlog.enabled:
@@ -251,7 +197,8 @@ class Worker:
                 self.log.error("embedded service exited; starting it again", service=service.name,
                                exit_code=service.proc.returncode, log=str(service.log_path))
                 service.respawn()  # from the loop's thread, like the first start: it dies with the worker
-                embedded.record_endpoints(self.settings.state_dir, self.pulsar_url, self.redis_url, self._services)
+                embedded.record_endpoints(self.settings.state_dir, embedded.service_urls(self._services),
+                                          self._services)
                 await asyncio.to_thread(service.wait_ready)
                 self.log.info("embedded service started again", service=service.name, url=service.url)
             await wait_event(self._stop, EMBEDDED_CHECK_SECONDS)
@@ -519,12 +466,6 @@ class Worker:
         except (aiohttp.ClientError, TimeoutError, broker_admin.AdminError, ValueError) as e:
             self.metrics.broker_errors.labels("admin").inc()
             self.log.warning("stale consumer check failed", subscription=sub.key, error=f"{type(e).__name__}: {e}")
-
-    def _oidc_configs(self) -> list[Oidc]:
-        """The OIDC settings of every subscription this worker knows (its config and the fleet's
-        registry): every worker of a fleet publishes the same keys."""
-        known = self.fleet.subscriptions.values() if self.fleet is not None else self.settings.subscriptions
-        return [sub.oidc for sub in known if sub.oidc is not None]
 
     async def readiness(self) -> tuple[bool, str]:
         if self._closed or self._stop.is_set():

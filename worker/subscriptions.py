@@ -2,6 +2,10 @@
 
 A `Subscription` is immutable; edits produce a new value. `parse_subscription` turns untrusted
 mappings (config file, registry) into one, or raises `ConfigError` naming subscription, field and rule.
+A definition can only name its own project's things: its topics are in its project's tenant
+(`persistent://p-<short>/...`), and a registry entry's secrets are names resolved in that project's
+directory (`{secret: NAME}`); only the operator's config file (`trusted`) may name the worker's
+environment or files.
 """
 
 from __future__ import annotations
@@ -15,11 +19,14 @@ from urllib.parse import urlsplit
 
 from worker.errors import ConfigError
 from worker.filters import Filter, FilterError, parse_filter
-from worker.oidc import Oidc, OidcKey
-from worker.signing import SecretRef
+from worker.oidc import Oidc
+from worker.signing import SECRET_NAME_RULE, SecretRef, secret_name_ok
 
 NAME_RULE = "lowercase letters, digits and dashes; starts with a letter, does not end with a dash; 63 max"
 NAME_PATTERN = re.compile(r"^[a-z]([a-z0-9-]{0,61}[a-z0-9])?$")
+# The platform maps each project to the Pulsar tenant p-<short> (so no project key can be `fleet/...`).
+PROJECT_PATTERN = re.compile(r"^p-[a-z0-9]([a-z0-9-]{0,59}[a-z0-9])?$")
+PROJECT_RULE = "a project's tenant: p-<short> (lowercase letters, digits and dashes)"
 # persistent://<tenant>/<namespace>/<topic>; the platform puts every project in tenant p-<short>, ns main.
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _TOPIC_RE = re.compile(r"^(persistent|non-persistent)://([A-Za-z0-9_.=-]+)/([A-Za-z0-9_.=-]+)/([A-Za-z0-9_.=-]+)$")
@@ -97,6 +104,11 @@ class Subscription:
         """The Pulsar tenant of the topic: the platform's project boundary."""
         return topic_parts(self.topic)[1]
 
+    @property
+    def credentials(self) -> bool:
+        """Whether requests carry credentials (a signature, a bearer token, an OIDC token)."""
+        return bool(self.signing_secrets) or self.bearer_token is not None or self.oidc is not None
+
     @functools.cached_property
     def key(self) -> str:
         """Unique within a fleet: two projects may both have a subscription called `orders`."""
@@ -109,6 +121,12 @@ class Subscription:
 
 
 TOPIC_RULE = "must be a full topic name like persistent://p-<project>/main/<topic>"
+SUBSCRIPTION_KEY = re.compile(r"^(p-[a-z0-9]([a-z0-9-]{0,59}[a-z0-9])?)/([a-z]([a-z0-9-]{0,61}[a-z0-9])?)$")
+
+
+def valid_key(key: str) -> bool:
+    """A subscription key `p-<short>/<name>` as the fleet spells it (nothing else can reach Redis)."""
+    return bool(SUBSCRIPTION_KEY.fullmatch(key))
 
 
 def topic_parts(topic: str) -> tuple[str, str, str, str]:
@@ -182,6 +200,8 @@ def _check_topic(r: FieldReader, name: str, value: str) -> tuple[str, str, str, 
         raise r.fail(name, TOPIC_RULE) from None
     if parts[0] != "persistent":  # a non-persistent topic drops what no consumer holds: push must not lose messages
         raise r.fail(name, "must be persistent:// (a non-persistent topic loses messages no consumer holds)")
+    if not PROJECT_PATTERN.match(parts[1]):
+        raise r.fail(name, f"must be in {PROJECT_RULE} (got tenant {parts[1]!r})")
     return parts
 
 
@@ -199,20 +219,32 @@ def _check_url(r: FieldReader, value: str, name: str = "url") -> str:
         raise r.fail(name, "must be an http or https URL")
     if not parts.hostname:
         raise r.fail(name, "must name a host")
+    if not parts.hostname.isascii():  # one spelling only: the client would normalise it into another host
+        raise r.fail(name, "must have an ASCII host (write an internationalised name in its xn-- form)")
     if parts.username or parts.password:
         raise r.fail(name, "must not carry credentials (use a bearer token secret instead)")
     return value
 
 
-def _secret_ref(r: FieldReader, name: str, value: Any) -> SecretRef:
+def _secret_ref(r: FieldReader, name: str, value: Any, project: str, trusted: bool) -> SecretRef:
+    where_to = "{secret: NAME} (the file <secrets.dir>/" + project + "/NAME)"
     if not isinstance(value, dict):
-        raise r.fail(name, "must say where the secret lives, {env: VARIABLE} or {file: /path} "
-                           "(secrets never go in the config itself)")
+        forms = f"{where_to}, {{env: VARIABLE}} or {{file: /path}}" if trusted else where_to
+        raise r.fail(name, f"must say where the secret lives, {forms} (secrets never go in the definition itself)")
     ref = FieldReader(r.where, value, f"{r.prefix}{name}.")
-    ref.reject_unknown({"env", "file"})
-    if ref.has("env") == ref.has("file"):
-        raise r.fail(name, "must have exactly one of env or file")
-    if ref.has("env"):
+    ref.reject_unknown({"secret", "env", "file"})
+    kinds = [kind for kind in ("secret", "env", "file") if ref.has(kind)]
+    if len(kinds) != 1:
+        raise r.fail(name, f"must have exactly one of secret, env or file: {where_to}")
+    if kinds[0] != "secret" and not trusted:
+        raise ref.fail(kinds[0], f"is for the operator's config file only: a registry subscription names its "
+                                 f"project's secret, {where_to}")
+    if kinds[0] == "secret":
+        secret = ref.text("secret")
+        if not secret_name_ok(secret):
+            raise ref.fail("secret", SECRET_NAME_RULE)
+        return SecretRef(secret=secret, project=project)
+    if kinds[0] == "env":
         env = ref.text("env")
         if not _ENV_NAME_RE.match(env):
             raise ref.fail("env", "must be an environment variable name (letters, digits, underscore)")
@@ -220,15 +252,15 @@ def _secret_ref(r: FieldReader, name: str, value: Any) -> SecretRef:
     return SecretRef(file=ref.text("file"))
 
 
-def _auth(push: FieldReader) -> tuple[tuple[SecretRef, ...], SecretRef | None]:
+def _auth(push: FieldReader, project: str, trusted: bool) -> tuple[tuple[SecretRef, ...], SecretRef | None]:
     secrets = push.data.get("signing_secrets")
     refs: tuple[SecretRef, ...] = ()
     if secrets is not None:
         if not isinstance(secrets, list) or not 1 <= len(secrets) <= 2:
             raise push.fail("signing_secrets", "must be a list of one secret, or two during a rotation")
-        refs = tuple(_secret_ref(push, f"signing_secrets[{i}]", v) for i, v in enumerate(secrets))
+        refs = tuple(_secret_ref(push, f"signing_secrets[{i}]", v, project, trusted) for i, v in enumerate(secrets))
     bearer = push.data.get("bearer_token")
-    return refs, (None if bearer is None else _secret_ref(push, "bearer_token", bearer))
+    return refs, (None if bearer is None else _secret_ref(push, "bearer_token", bearer, project, trusted))
 
 
 def is_push(data: Any) -> bool:
@@ -239,8 +271,10 @@ def is_push(data: Any) -> bool:
     return not (isinstance(deliver, dict) and deliver.get("mode") == "pull")
 
 
-def parse_subscription(data: Any, where: str = "") -> Subscription:
-    """Validate one subscription definition (config or registry) and build its value."""
+def parse_subscription(data: Any, where: str = "", *, trusted: bool = False) -> Subscription:
+    """Validate one subscription definition and build its value. `trusted`: it comes from the
+    operator's config file (it may name the worker's environment and files); else from the
+    registry, written on behalf of a project."""
     if not isinstance(data, dict):
         raise ConfigError(where, "subscription", "must be a mapping")
     name_value = data.get("name")
@@ -267,7 +301,7 @@ def parse_subscription(data: Any, where: str = "") -> Subscription:
     url = _check_url(push, push.text("url"))
     content = push.choice("content", CONTENT_MODES, "wrapped")
     cloudevents = _cloudevents(push, content)
-    signing_secrets, bearer_token = _auth(push)
+    signing_secrets, bearer_token = _auth(push, tenant, trusted)
     oidc = _oidc(push)
     if oidc is not None and bearer_token is not None:
         raise push.fail("oidc", "cannot be combined with bearer_token (both set Authorization)")
@@ -319,30 +353,18 @@ def parse_subscription(data: Any, where: str = "") -> Subscription:
 
 
 def _oidc(push: FieldReader) -> Oidc | None:
-    """`oidc: {issuer, audience?, signing_key: {file|env}, key_id}`; for a rotation `signing_key` is a
-    list of two `{file|env, key_id}`, the first signing (both are published)."""
+    """`oidc: {audience?}`: the fleet signs (the worker setting `oidc`); a subscription chooses only
+    its tokens' audience (default: the push URL)."""
     if not push.has("oidc"):
         return None
     o = push.sub("oidc")
-    o.reject_unknown({"issuer", "audience", "signing_key", "key_id"})
-    issuer = _check_url(o, o.text("issuer"), "issuer")
-    audience = o.text("audience") if o.has("audience") else None
-    raw = o.data.get("signing_key")
-    if isinstance(raw, list):
-        if not 1 <= len(raw) <= 2 or o.has("key_id"):
-            raise o.fail("signing_key", "as a list: one or two {file|env, key_id} (the first signs), "
-                                        "without a separate key_id")
-        keys = []
-        for i, item in enumerate(raw):
-            if not isinstance(item, dict) or not isinstance(item.get("key_id"), str) or not item["key_id"]:
-                raise o.fail(f"signing_key[{i}]", "must have a key_id")
-            refs = {k: v for k, v in item.items() if k != "key_id"}
-            keys.append(OidcKey(_secret_ref(o, f"signing_key[{i}]", refs), item["key_id"]))
-        if len({k.key_id for k in keys}) != len(keys):
-            raise o.fail("signing_key", "the two keys need different key_ids")
-        return Oidc(issuer, tuple(keys), audience)
-    key_id = o.text("key_id")
-    return Oidc(issuer, (OidcKey(_secret_ref(o, "signing_key", raw), key_id),), audience)
+    for moved in ("issuer", "signing_key", "key_id"):
+        if o.has(moved):
+            raise o.fail(moved, "is the worker's setting now, not a subscription's: the fleet signs every token "
+                                "with its own keys (oidc: {issuer, signing_keys} in the worker config); a subscription "
+                                "sets only deliver.push.oidc.audience")
+    o.reject_unknown({"audience"})
+    return Oidc(audience=o.text("audience") if o.has("audience") else None)
 
 
 def _filter(r: FieldReader) -> Filter | None:

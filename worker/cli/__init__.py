@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from worker.cli import devtools, dlq, messages, subs
 from worker.cli import worker as worker_commands
 from worker.cli.common import Parser
-from worker.errors import ConfigError, NotFound, PushWorkerError, UsageError
+from worker.errors import ConfigError, NotFound, PushWorkerError, UsageError, strip_userinfo
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,7 +62,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             import traceback
 
             traceback.print_exc()
-        sys.stderr.write(f"push-worker: {line}\n")  # one write: never split by another thread's log line
+        # One write: never split by another thread's log line.
+        sys.stderr.write(f"push-worker: {strip_userinfo(line)}\n")
         return code
 
 

@@ -16,7 +16,8 @@ from worker.subscriptions import TOPIC_RULE, topic_parts
 
 
 async def _serve(config_path: str) -> int:
-    from worker.service import Worker, preflight
+    from worker.admission import preflight
+    from worker.service import Worker
 
     settings = load_settings(config_path)
     preflight(settings)
@@ -71,7 +72,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from worker.service import preflight
+    from worker.admission import preflight
 
     settings = load_settings(args.config)
     preflight(settings)

@@ -84,7 +84,7 @@ class _Attempts:
 class _Endpoint:
     """Acks every request after one turn of the loop."""
 
-    async def attempt(self, url: str, request: PushRequest, deadline: float) -> Outcome:
+    async def attempt(self, url: str, request: PushRequest, deadline: float, credentials: bool = False) -> Outcome:
         await asyncio.sleep(0)
         return Outcome(Result.ACK, 204, 0.001)
 

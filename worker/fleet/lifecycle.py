@@ -100,7 +100,7 @@ async def _acknowledge_until(client: pulsar_async.Client, sub: Subscription, cut
 
 async def forget_attempts(client: AsyncClient, sub_key: str) -> int:
     """Delete the attempt counters of one subscription (histories stay)."""
-    return await delete_matching(client, keys.message_key(sub_key, "*"))
+    return await delete_matching(client, keys.message_pattern(sub_key))
 
 
 async def request_seek(client: AsyncClient, channel: str, sub_key: str, target: SeekTarget, request_id: str) -> None:

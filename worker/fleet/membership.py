@@ -22,7 +22,7 @@ from worker.aio import cancel_within, wait_event
 from worker.config import FleetSettings
 from worker.fleet import lifecycle
 from worker.fleet.leases import ACQUIRE, RELEASE, RENEW, Lease, assign
-from worker.fleet.registry import Registry, clear_state, safe_text
+from worker.fleet.registry import Admit, Registry, clear_state, safe_text
 from worker.fleet.status import StatusReports
 from worker.redis_batch import Pipeliner
 from worker.redis_client import REDIS_DOWN, AsyncClient, describe
@@ -62,12 +62,12 @@ class Fleet:
     """Runs the ownership loop of one worker."""
 
     def __init__(self, worker: Worker, client: AsyncClient, settings: FleetSettings,
-                 static: tuple[Subscription, ...]) -> None:
+                 static: tuple[Subscription, ...], admit: Admit | None = None) -> None:
         self.worker = worker
         self.client = client
         self.settings = settings
         self.static = {s.key: s for s in static}
-        self.registry = Registry(client, settings.name)
+        self.registry = Registry(client, settings.name, self.static, admit)
         self.members_key = keys.fleet_key(settings.name, "members")
         self.leases: dict[str, Lease] = {}
         self.members: list[str] = []
@@ -244,7 +244,7 @@ class Fleet:
         keeps what was read last; invalid entries are skipped; both are logged."""
         try:
             live, invalid = await self.registry.read()
-            self.subscriptions = {**self.static, **live}
+            self.subscriptions = {**live, **self.static}  # the config's own win (the registry cannot shadow them)
             for key, reason in invalid.items():
                 self._ignore("registry entry", f"{key}: {reason}")
         except ResponseError as e:

@@ -1,5 +1,11 @@
 """The live subscription registry in Redis, shared by a fleet.
 
+Every entry is untrusted: the control plane writes it on behalf of a project. The field
+`<project>/<name>` is authoritative: the definition must be that subscription of that project (its
+name, its topics in that project's tenant), may name only that project's secrets, must pass the
+worker's admission (`admission.admit`), and must not be a subscription of the operator's config
+file. An entry that breaks any of these is Invalid with the reason, and nothing is served for it.
+
 Layout (all under the fleet's hash tag): `pw:{fleet/<name>}:registry` hash of subscription key
 (`tenant/name`) -> JSON definition; `...:version` counter bumped on every change; changes are also
 announced on the channel `...:events`. `...:paused` is the set of paused subscription keys (config
@@ -10,7 +16,7 @@ subscriptions).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import orjson
@@ -19,7 +25,9 @@ from redis.exceptions import WatchError
 from worker import keys
 from worker.errors import ConfigError, NotFound
 from worker.redis_client import AsyncClient
-from worker.subscriptions import Subscription, is_push, parse_subscription
+from worker.subscriptions import Subscription, is_push, parse_subscription, valid_key
+
+Admit = Callable[[Subscription], None]  # a worker's admission: raises ConfigError
 
 IMMUTABLE = ("topic", "type", "start_from", "filter")
 
@@ -58,7 +66,10 @@ def _topic_of(value: bytes | str) -> Any:
 
 
 async def clear_state(client: AsyncClient, key: str) -> int:
-    """Delete every Redis key of one subscription (attempt counters, histories, status, lease)."""
+    """Delete every Redis key of one subscription (attempt counters, histories, status, lease). A key
+    that is not a subscription's (garbage in the registry, `fleet/...`) has no state: nothing is deleted."""
+    if not valid_key(key):
+        return 0
     return await delete_matching(client, keys.pattern(key))
 
 
@@ -76,12 +87,28 @@ async def delete_matching(client: AsyncClient, pattern: str) -> int:
     return removed
 
 
-class Registry:
-    """Read and write subscription definitions of one fleet."""
+def bound_to_field(sub: Subscription, field: str) -> None:
+    """A registry entry defines exactly the subscription its field names: the control plane wrote the
+    field for that project, so a definition of another project's subscription (or name) is refused."""
+    if not valid_key(field):
+        raise ConfigError(f"registry field {field[:200]!r}", "field",
+                          "must be <project>/<name>, with the project's tenant p-<short> and a subscription name")
+    if sub.key != field:
+        raise ConfigError(f"registry field {field!r}", "definition",
+                          f"defines {sub.key} (a registry entry may define only the subscription its field names, "
+                          "with its topics in that project's tenant)")
 
-    def __init__(self, client: AsyncClient, fleet: str) -> None:
+
+class Registry:
+    """Read and write subscription definitions of one fleet. `static`: the keys of the operator's
+    config-file subscriptions (a registry entry never shadows one); `admit`: the worker's own checks
+    (its destination policy and OIDC setting), when known."""
+
+    def __init__(self, client: AsyncClient, fleet: str, static: Iterable[str] = (), admit: Admit | None = None) -> None:
         self.client = client
         self.fleet = fleet
+        self.static = frozenset(static)
+        self.admit = admit
         self.hash = keys.fleet_key(fleet, "registry")
         self.version_key = keys.fleet_key(fleet, "version")
         self.channel = keys.fleet_key(fleet, "events")
@@ -117,12 +144,27 @@ class Registry:
                 data = orjson.loads(value)
                 if not isinstance(data, dict):
                     raise ConfigError("", "definition", "must be a JSON object")
-                out[key] = (data, parse_subscription(data) if is_push(data) else None)
+                out[key] = (data, self.check(data, key) if is_push(data) else None)
             except ConfigError as e:
                 out[key] = str(e)
             except (orjson.JSONDecodeError, ValueError, TypeError) as e:
                 out[key] = f"not a JSON definition ({type(e).__name__}: {e})"[:300]
         return out
+
+    def check(self, data: Any, field: str | None = None, where: str = "") -> Subscription:
+        """The subscription an entry defines, if it may: its own rules, bound to its `field` (None:
+        about to be written at its own key), not a config-file subscription, admitted by the worker;
+        else ConfigError."""
+        sub = parse_subscription(data, where)
+        if field is not None:
+            bound_to_field(sub, field)
+        if sub.key in self.static:
+            raise ConfigError(f"subscription {sub.key!r}", "name",
+                              "is a subscription of the workers' config file: the registry cannot define it again "
+                              "(the config's definition keeps serving)")
+        if self.admit is not None:
+            self.admit(sub)
+        return sub
 
     async def definitions(self) -> dict[str, dict[str, Any]]:
         """The usable definitions by key (invalid entries left out: see `entries`)."""
@@ -136,7 +178,7 @@ class Registry:
     async def apply_all(self, definitions: list[Any]) -> list[tuple[Subscription, str]]:
         """Create or edit subscriptions, all or nothing: every definition is validated, and checked
         against what is stored (immutable fields), before one atomic write of all of them."""
-        subs = [parse_subscription(d, where=f"definition {i}") for i, d in enumerate(definitions)]
+        subs = [self.check(d, where=f"definition {i}") for i, d in enumerate(definitions)]
         seen: set[str] = set()
         for sub in subs:
             if sub.key in seen:

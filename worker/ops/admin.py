@@ -21,6 +21,7 @@ import yaml
 from redis.exceptions import ResponseError
 
 from worker import keys
+from worker.admission import admit_for
 from worker.config import (
     PULSAR_SCHEMES,
     REDIS_SCHEMES,
@@ -39,7 +40,7 @@ from worker.fleet.registry import Registry, clear_state, safe_text
 from worker.messages import rfc3339
 from worker.ops.render import Output, table
 from worker.redis_client import AsyncClient, connect
-from worker.subscriptions import State, Subscription, is_push, parse_subscription
+from worker.subscriptions import State, Subscription, is_push, valid_key
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Target:
     settings: Settings
     redis_url: str | None = field(default=None, repr=False)
     pulsar_url: str | None = None
+    configured: bool = False  # `settings` are a worker's config (--config), not the defaults
 
     @property
     def fleet(self) -> str:
@@ -91,7 +93,7 @@ def locate(config: str | None, redis_url: str | None = None, pulsar_url: str | N
         if settings.redis.mode == "standalone":  # a cluster or Sentinels are named by the config
             redis_url = redis_url or endpoints.get("redis_url")
         pulsar_url = pulsar_url or endpoints.get("pulsar_url")
-    return Target(settings, redis_url, pulsar_url)
+    return Target(settings, redis_url, pulsar_url, configured=config is not None)
 
 
 def _load_definitions(path: str) -> list[Any]:
@@ -165,8 +167,11 @@ class Admin:
 
     def __init__(self, target: Target, command: str) -> None:
         self.client = target.redis(command)  # `command` names the command in a missing-URL error
-        self.registry = Registry(self.client, target.fleet)
         self.static = {s.key: s for s in target.settings.subscriptions}
+        # With the worker's config, entries are checked as its workers check them (its destination
+        # policy, its OIDC setting); without it, by the definitions' own rules.
+        self.registry = Registry(self.client, target.fleet, self.static,
+                                 admit_for(target.settings) if target.configured else None)
         self.lease_seconds = target.settings.fleet.lease_seconds
 
     async def existing(self, name: str) -> str:
@@ -187,7 +192,9 @@ class Admin:
         """The keys of the subscriptions some worker (or seek command) holds a lease on."""
         served: set[str] = set()
         async for lease in self.client.scan_iter(match=keys.lease_key("*"), count=1000):
-            served.add(safe_text(lease).split("{", 1)[1].rsplit("}", 1)[0])
+            key = safe_text(lease).split("{", 1)[1].rsplit("}", 1)[0]
+            if valid_key(key):  # anything else is garbage, not a subscription
+                served.add(key)
         return served
 
     async def definition(self, name: str) -> Subscription:
@@ -201,7 +208,7 @@ class Admin:
             raise _not_in_registry(name)
         if not is_push(definitions[key]):
             raise ConfigError("registry", name, "is not a push subscription")
-        return parse_subscription(definitions[key])
+        return self.registry.check(definitions[key], key)
 
     async def seek(self, name: str, target: SeekTarget, pulsar: PulsarSettings, wait: float = 60.0) -> Output:
         """Move the subscription's cursor (through the worker serving it, or directly when none does)
@@ -407,14 +414,17 @@ class Admin:
         """Every subscription of the registry, the given config, and the workers' own config files
         (`source`: registry, config, worker), with its status; an invalid registry entry is a row in
         state `Invalid` with the reason. Of a worker's own, the type is not known here (`-`)."""
-        entries: dict[str, Any] = dict.fromkeys(await self._served() | await self.registry.paused(),
-                                                ({"type": "-"}, "worker"))
-        entries.update({k: ({"type": s.type}, "config") for k, s in self.static.items()})
-        for key, entry in (await self.registry.entries()).items():
-            entries[key] = (entry if isinstance(entry, str) else entry[0], "registry")
+        entries: dict[tuple[str, str], Any] = {(k, "worker"): {"type": "-"}
+                                               for k in await self._served() | await self.registry.paused()}
+        registry = await self.registry.entries()
+        for key in set(registry) | set(self.static):  # a worker's own is known better now
+            entries.pop((key, "worker"), None)
+        entries.update({(k, "config"): {"type": s.type} for k, s in self.static.items()})
+        # A registry entry that shadows a config subscription is a row of its own: Invalid, with why.
+        entries.update({(k, "registry"): e if isinstance(e, str) else e[0] for k, e in registry.items()})
         held_back = await self._held_back()
         rows = []
-        for key, (entry, source) in sorted(entries.items()):
+        for (key, source), entry in sorted(entries.items()):
             if isinstance(entry, str):
                 project, _, name = key.partition("/")
                 rows.append({"project": project, "name": name, "type": "-", "owner": "-", "state": "Invalid",

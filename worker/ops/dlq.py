@@ -31,6 +31,7 @@ from aiolimiter import AsyncLimiter
 
 from worker import consumer as pulsar_adapter
 from worker import keys, logs
+from worker.admission import check_secrets, secret_store
 from worker.attempts import AttemptStore
 from worker.config import PulsarSettings
 from worker.deadletter import DeadLetterPublisher, subscribe_cursor
@@ -39,11 +40,10 @@ from worker.dispatcher import DeliveryContext, Dispatcher
 from worker.errors import NotFound
 from worker.messages import Envelope, base64_text, rfc3339
 from worker.metrics import Metrics
+from worker.oidc import Tokens
 from worker.ops.admin import Admin, Target
 from worker.ops.render import Output, table
 from worker.redis_batch import Pipeliner
-from worker.service import check_secrets
-from worker.signing import SecretStore
 from worker.subscriptions import Subscription
 
 QUIET_SECONDS = 2.0  # no message for this long: the cursor holds nothing more for us
@@ -219,7 +219,8 @@ class DeadLetters:
                       progress: Callable[[str], None], message_id: str | None = None) -> Output:
         sub = await self.subscription(admin, name)
         # A request that cannot be signed would fail every redriven message (and dead-letter it again).
-        check_secrets(sub, SecretStore())
+        secrets = secret_store(self.target.settings)
+        check_secrets(sub, secrets)
         # Redelivery ignores the original ordering (the messages failed out of order already).
         sub = dataclasses.replace(sub, type="shared", max_ack_pending=concurrency)
         settings = self.target.settings
@@ -230,7 +231,8 @@ class DeadLetters:
         deliverer = Deliverer(settings.destinations)
         ctx = DeliveryContext(deliverer,
                               AttemptStore(pipeliner, settings.redis),
-                              DeadLetterPublisher(client), metrics, worker_id="dlq-redrive",
+                              DeadLetterPublisher(client), metrics, secrets, worker_id="dlq-redrive",
+                              tokens=Tokens(secrets, settings.oidc),
                               max_held_bytes=settings.max_held_bytes_per_subscription)
         dispatcher: Dispatcher | None = None
         started = time.monotonic()
