@@ -93,6 +93,7 @@ class FleetSettings:
     error_after_seconds: float = 300.0  # endpoint failing every attempt this long: state Error
     expire_backlog: int = 10_000  # backlog at or above this...
     expire_after_seconds: float = 3600.0  # ...for this long: state Expired (the platform docs' policy)
+    max_subscriptions_per_project: int = 1000  # registry entries of one project beyond this are Invalid
 
 
 # Payload bytes of the messages one subscription holds at once (taken from the broker, not settled):
@@ -114,6 +115,7 @@ class Settings:
     fleet: FleetSettings = field(default_factory=FleetSettings)
     shutdown_grace_seconds: float = 30.0
     max_held_bytes_per_subscription: int = DEFAULT_MAX_HELD_BYTES
+    max_held_bytes: int | None = None  # every subscription's together; None: half the container's memory limit
     secrets_dir: Path | None = None  # project secrets: <dir>/<project>/<name> (`secrets.dir`)
     oidc: OidcIssuer | None = None  # the fleet's OIDC issuer and signing keys
     log_format: str = "auto"
@@ -203,7 +205,7 @@ def _redis_topology(rd: FieldReader, url: str | None, env: Mapping[str, str]) ->
 
 
 def _destinations(d: FieldReader) -> DestinationPolicy:
-    d.reject_unknown({"allow_private", "allow_cidrs", "max_request_bytes"})
+    d.reject_unknown({"allow_private", "allow_cidrs", "max_request_bytes", "max_connections"})
     allow_private = d.data.get("allow_private", False)
     if not isinstance(allow_private, bool):
         raise d.fail("allow_private", "must be true or false")
@@ -222,6 +224,7 @@ def _destinations(d: FieldReader) -> DestinationPolicy:
         allow_private=allow_private,
         allow_cidrs=tuple(n for n in networks if n is not None),
         max_request_bytes=d.integer("max_request_bytes", DEFAULT_MAX_REQUEST_BYTES, 1024, 256 * 1024 * 1024),
+        max_connections=d.integer("max_connections", 0, 16, 1_000_000) if d.has("max_connections") else None,
     )
 
 
@@ -262,7 +265,8 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
                                         f"not a {type(data).__name__}")
     r = FieldReader("config", data)
     r.reject_unknown({"pulsar", "redis", "state_dir", "http", "destinations", "subscriptions",
-                      "shutdown_grace_seconds", "max_held_bytes_per_subscription", "log", "fleet", "secrets", "oidc"})
+                      "shutdown_grace_seconds", "max_held_bytes_per_subscription", "max_held_bytes", "log", "fleet",
+                      "secrets", "oidc"})
 
     p = r.sub("pulsar")
     p.reject_unknown({"service_url", "tls_trust_certs_file", "operation_timeout_seconds", "admin_url",
@@ -305,7 +309,7 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
 
     f = r.sub("fleet")
     f.reject_unknown({"name", "lease_seconds", "heartbeat_seconds", "error_after_seconds", "expire_backlog",
-                      "expire_after_seconds"})
+                      "expire_after_seconds", "max_subscriptions_per_project"})
     fleet_name = env.get("PUSH_WORKER_FLEET") or f.text("name", "default")
     if not NAME_PATTERN.match(fleet_name):
         if env.get("PUSH_WORKER_FLEET"):
@@ -322,7 +326,8 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
     fleet = FleetSettings(fleet_name, lease, heartbeat,
                           error_after_seconds=f.number("error_after_seconds", 300.0, 0.0, 86400.0),
                           expire_backlog=f.integer("expire_backlog", 10_000, 1, 10**12),
-                          expire_after_seconds=f.number("expire_after_seconds", 3600.0, 1.0, 30 * 86400.0))
+                          expire_after_seconds=f.number("expire_after_seconds", 3600.0, 1.0, 30 * 86400.0),
+                          max_subscriptions_per_project=f.integer("max_subscriptions_per_project", 1000, 1, 100_000))
 
     log = r.sub("log")
     log.reject_unknown({"format", "level"})
@@ -358,6 +363,7 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
         shutdown_grace_seconds=r.number("shutdown_grace_seconds", 30.0, 0.0, 3600.0),
         max_held_bytes_per_subscription=r.integer("max_held_bytes_per_subscription", DEFAULT_MAX_HELD_BYTES,
                                                   1 << 20, 64 << 30),
+        max_held_bytes=r.integer("max_held_bytes", 0, 16 << 20, 1 << 40) if r.has("max_held_bytes") else None,
         secrets_dir=secrets_dir,
         oidc=oidc,
         log_format=log.choice("format", ("auto", "json", "console"), "auto"),

@@ -86,9 +86,10 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
 class Deliverer:
     """Sends push requests over keep-alive connections and classifies what comes back."""
 
-    def __init__(self, policy: DestinationPolicy, client: http1.Client | None = None) -> None:
+    def __init__(self, policy: DestinationPolicy, client: http1.Client | None = None,
+                 max_connections: int | None = None) -> None:
         self.policy = policy
-        self.client = client or http1.Client(GuardedResolver(policy), USER_AGENT)
+        self.client = client or http1.Client(GuardedResolver(policy), USER_AGENT, max_connections=max_connections)
         self._targets: dict[str, URL] = {}
 
     def _target(self, url: str) -> URL:
@@ -101,9 +102,11 @@ class Deliverer:
             known = self._targets[url] = URL(url)
         return known
 
-    async def attempt(self, url: str, request: PushRequest, deadline: float, credentials: bool = False) -> Outcome:
+    async def attempt(self, url: str, request: PushRequest, deadline: float, credentials: bool = False,
+                      owner: str = "") -> Outcome:
         """POST once; the whole exchange (connect, send, status, capped body) is bounded by `deadline` s.
-        `credentials`: the request carries some (plain http:// then reaches only admitted private addresses)."""
+        `credentials`: the request carries some (plain http:// then reaches only admitted private
+        addresses); `owner`: the project whose share of the worker's connections a new one takes."""
         started = time.monotonic()
         if len(request.body) > self.policy.max_request_bytes:
             return Outcome(Result.TOO_LARGE, detail=f"request body of {len(request.body)} bytes is over "
@@ -113,7 +116,7 @@ class Deliverer:
             # An answer counts once complete within the deadline; a huge or endless body costs at
             # most the cap (then the connection is dropped). The body itself is not used.
             answer = await self.client.post(target, request.headers, request.body, RESPONSE_BODY_CAP, deadline,
-                                             credentials)
+                                             credentials, owner)
         except TimeoutError:
             return Outcome(Result.TIMEOUT, latency=time.monotonic() - started, detail=f"no answer in {deadline:g}s")
         except (DestinationRefused, http1.ProtocolError) as e:

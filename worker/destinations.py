@@ -107,6 +107,7 @@ class DestinationPolicy:
     allow_private: bool = False
     allow_cidrs: tuple[IPNetwork, ...] = ()
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_connections: int | None = None  # open push connections; None: from the open-files limit at start
 
     def _admitted(self, ip: IPAddress) -> bool:
         return any(ip.version == net.version and ip in net for net in self.allow_cidrs)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
+import traceback
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -21,11 +23,12 @@ from worker import logs
 from worker.aio import cancel_within, wait_any, wait_event
 from worker.attempts import AttemptRecord
 from worker.backoff import retry_delay
+from worker.budgets import ByteBudget, SharedBudget
 from worker.config import DEFAULT_MAX_HELD_BYTES
 from worker.deadletter import DeadLetterPublisher, dead_letter_properties, failing_publishes
 from worker.delivery import Outcome, Result
 from worker.endpoint_health import EndpointHealth
-from worker.flow import AdaptiveLimit, ByteBudget, Window
+from worker.flow import AdaptiveLimit, Window
 from worker.history import attempt_entry, event_entry
 from worker.messages import Envelope, PushRequest, build_request, format_message_id
 from worker.metrics import Metrics
@@ -90,7 +93,8 @@ class Endpoints(Protocol):
     """What a dispatcher sends through: `delivery.Deliverer` (a protocol, so that the compiled
     dispatcher also runs on the in-memory parts of `make bench --section dispatcher`)."""
 
-    async def attempt(self, url: str, request: PushRequest, deadline: float, credentials: bool = False) -> Outcome: ...
+    async def attempt(self, url: str, request: PushRequest, deadline: float, credentials: bool = False,
+                      owner: str = "") -> Outcome: ...
 
 
 class AttemptLog(Protocol):
@@ -118,6 +122,7 @@ class DeliveryContext:
     supervisor: Supervisor = field(default_factory=Supervisor)
     tokens: Tokens | None = None  # OIDC tokens; made from `secrets` when not given
     max_held_bytes: int = DEFAULT_MAX_HELD_BYTES  # per subscription (`max_held_bytes_per_subscription`)
+    memory: SharedBudget | None = None  # every subscription's held bytes together (`max_held_bytes`)
 
     def __post_init__(self) -> None:
         if self.tokens is None:
@@ -167,7 +172,7 @@ class Dispatcher:
         self.m = ctx.metrics.for_subscription(sub.tenant, sub.name)
         self.stats = Stats()
         self.window = Window(sub.max_ack_pending)
-        self.held = ByteBudget(ctx.max_held_bytes)
+        self.held = ByteBudget(ctx.max_held_bytes, ctx.memory)  # its own bound, and its share of the worker's
         # A message above this size tells `on_large_message` (once per size): the consumer's
         # prefetch holds too many bytes of such messages and is to be made smaller.
         self.on_large_message = on_large_message
@@ -184,6 +189,7 @@ class Dispatcher:
         self._fence_wait: asyncio.Task[None] | None = None  # the one wait fenced messages share
         self._loop: asyncio.AbstractEventLoop | None = None
         self.log = logs.get(project=sub.tenant, subscription=sub.name)
+        self.failure_log = logs.Throttled(self.log, self.m.log_lines_suppressed.inc)  # lines a message's fate writes
         self.dead_letter_failures = failing_publishes(self.log, self.m.broker_errors.labels("dead_letter").inc)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -226,6 +232,7 @@ class Dispatcher:
                                  error=str(e) or type(e).__name__)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.consumer.close(), timeout=CLOSE_TIMEOUT)
+        self.held.close()
         self.metrics.forget(self.sub.tenant, self.sub.name)
 
     @property
@@ -382,10 +389,8 @@ class Dispatcher:
                 if lane is not None:
                     self._end_lane(lane)
                 raise
-            except Exception as e:  # a bug must not strand the message: loud, and the broker redelivers it
-                self.ctx.supervisor.failed("settle", e)
-                with contextlib.suppress(Exception):
-                    await self.consumer.negative_acknowledge(message)
+            except Exception as e:  # a failure of this message's own (a bug, an overflow): it settles it
+                record = await self._message_failed(message, env, e)
             finally:
                 self._active.discard(env.message_id)
                 self._release(env)
@@ -404,8 +409,8 @@ class Dispatcher:
         """Deliver until acked, dead-lettered or dropped; returns the settled record still to write."""
         if env.defect is not None:  # no request could carry it faithfully: dead-letter it with the reason
             if self.may_deliver() or await self._fenced():
-                self.log.error("undeliverable message", message_id=env.message_id, defect=env.defect)
-                return await self._give_up(message, env, self.sub, 0, "unreadable",
+                self.failure_log.error("undeliverable message", message_id=env.message_id, defect=env.defect)
+                return await self._give_up(message, env, self.sub, 0, env.defect_status,
                                            [event_entry("unreadable", self.ctx.worker_id, detail=env.defect)])
             return None
         if self.sub.filter is not None and not self.sub.filter.matches(env.attributes):
@@ -448,7 +453,7 @@ class Dispatcher:
                 self.log.debug("delivered", message_id=env.message_id, attempt=record.number,
                                status=outcome.status, latency=round(outcome.latency, 4))
                 return settled
-            self.log.info("delivery failed", message_id=env.message_id, attempt=record.number,
+            self.failure_log.info("delivery failed", message_id=env.message_id, attempt=record.number,
                           status=outcome.last_status, detail=outcome.detail, latency=round(outcome.latency, 4))
             exhausted = (limit is not None and record.number >= limit) or outcome.permanent
             # Recorded before a dead-letter publish too: if that is cut short (a crash, a stop while the
@@ -498,7 +503,8 @@ class Dispatcher:
             return Outcome(Result.NOT_SENT, detail=str(e))
         if extra:
             request = PushRequest({**request.headers, **extra}, request.body, request.omitted_attributes)
-        return await self.deliverer.attempt(sub.url, request, float(sub.ack_deadline_seconds), bool(extra))
+        return await self.deliverer.attempt(sub.url, request, float(sub.ack_deadline_seconds), bool(extra),
+                                            sub.tenant)
 
     async def _ack(self, message: Any, env: Envelope, sub: Subscription, history: list[dict[str, Any]],
                    acked_first_time: bool = False, record_first: bool = False) -> Awaitable[None] | None:
@@ -533,7 +539,7 @@ class Dispatcher:
 
     async def _give_up(self, message: Any, env: Envelope, sub: Subscription, attempts: int, last_status: str,
                        history: list[dict[str, Any]]) -> Awaitable[None] | None:
-        log = self.log.bind(message_id=env.message_id, attempts=attempts, last_status=last_status)
+        about = {"message_id": env.message_id, "attempts": attempts, "last_status": last_status}
         if sub.dead_letter_topic:
             props = dead_letter_properties(env, sub.topic, sub.name, attempts, last_status)
             topic = sub.dead_letter_topic
@@ -543,16 +549,39 @@ class Dispatcher:
             self.dead_letter_failures.succeeded(dead_letter_topic=topic)
             self.stats.dead_lettered += 1
             self.m.dead_lettered.inc()
-            log.warning("dead-lettered", dead_letter_topic=topic)
+            self.failure_log.warning("dead-lettered", dead_letter_topic=topic, **about)
             # attempt and status too: `push-worker history` shows the settled summary (this entry) in columns
             history = [*history, event_entry("dead-lettered", self.ctx.worker_id, topic=topic,
                                              attempt=attempts, status=last_status)]
         else:
             self.stats.dropped += 1
             self.m.dropped.inc()
-            log.warning("dropped after last attempt")
+            self.failure_log.warning("dropped after last attempt", **about)
             history = [*history, event_entry("dropped", self.ctx.worker_id, attempt=attempts, status=last_status)]
         return await self._ack(message, env, sub, history, record_first=True)
+
+    async def _message_failed(self, message: Any, env: Envelope, error: Exception) -> Awaitable[None] | None:
+        """Settle a message whose handling raised, without taking anything else down: it never counts
+        toward the worker's health (the next owner would fail on it the same way, and the next).
+        Dead-lettered with the reason where the subscription has a dead-letter topic; else handed
+        back to the broker, which redelivers it after its delay (never dropped for a bug of ours)."""
+        self.m.message_failures.inc()
+        reason = f"worker_error: {type(error).__name__}: {error}"[:300]
+        self.failure_log.error("handling a message failed; it is settled alone", message_id=env.message_id,
+                               error=reason, traceback="".join(traceback.format_exception(error))[-2000:])
+        try:
+            if self.sub.dead_letter_topic and (self.may_deliver() or await self._fenced()):
+                failed_env = dataclasses.replace(env, defect=reason)
+                return await self._give_up(message, failed_env, self.sub, 0, "worker_error",
+                                           [event_entry("worker-error", self.ctx.worker_id, detail=reason)])
+        except asyncio.CancelledError:
+            raise
+        except Exception as again:  # the message goes back to the broker below
+            self.failure_log.error("dead-lettering the failed message failed too", message_id=env.message_id,
+                                   error=f"{type(again).__name__}: {again}"[:300])
+        with contextlib.suppress(Exception):
+            await self.consumer.negative_acknowledge(message)
+        return None
 
     async def _pause(self, seconds: float) -> None:
         """Sleep, but wake at once when the dispatcher stops."""

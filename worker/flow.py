@@ -1,10 +1,9 @@
-"""Flow control: the `max_ack_pending` window, a subscription's budget of held bytes, and the
-adaptive per-endpoint concurrency limit."""
+"""Flow control: the `max_ack_pending` window and the adaptive per-endpoint concurrency limit (the
+budgets of held bytes and connections are in `budgets`)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import deque
 
@@ -67,76 +66,23 @@ class Window(_Slots):
 
 
 def overloaded(outcome: Outcome) -> bool:
-    """Signals that the endpoint has too much: 429, 503, timeouts, connection errors.
-    Other 4xx say the message is wrong, not that the endpoint is busy; other 5xx are weighed by
-    how often they come (`server_error`)."""
+    """Signals that the endpoint has too much: 429, 503, timeouts, connection errors. Other 4xx and
+    5xx are weighed by how often they come (`refused`)."""
     if outcome.result in (Result.TIMEOUT, Result.CONNECTION_ERROR):
         return True
     return outcome.status in (429, 503)
 
 
-def server_error(outcome: Outcome) -> bool:
-    """500, 502, 504...: a struggling endpoint when most answers are like this, a bad message (one
-    the endpoint cannot handle) when they are the odd one out."""
-    return outcome.status is not None and outcome.status >= 500 and not overloaded(outcome)
+def refused(outcome: Outcome) -> bool:
+    """Any other 4xx or 5xx: a bad message (one the endpoint cannot take) when it is the odd one out;
+    a struggling endpoint, or a project whose every message is refused, when most answers are like
+    this. Either way the window shrinks then: a burst of 4xx with a wide window and no backoff sent
+    5,000 requests a second, and starved every other project of the worker."""
+    return outcome.status is not None and outcome.status >= 400 and not overloaded(outcome)
 
 
-SERVER_ERROR_SHARE = 0.3  # recent share of server errors above which they count as overload
+FAILED_SHARE = 0.3  # recent share of refused answers above which they count as overload
 SHARE_WEIGHT = 0.05  # weight of each answer in that share (about the last 20-40 answers)
-
-
-class ByteBudget:
-    """Payload bytes of the messages a subscription holds (taken from the broker, not settled):
-    `max_ack_pending` counts messages, and a subscription of large ones took the worker's memory to
-    its window times their size (150 messages of 4 MiB: 2 GiB, measured), enough to kill a pod, and
-    then each next owner of the subscription. A message waits for room; one larger than the whole
-    budget goes when nothing else is held. Waiters are served in turn."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
-
-    def _fits(self, size: int) -> bool:
-        return self.used == 0 or self.used + size <= self.limit
-
-    def try_take(self, size: int) -> bool:
-        """Take `size` bytes if they fit and nobody waits before; never waits."""
-        if self._waiters or not self._fits(size):
-            return False
-        self.used += size
-        return True
-
-    async def take(self, size: int) -> None:
-        """Wait for `size` bytes, in turn."""
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append((size, waiter))
-        try:
-            await waiter
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
-                self.give_back(size)  # granted as it was cancelled
-            else:
-                with contextlib.suppress(ValueError):  # `_wake` may have dropped it already
-                    self._waiters.remove((size, waiter))
-                self._wake()  # those behind it may fit now
-            raise
-
-    def give_back(self, size: int) -> None:
-        self.used -= size
-        self._wake()
-
-    def _wake(self) -> None:
-        while self._waiters:
-            size, waiter = self._waiters[0]
-            if waiter.done():  # cancelled: its task is leaving
-                self._waiters.popleft()
-                continue
-            if not self._fits(size):
-                return
-            self._waiters.popleft()
-            self.used += size
-            waiter.set_result(None)
 
 
 class AdaptiveLimit(_Slots):
@@ -144,9 +90,9 @@ class AdaptiveLimit(_Slots):
 
     Slow start: the window grows by one per success until the threshold, then by 1/window
     (about one per round of requests). On overload it halves, at most once per `cooldown`,
-    so a burst of failures from one bad moment does not collapse it to one. Server errors other
-    than 503 count as overload only while they are a large share of recent answers: an endpoint
-    that fails one message in ten is not slowed for the other nine. A `Retry-After`
+    so a burst of failures from one bad moment does not collapse it to one. Other 4xx and 5xx
+    answers count as overload only while they are a large share of recent answers: an endpoint
+    that refuses one message in ten is not slowed for the other nine. A `Retry-After`
     on 429/503 also pauses new requests to the endpoint until it has passed.
     """
 
@@ -188,13 +134,13 @@ class AdaptiveLimit(_Slots):
         self._wake()
 
     def _learn(self, outcome: Outcome) -> None:
-        failed = server_error(outcome)
+        failed = refused(outcome)
         self._error_share += SHARE_WEIGHT * ((1.0 if failed else 0.0) - self._error_share)
         if outcome.acked:
             step = 1.0 if self.window < self.threshold else 1.0 / self.window
             self.window = min(float(self.ceiling), self.window + step)
             return
-        if not (overloaded(outcome) or (failed and self._error_share > SERVER_ERROR_SHARE)):
+        if not (overloaded(outcome) or (failed and self._error_share > FAILED_SHARE)):
             return
         now = time.monotonic()
         if now - self._last_cut >= self.cooldown:

@@ -14,9 +14,11 @@ redirects are never followed (a 3xx is an answer like any other), and an answer 
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -24,6 +26,7 @@ import aiohappyeyeballs
 import httptools
 from yarl import URL
 
+from worker.budgets import ByteBudget, SharedBudget
 from worker.destinations import GuardedResolver
 from worker.errors import DestinationRefused
 
@@ -78,6 +81,8 @@ class _Connection(asyncio.Protocol):
         self._exchange = _Exchange()
         self._parser = self._exchange.parser = httptools.HttpResponseParser(self._exchange)
         self._parsing = False
+        self.on_lost: Callable[[], None] | None = None  # gives the connection's budget slot back, once
+        self.account: ByteBudget | None = None  # the project's share of connections it counts against
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
@@ -108,6 +113,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self.on_lost is not None:
+            on_lost, self.on_lost = self.on_lost, None
+            on_lost()
         self._wake()
 
     def pause_writing(self) -> None:
@@ -275,24 +283,30 @@ class Client:
     """Keep-alive connections per endpoint (scheme, host, port), opened through the guarded resolver."""
 
     def __init__(self, resolver: GuardedResolver, user_agent: str = "push-worker/0.1",
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+                 ssl_context: ssl.SSLContext | None = None, max_connections: int | None = None) -> None:
         self.resolver = resolver
         self.user_agent = user_agent
         self.ssl_context = ssl_context or ssl.create_default_context()
+        # Open connections, shared fairly by project (None: not counted): one project's hung endpoint
+        # held 2,015 sockets at the open-files limit, and another project's deliveries failed.
+        self.connections = SharedBudget(max_connections) if max_connections is not None else None
+        self._accounts: dict[str, ByteBudget] = {}
         self._idle: dict[Endpoint, list[_Connection]] = {}
         self._dns: dict[tuple[str, int], tuple[float, list[str]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sweep_timer: asyncio.TimerHandle | None = None
 
     async def post(self, url: URL, headers: dict[str, str], body: bytes, cap: int,
-                   deadline: float | None = None, credentials: bool = False) -> Answer:
+                   deadline: float | None = None, credentials: bool = False, owner: str = "") -> Answer:
         """One POST; the answer's head and (to `cap` bytes) body are read before it returns. A 102
         answer returns at once (the final answer is not awaited). With `deadline`, the whole exchange
         (connecting included) must end within that many seconds, else TimeoutError and the connection
         is dropped. A kept-alive connection the endpoint closed before any byte of an answer is
         replaced once by a new one. Raises ProtocolError, OSError (connect, TLS and resolver
         refusals) or HeaderRefused. `credentials`: the headers carry some, so a plain http:// connection
-        may only go to an address the policy admits for them (`clear_text_refusal`)."""
+        may only go to an address the policy admits for them (`clear_text_refusal`). `owner` (the
+        project) is whose share of `max_connections` a new connection takes; waiting for one counts
+        against the deadline."""
         head = _head(url, headers, len(body), self.user_agent)
         # Connections opened for credentials are kept apart: one opened without them may lead anywhere.
         endpoint = (url.scheme, url.raw_host or "", url.port or 0, credentials and url.scheme == "http")
@@ -305,7 +319,7 @@ class Client:
         while True:
             if conn is None:
                 async with asyncio.timeout_at(expires):
-                    conn = await self._connect(url, endpoint[3])
+                    conn = await self._connect(url, endpoint[3], owner)
             used = conn
             # The deadline is a timer that drops the connection, not a timeout scope around the exchange:
             # a scope cost about 8% of a delivery's CPU (measured), and the connection is lost at the deadline anyway.
@@ -352,6 +366,9 @@ class Client:
         return None
 
     def _release(self, endpoint: Endpoint, conn: _Connection) -> None:
+        if conn.account is not None and self.connections is not None and self.connections.holds_back(conn.account):
+            conn.close()  # its project waits for a connection elsewhere: the slot is worth more than reuse
+            return
         idle = self._idle.setdefault(endpoint, [])
         if len(idle) >= IDLE_PER_ENDPOINT:
             conn.close()
@@ -396,7 +413,37 @@ class Client:
         self._dns[(host, port)] = (now + DNS_TTL_SECONDS, addresses)
         return addresses
 
-    async def _connect(self, url: URL, credentials_in_clear: bool) -> _Connection:
+    async def _connect(self, url: URL, credentials_in_clear: bool, owner: str) -> _Connection:
+        account = self._account(owner)
+        if account is None:
+            return await self._open(url, credentials_in_clear)
+        if not account.try_take(1):
+            self._close_idle_of(account)  # the project's own idle connections make room first
+            await account.take(1)
+        try:
+            conn = await self._open(url, credentials_in_clear)
+        except BaseException:
+            account.give_back(1)
+            raise
+        conn.account = account
+        conn.on_lost = functools.partial(account.give_back, 1)
+        return conn
+
+    def _close_idle_of(self, account: ByteBudget) -> None:
+        for idle in self._idle.values():
+            for conn in [c for c in idle if c.account is account]:
+                idle.remove(conn)
+                conn.close()  # its slot comes back when the transport reports the close
+
+    def _account(self, owner: str) -> ByteBudget | None:
+        if self.connections is None:
+            return None
+        account = self._accounts.get(owner)
+        if account is None:
+            account = self._accounts[owner] = ByteBudget(self.connections.total, self.connections)
+        return account
+
+    async def _open(self, url: URL, credentials_in_clear: bool) -> _Connection:
         host, port = url.raw_host or "", url.port or (443 if url.scheme == "https" else 80)
         tls: dict[str, Any] = {}
         if url.scheme == "https":

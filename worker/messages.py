@@ -36,6 +36,17 @@ class Envelope:
     ordering_key: str | None = None
     defect: str | None = None  # why the message cannot be delivered as it is (it is dead-lettered unsent)
 
+    @property
+    def defect_status(self) -> str:
+        """The dead letter's `last_status` for the defect: its leading word when it names one
+        (`payload_too_large: ...`), else `unreadable`."""
+        word = (self.defect or "").split(":", 1)[0]
+        return word if word in DEFECT_STATUSES else "unreadable"
+
+
+PAYLOAD_TOO_LARGE = "payload_too_large"  # the same word as an attempt's Result.TOO_LARGE
+DEFECT_STATUSES = (PAYLOAD_TOO_LARGE, "attributes_too_large")
+
 
 @dataclass(slots=True)
 class PushRequest:

@@ -44,6 +44,17 @@ class Metrics:
         self.held_bytes = Gauge("pushworker_held_bytes", "Payload bytes of the unsettled messages (bounded by "
                                 "max_held_bytes_per_subscription, but for one message larger than it)", SUB,
                                 registry=r)
+        self.message_failures = Counter("pushworker_message_failures", "Messages whose handling raised (a bug, "
+                                        "an overflow): each settled alone (dead-lettered as worker_error, or handed "
+                                        "back to the broker); never counted toward the worker's health",
+                                        SUB, registry=r)
+        self.log_lines_suppressed = Counter("pushworker_log_lines_suppressed", "Per-message log lines left out "
+                                            "by the per-subscription rate limit (each kind says how many in its "
+                                            "next line)", SUB, registry=r)
+        self.max_held_bytes = Gauge("pushworker_max_held_bytes", "The worker's budget of held payload bytes, "
+                                    "shared fairly by its subscriptions (max_held_bytes)", registry=r)
+        self.worker_held_bytes = Gauge("pushworker_worker_held_bytes", "Payload bytes all the worker's "
+                                       "subscriptions hold (bounded by pushworker_max_held_bytes)", registry=r)
         self.attributes_omitted = Counter("pushworker_attributes_omitted",
                                           "Attributes not sent as headers (unsafe name or value)", SUB, registry=r)
         self.redis_round_trips = Counter("pushworker_redis_round_trips", "Pipelined round trips to Redis",
@@ -100,7 +111,8 @@ class Metrics:
         self.set_state(project, subscription, None)
         for metric in (self.in_flight, self.held_for_retry, self.unsettled, self.held_bytes, self.owned,
                        self.endpoint_window, self.backlog, self.delivery_seconds, self.acked, self.dead_lettered,
-                       self.dropped, self.filtered, self.settled_redeliveries, self.retries, self.attributes_omitted):
+                       self.dropped, self.filtered, self.settled_redeliveries, self.retries, self.attributes_omitted,
+                       self.message_failures, self.log_lines_suppressed):
             with contextlib.suppress(KeyError):
                 metric.remove(project, subscription)
         for result in self._results.pop((project, subscription), ()):
@@ -129,6 +141,8 @@ class SubscriptionMetrics:
         self.unsettled = m.unsettled.labels(*labels)
         self.held_bytes = m.held_bytes.labels(*labels)
         self.attributes_omitted = m.attributes_omitted.labels(*labels)
+        self.message_failures = m.message_failures.labels(*labels)
+        self.log_lines_suppressed = m.log_lines_suppressed.labels(*labels)
         self.endpoint_window = m.endpoint_window.labels(*labels)
         self.owned = m.owned.labels(*labels)
         self.broker_errors = m.broker_errors

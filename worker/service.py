@@ -17,12 +17,13 @@ from typing import Any
 import aiohttp
 from redis.exceptions import AuthenticationError, ResponseError
 
-from worker import broker_admin, compiled, embedded, logs, redis_client
+from worker import broker_admin, compiled, embedded, logs, redis_client, resources
 from worker import consumer as pulsar_adapter
 from worker.admission import admit_for, secret_store
 from worker.aio import cancel_within, wait_event
 from worker.attempts import AttemptStore
 from worker.backlog import BacklogReader
+from worker.budgets import SharedBudget
 from worker.config import Settings
 from worker.deadletter import DeadLetterPublisher
 from worker.delivery import Deliverer
@@ -155,13 +156,24 @@ class Worker:
             # what the destination guard checks: a proxy would resolve and connect where it liked.
             self.log.warning("proxy settings are not used: push requests and the broker's admin API connect directly; "
                              "allow the worker's egress to the endpoints", variables=proxies)
-        self.deliverer = Deliverer(s.destinations)
+        held_budget, held_from = resources.held_bytes_budget(s.max_held_bytes)
+        files_soft, _ = resources.raise_open_files_limit()
+        connections, connections_from = resources.connections_budget(s.destinations.max_connections, files_soft)
+        self.log.info("budgets", max_held_bytes=held_budget, max_held_bytes_from=held_from,
+                      max_connections=connections, max_connections_from=connections_from)
+        self.memory = SharedBudget(held_budget)
+        self.metrics.max_held_bytes.set(held_budget)
+        self.metrics.worker_held_bytes.set_function(lambda: self.memory.used)
+        self.deliverer = Deliverer(s.destinations, max_connections=connections)
+        # A payload no request could carry is dead-lettered before its request is built (base64, JSON).
+        self._to_envelope = functools.partial(pulsar_adapter.to_envelope,
+                                              max_payload_bytes=s.destinations.max_request_bytes)
         self._cleanup("close the endpoint connections", self.deliverer.close, 5)
         self.dead_letters = DeadLetterPublisher(self.pulsar)
         self._cleanup("close dead-letter producers", self.dead_letters.close, 10)
         self.delivery = DeliveryContext(self.deliverer, self.attempts, self.dead_letters, self.metrics, self.secrets,
                                         self.worker_id, self.supervisor, self.tokens,
-                                        s.max_held_bytes_per_subscription)
+                                        s.max_held_bytes_per_subscription, self.memory)
         self.expiry = ExpiryWatch(self.redis, s.fleet.expire_backlog, s.fleet.expire_after_seconds)
         self.backlog = BacklogReader(self.session, s.pulsar.admin_url, metrics_url)
         if not await self._wait_for_redis():
@@ -284,7 +296,7 @@ class Worker:
                 self.log.warning("subscribe failed; retrying", subscription=sub.key, error=said, in_seconds=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
-        dispatcher = Dispatcher(sub, consumer, pulsar_adapter.to_envelope, self.delivery, lease, prefetch,
+        dispatcher = Dispatcher(sub, consumer, self._to_envelope, self.delivery, lease, prefetch,
                                 functools.partial(self._large_messages, sub.key))
         dispatcher.stats = self._carried_stats.pop(sub.key, dispatcher.stats)  # counted on by the same worker
         dispatcher.health.error_after = self.settings.fleet.error_after_seconds

@@ -205,7 +205,12 @@ def _check_topic(r: FieldReader, name: str, value: str) -> tuple[str, str, str, 
     return parts
 
 
+MAX_URL_LENGTH = 2048
+
+
 def _check_url(r: FieldReader, value: str, name: str = "url") -> str:
+    if len(value) > MAX_URL_LENGTH:
+        raise r.fail(name, f"must be at most {MAX_URL_LENGTH} characters (got {len(value)})")
     if any(c <= " " or c == "\x7f" for c in value):  # the HTTP client would drop them: another URL
         raise r.fail(name, "must not contain spaces or control characters (percent-encode them)")
     try:

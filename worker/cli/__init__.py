@@ -16,6 +16,7 @@ from worker.cli import devtools, dlq, messages, subs
 from worker.cli import worker as worker_commands
 from worker.cli.common import Parser
 from worker.errors import ConfigError, NotFound, PushWorkerError, UsageError, strip_userinfo
+from worker.ops.render import inert
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,7 +64,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
             traceback.print_exc()
         # One write: never split by another thread's log line.
-        sys.stderr.write(f"push-worker: {strip_userinfo(line)}\n")
+        sys.stderr.write(f"push-worker: {inert(strip_userinfo(line))}\n")
         return code
 
 

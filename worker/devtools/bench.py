@@ -69,14 +69,15 @@ class SinkState:
         self.count, self.acked = 0, 0
         self.first: float | None = None
         self.last: float | None = None
-        self.published: list[tuple[float, bytes]] = []  # (arrival, Pubsub-Publish-Time), parsed when asked
+        self.published: list[tuple[float, bytes, bytes]] = []  # (arrival, Pubsub-Publish-Time, path), parsed when asked
 
     def counts(self) -> bytes:  # polled while the worker runs: kept cheap
         return json.dumps({"count": self.count, "acked": self.acked, "first": self.first, "last": self.last}).encode()
 
-    def latency(self) -> bytes:
+    def latency(self, path: bytes = b"") -> bytes:
+        """Publish-to-arrival seconds of the requests whose path ends with `path` (all: empty)."""
         return json.dumps([now - datetime.fromisoformat(sent.decode().replace("Z", "+00:00")).timestamp()
-                           for now, sent in self.published]).encode()
+                           for now, sent, where in self.published if where.endswith(path)]).encode()
 
 
 class SinkProtocol(asyncio.Protocol):
@@ -112,8 +113,8 @@ class SinkProtocol(asyncio.Protocol):
 
     def answer(self, request: list[bytes], published: bytes | None) -> bytes:
         state = self.state
-        if request[0] == b"GET":
-            body = state.counts() if request[1] == b"/stats" else state.latency()
+        if request[0] == b"GET":  # /stats, /latency, or /latency/<path suffix>
+            body = state.counts() if request[1] == b"/stats" else state.latency(request[1][len(b"/latency"):])
             return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
                 len(body), body)
         if request == [b"POST", b"/reset"]:
@@ -127,7 +128,7 @@ class SinkProtocol(asyncio.Protocol):
         state.acked += 1
         state.last = now
         if published and len(state.published) < 200_000:
-            state.published.append((now, published))
+            state.published.append((now, published, request[1]))
         return NO_CONTENT
 
 
@@ -360,7 +361,7 @@ class Bench:
         self.messages = messages
         self.concurrency = concurrency
         self.dir = directory
-        self.broker: Any = (apache_pulsar.broker_from_environment(("p-bench",))
+        self.broker: Any = (apache_pulsar.broker_from_environment(("p-bench", "p-good", "p-noisy"))
                             or embedded.start_pulsar(self.dir / "pulsar", die_with_parent=True))
         self.redis_service = embedded.start_redis(self.dir / "redis", die_with_parent=True)
         self.redis = redis.Redis.from_url(self.redis_service.url)
@@ -570,6 +571,63 @@ class Bench:
         return Steady(subscriptions, total_rate, delivered / (t1 - t0), 1e6 * (cpu1 - cpu0) / max(1, delivered),
                       1000 * _percentile(latency, 0.5), 1000 * _percentile(latency, 0.99), rss / 2**20)
 
+    def neighbours(self, rate: float = 200.0, burst: int = 30_000, seconds: float = 10.0) -> Neighbours:
+        """A well-behaved project (1 KiB at `rate` msg/s) beside one that bursts `burst` messages, on one
+        worker: the well-behaved project's publish-to-endpoint latency alone, then during the burst."""
+        sink = self.sink()
+        run = time.monotonic_ns()
+        good, noisy = f"persistent://p-good/main/n-{run}", f"persistent://p-noisy/main/n-{run}"
+        proc = self.start_worker(self.config([self.sub(f"good-{run}", good, f"{sink}/push/good"),
+                                              self.sub(f"noisy-{run}", noisy, f"{sink}/push/noisy",
+                                                       concurrency=1000)]))
+        ps = psutil.Process(proc.pid)
+        producer = self.client.create_producer(good, batching_enabled=False, block_if_queue_full=True)
+        stop = threading.Event()
+        failures: list[str] = []
+
+        def publish() -> None:
+            started, sent = time.monotonic(), 0
+            while not stop.is_set():
+                producer.send_async(PAYLOAD, _failed_into(failures))
+                sent += 1
+                _pace(started, sent, rate)
+
+        publisher = threading.Thread(target=publish, daemon=True)
+        peak_rss = 0
+
+        def latencies() -> list[float]:
+            nonlocal peak_rss
+            _post(sink + "/reset")
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                peak_rss = max(peak_rss, ps.memory_info().rss)
+                time.sleep(0.2)
+            return list(_get(sink + "/latency/good"))
+
+        try:
+            _wait(lambda: _worker_ready(ps), 300, "the worker")
+            publisher.start()
+            _wait(lambda: _caught_up(sink), 300, "the well-behaved project: caught up", poll=0)
+            alone = latencies()
+            flood = threading.Thread(target=self.publish, args=(noisy, burst), daemon=True)
+            flood.start()
+            during = latencies()
+            flood.join(300)
+            noisy_delivered = _get(sink + "/stats")["acked"]
+        finally:
+            stop.set()
+            if publisher.is_alive():
+                publisher.join(10)
+            producer.flush()
+            producer.close()
+            proc.terminate()
+            proc.wait(60)
+        if failures:
+            raise RuntimeError(f"bench: {len(failures)} messages were not published ({failures[0]})")
+        return Neighbours(rate, burst, 1000 * _percentile(alone, 0.5), 1000 * _percentile(alone, 0.99),
+                          1000 * _percentile(during, 0.5), 1000 * _percentile(during, 0.99), noisy_delivered,
+                          peak_rss / 2**20)
+
     def idle(self, count: int = 1000) -> tuple[float, float, float]:
         sink = self.sink()
         subs = [self.sub(f"idle-{i}", f"persistent://p-bench/main/idle-{i}", sink + "/push") for i in range(count)]
@@ -588,6 +646,18 @@ class Bench:
             proc.terminate()
             proc.wait(60)
         return ready_after, idle_cpu, rss
+
+
+@dataclass(frozen=True)
+class Neighbours:
+    rate: float
+    burst: int
+    alone_p50_ms: float
+    alone_p99_ms: float
+    during_p50_ms: float
+    during_p99_ms: float
+    delivered: int  # by the sink in all, during the burst's window
+    rss_mb: float
 
 
 def _status_port(ps: psutil.Process) -> int | None:
@@ -611,7 +681,7 @@ def _metric(ps: psutil.Process, name: str) -> float:
     return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)
 
 
-SECTIONS = ("dispatcher", "core", "concurrency", "subscriptions", "payload", "idle")
+SECTIONS = ("dispatcher", "core", "concurrency", "subscriptions", "payload", "idle", "neighbours")
 KIB = 1024
 
 
@@ -789,6 +859,19 @@ async def run_bench(messages: int = 20000, concurrency: int = 64, sections: tupl
                     run.subscriptions(steady_rate)
                 if "payload" in sections:
                     run.payload()
+                if "neighbours" in sections:
+                    n = bench.neighbours()
+                    print(f"neighbours: a well-behaved project (1 KiB at {n.rate:.0f} msg/s) beside one bursting "
+                          f"{n.burst:,} messages on the same worker; publish-to-endpoint latency of the well-behaved "
+                          f"one over 10 s alone, then over the first 10 s of the burst")
+                    print(table([{"well-behaved": "alone", "p50 ms": f"{n.alone_p50_ms:.1f}",
+                                  "p99 ms": f"{n.alone_p99_ms:.1f}", "x alone p99": "1.00"},
+                                 {"well-behaved": "during the burst", "p50 ms": f"{n.during_p50_ms:.1f}",
+                                  "p99 ms": f"{n.during_p99_ms:.1f}",
+                                  "x alone p99": f"{n.during_p99_ms / n.alone_p99_ms:.2f}"}],
+                                ["well-behaved", "p50 ms", "p99 ms", "x alone p99"],
+                                right=("p50 ms", "p99 ms", "x alone p99")))
+                    print(f"peak RSS {n.rss_mb:.0f} MiB\n")
                 if "idle" in sections:
                     ready, cpu, rss = bench.idle()
                     print(f"idle: 1000 push subscriptions ready in {ready:.1f}s; idle CPU {100 * cpu:.1f}% of a core; "

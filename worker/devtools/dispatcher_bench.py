@@ -84,7 +84,8 @@ class _Attempts:
 class _Endpoint:
     """Acks every request after one turn of the loop."""
 
-    async def attempt(self, url: str, request: PushRequest, deadline: float, credentials: bool = False) -> Outcome:
+    async def attempt(self, url: str, request: PushRequest, deadline: float, credentials: bool = False,
+                      owner: str = "") -> Outcome:
         await asyncio.sleep(0)
         return Outcome(Result.ACK, 204, 0.001)
 

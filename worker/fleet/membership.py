@@ -67,7 +67,7 @@ class Fleet:
         self.client = client
         self.settings = settings
         self.static = {s.key: s for s in static}
-        self.registry = Registry(client, settings.name, self.static, admit)
+        self.registry = Registry(client, settings.name, self.static, admit, settings.max_subscriptions_per_project)
         self.members_key = keys.fleet_key(settings.name, "members")
         self.leases: dict[str, Lease] = {}
         self.members: list[str] = []

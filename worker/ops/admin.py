@@ -171,7 +171,8 @@ class Admin:
         # With the worker's config, entries are checked as its workers check them (its destination
         # policy, its OIDC setting); without it, by the definitions' own rules.
         self.registry = Registry(self.client, target.fleet, self.static,
-                                 admit_for(target.settings) if target.configured else None)
+                                 admit_for(target.settings) if target.configured else None,
+                                 target.settings.fleet.max_subscriptions_per_project if target.configured else None)
         self.lease_seconds = target.settings.fleet.lease_seconds
 
     async def existing(self, name: str) -> str:

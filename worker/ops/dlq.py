@@ -42,7 +42,7 @@ from worker.messages import Envelope, base64_text, rfc3339
 from worker.metrics import Metrics
 from worker.oidc import Tokens
 from worker.ops.admin import Admin, Target
-from worker.ops.render import Output, table
+from worker.ops.render import Output, inert, table
 from worker.redis_batch import Pipeliner
 from worker.subscriptions import Subscription
 
@@ -209,7 +209,7 @@ class DeadLetters:
                     history: Output | None = await admin.show(summary["message_id"], sub.key)
                 except NotFound:
                     history = None
-                lines = [f"{k}: {json.dumps(v) if isinstance(v, dict) else v}" for k, v in out.items()
+                lines = [f"{k}: {inert(json.dumps(v) if isinstance(v, dict) else str(v))}" for k, v in out.items()
                          if v is not None]
                 return Output({**out, "history": history.data["history"] if history else []},
                               "\n".join(lines) + ("\n\nattempts:\n" + history.text if history else ""))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,17 @@ class Output:
     text: str
 
 
+# C0 controls (newlines and tabs too: a payload must not forge lines of the output), DEL and C1.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def inert(text: str) -> str:
+    """`text` from data (payloads, keys, attributes, names, endpoints' answers) safe to print on an
+    operator's terminal: every control character is written as its escape (`\\x1b`), so none can
+    move the cursor, retitle the window, clear the screen or forge a line."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 def render(output: Output, as_json: bool) -> str:
     return json.dumps(output.data) if as_json else output.text
 
@@ -34,7 +46,7 @@ def table(rows: list[dict[str, Any]], columns: list[str], right: tuple[str, ...]
         grid.add_column(column.upper(), no_wrap=True,
                         justify="right" if numeric or column in right else "left")
     for row in rows:
-        grid.add_row(*(Text(str(row.get(c, ""))) for c in columns))  # Text: no markup is interpreted
+        grid.add_row(*(Text(inert(str(row.get(c, "")))) for c in columns))  # Text: no markup is interpreted
     out = io.StringIO()
     Console(file=out, width=100_000, color_system=None, force_terminal=False, highlight=False).print(grid)
     return "\n".join(line.rstrip() for line in out.getvalue().splitlines())
