@@ -215,17 +215,31 @@ class Endpoint:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-async def serve(path: str, handler: Handler, method: str = "POST") -> tuple[web.AppRunner, str]:
-    """A real aiohttp server on a free loopback port answering `method` (`*`: any) on `path`;
-    returns (runner, url)."""
+async def serve(path: str, handler: Handler, method: str = "POST",
+                host: str = "127.0.0.1") -> tuple[web.AppRunner, str]:
+    """A real aiohttp server on a free loopback port (of `host`) answering `method` (`*`: any) on
+    `path`; returns (runner, url)."""
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_route(method, path, handler)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = web.TCPSite(runner, host, 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}{path.replace('{tail:.*}', 'push')}"
+    return runner, f"http://{host}:{port}{path.replace('{tail:.*}', 'push')}"
+
+
+async def catcher(host: str) -> tuple[web.AppRunner, str, list[Received]]:
+    """A listener on `host` (any loopback address) that records whatever reaches it: a leak, in a
+    test where nothing should; returns (runner, url, what it received)."""
+    got: list[Received] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        got.append(Received(dict(request.headers), await request.read(), time.monotonic(), 204))
+        return web.Response(status=204)
+
+    runner, url = await serve("/{tail:.*}", handle, "*", host)
+    return runner, url, got
 
 
 @pytest.fixture

@@ -7,14 +7,12 @@ admitted) catches any request that gets through."""
 from __future__ import annotations
 
 import ipaddress
-import time
 
 import pytest
-from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import Received
+from tests.conftest import catcher
 from worker.admission import admit
 from worker.delivery import Deliverer, Result
 from worker.destinations import DestinationPolicy, endpoint_host, literal_address
@@ -81,20 +79,10 @@ def refused_on_admission(host: str, port: int) -> bool:
 
 
 @pytest.fixture
-async def catcher():
-    got: list[Received] = []
-
-    async def handle(request: web.Request) -> web.Response:
-        got.append(Received(dict(request.headers), await request.read(), time.monotonic(), 204))
-        return web.Response(status=204)
-
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, str(BLOCKED), 0)
-    await site.start()
-    yield site._server.sockets[0].getsockname()[1], got  # type: ignore[union-attr]
+async def listener():
+    """A real listener on the refused address, recording anything that reaches it."""
+    runner, url, got = await catcher(str(BLOCKED))
+    yield int(url.rsplit(":", 1)[1].split("/")[0]), got
     await runner.cleanup()
 
 
@@ -110,10 +98,10 @@ def test_every_spelling_reads_as_the_address_and_is_refused(host):
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(host=st.one_of(ipv4_spelling(), st.sampled_from(IPV6_FORMS[:3])))
-async def test_no_spelling_reaches_the_refused_listener(catcher, host):
+async def test_no_spelling_reaches_the_refused_listener(listener, host):
     """The delivery client is the last line: asked to send to any spelling, it connects nowhere. (The
     IPv6 forms sent here are those a loopback listener can receive: IPv4-mapped.)"""
-    port, got = catcher
+    port, got = listener
     deliverer = Deliverer(POLICY)
     try:
         outcome = await deliverer.attempt(f"http://{host}:{port}/push", PushRequest({}, b"{}", 0), 2.0)
@@ -123,9 +111,9 @@ async def test_no_spelling_reaches_the_refused_listener(catcher, host):
     assert "refused" in outcome.detail or "ValueError" in outcome.detail, (host, outcome)
 
 
-async def test_the_listener_does_catch_an_admitted_spelling(catcher):
+async def test_the_listener_does_catch_an_admitted_spelling(listener):
     """The catcher is real: with 127.0.0.2 admitted, the same client reaches it (so the test above can fail)."""
-    port, got = catcher
+    port, got = listener
     deliverer = Deliverer(DestinationPolicy(allow_cidrs=(ipaddress.ip_network("127.0.0.2/32"),)))
     try:
         outcome = await deliverer.attempt(f"http://0x7f.2:{port}/push", PushRequest({}, b"{}", 0), 2.0)

@@ -14,15 +14,13 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
-import time
 
 import jwt
 import redis
-from aiohttp import web
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from tests.conftest import Client, Endpoint, Received, make_sub
+from tests.conftest import Client, Endpoint, Received, catcher, make_sub
 from tests.helpers import cli, eventually, push_sub
 from worker import keys
 from worker.config import FleetSettings
@@ -34,24 +32,6 @@ WORKER_SECRET = "redis://:worker-only-password@127.0.0.1:1/0"
 VICTIM_TOKEN = "victim-bearer-token"
 EVIL_TOKEN = "evil-own-token"
 ADMITTED = DestinationPolicy(allow_cidrs=(ipaddress.ip_network("127.0.0.1/32"),))
-
-
-async def catcher(host: str) -> tuple[web.AppRunner, str, list[Received]]:
-    """A listener on `host` that records whatever reaches it (a leak, if anything does)."""
-    got: list[Received] = []
-
-    async def handle(request: web.Request) -> web.Response:
-        got.append(Received(dict(request.headers), await request.read(), time.monotonic(), 204))
-        return web.Response(status=204)
-
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://{host}:{port}/", got
 
 
 def leaked(requests: list[Received]) -> list[str]:

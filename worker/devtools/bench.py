@@ -356,6 +356,43 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+class PacedPublisher:
+    """A thread publishing 1 KiB messages round-robin over `topics` at `rate` msg/s, evenly spaced, from
+    `start()` until `stop()`, which also flushes and closes the producers; `check()` then raises if
+    any message was not published."""
+
+    def __init__(self, client: pulsar.Client, topics: list[str], rate: float) -> None:
+        self.producers = [client.create_producer(t, batching_enabled=False, block_if_queue_full=True)
+                          for t in topics]
+        self.rate = rate
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._publish, daemon=True)
+
+    def _publish(self) -> None:
+        started, sent = time.monotonic(), 0
+        while not self._stop.is_set():
+            self.producers[sent % len(self.producers)].send_async(PAYLOAD, _failed_into(self.failures))
+            sent += 1
+            _pace(started, sent, self.rate)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(10)
+        for producer in self.producers:
+            producer.flush()
+            producer.close()
+
+    def check(self) -> None:
+        """After `stop()`: raise if any message was not published."""
+        if self.failures:
+            raise RuntimeError(f"bench: {len(self.failures)} messages were not published ({self.failures[0]})")
+
+
 class Bench:
     def __init__(self, messages: int, concurrency: int, directory: Path) -> None:
         self.messages = messages
@@ -528,21 +565,7 @@ class Bench:
         subs = [self.sub(f"steady-{run}-{i}", topic, f"{sink}/push/{i}") for i, topic in enumerate(topics)]
         proc = self.start_worker(self.config(subs))
         ps = psutil.Process(proc.pid)
-        producers = [self.client.create_producer(t, batching_enabled=False, block_if_queue_full=True)
-                     for t in topics]
-        stop = threading.Event()
-        published = 0
-        failures: list[str] = []
-
-        def publish() -> None:  # round-robin over the topics, evenly spaced
-            nonlocal published
-            started = time.monotonic()
-            while not stop.is_set():
-                producers[published % subscriptions].send_async(PAYLOAD, _failed_into(failures))
-                published += 1
-                _pace(started, published, total_rate)
-
-        publisher = threading.Thread(target=publish, daemon=True)
+        publisher = PacedPublisher(self.client, topics, total_rate)
         try:
             _wait(lambda: _worker_ready(ps), 300, f"{subscriptions} subscriptions")
             publisher.start()
@@ -557,16 +580,10 @@ class Bench:
             rss = ps.memory_info().rss
             latency = _get(sink + "/latency")
         finally:
-            stop.set()
-            if publisher.is_alive():
-                publisher.join(10)
-            for producer in producers:
-                producer.flush()
-                producer.close()
+            publisher.stop()
             proc.terminate()
             proc.wait(60)
-        if failures:
-            raise RuntimeError(f"bench: {len(failures)} messages were not published ({failures[0]})")
+        publisher.check()
         delivered = acked1 - acked0
         return Steady(subscriptions, total_rate, delivered / (t1 - t0), 1e6 * (cpu1 - cpu0) / max(1, delivered),
                       1000 * _percentile(latency, 0.5), 1000 * _percentile(latency, 0.99), rss / 2**20)
@@ -581,18 +598,7 @@ class Bench:
                                               self.sub(f"noisy-{run}", noisy, f"{sink}/push/noisy",
                                                        concurrency=1000)]))
         ps = psutil.Process(proc.pid)
-        producer = self.client.create_producer(good, batching_enabled=False, block_if_queue_full=True)
-        stop = threading.Event()
-        failures: list[str] = []
-
-        def publish() -> None:
-            started, sent = time.monotonic(), 0
-            while not stop.is_set():
-                producer.send_async(PAYLOAD, _failed_into(failures))
-                sent += 1
-                _pace(started, sent, rate)
-
-        publisher = threading.Thread(target=publish, daemon=True)
+        publisher = PacedPublisher(self.client, [good], rate)
         peak_rss = 0
 
         def latencies() -> list[float]:
@@ -615,15 +621,10 @@ class Bench:
             flood.join(300)
             noisy_delivered = _get(sink + "/stats")["acked"]
         finally:
-            stop.set()
-            if publisher.is_alive():
-                publisher.join(10)
-            producer.flush()
-            producer.close()
+            publisher.stop()
             proc.terminate()
             proc.wait(60)
-        if failures:
-            raise RuntimeError(f"bench: {len(failures)} messages were not published ({failures[0]})")
+        publisher.check()
         return Neighbours(rate, burst, 1000 * _percentile(alone, 0.5), 1000 * _percentile(alone, 0.99),
                           1000 * _percentile(during, 0.5), 1000 * _percentile(during, 0.99), noisy_delivered,
                           peak_rss / 2**20)
