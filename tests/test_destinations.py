@@ -20,6 +20,8 @@ from worker.errors import ConfigError
 from worker.messages import PushRequest
 from worker.subscriptions import parse_subscription
 
+pytestmark = pytest.mark.broker_independent
+
 BLOCKED = ipaddress.IPv4Address("127.0.0.2")
 POLICY = DestinationPolicy(allow_cidrs=(ipaddress.ip_network("127.0.0.1/32"),))  # 127.0.0.2 is not admitted
 

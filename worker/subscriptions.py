@@ -23,9 +23,12 @@ from worker.oidc import Oidc
 from worker.signing import SECRET_NAME_RULE, SecretRef, secret_name_ok
 
 NAME_RULE = "lowercase letters, digits and dashes; starts with a letter, does not end with a dash; 63 max"
-NAME_PATTERN = re.compile(r"^[a-z]([a-z0-9-]{0,61}[a-z0-9])?$")
+_NAME = r"[a-z]([a-z0-9-]{0,61}[a-z0-9])?"
 # The platform maps each project to the Pulsar tenant p-<short> (so no project key can be `fleet/...`).
-PROJECT_PATTERN = re.compile(r"^p-[a-z0-9]([a-z0-9-]{0,59}[a-z0-9])?$")
+_PROJECT = r"p-[a-z0-9]([a-z0-9-]{0,59}[a-z0-9])?"
+NAME_PATTERN = re.compile(f"^{_NAME}$")
+PROJECT_PATTERN = re.compile(f"^{_PROJECT}$")
+SUBSCRIPTION_KEY = re.compile(f"^{_PROJECT}/{_NAME}$")  # `<project>/<name>`: nothing else names one in Redis
 PROJECT_RULE = "a project's tenant: p-<short> (lowercase letters, digits and dashes)"
 # persistent://<tenant>/<namespace>/<topic>; the platform puts every project in tenant p-<short>, ns main.
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
@@ -121,7 +124,6 @@ class Subscription:
 
 
 TOPIC_RULE = "must be a full topic name like persistent://p-<project>/main/<topic>"
-SUBSCRIPTION_KEY = re.compile(r"^(p-[a-z0-9]([a-z0-9-]{0,59}[a-z0-9])?)/([a-z]([a-z0-9-]{0,61}[a-z0-9])?)$")
 
 
 def valid_key(key: str) -> bool:
