@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint bench soak clean compile uncompile apache-pulsar apache-pulsar-stop test-apache-pulsar image-lock
+.PHONY: install demo test test-fast lint bench soak clean compile uncompile apache-pulsar apache-pulsar-stop test-apache-pulsar image-lock
 
 $(STAMP): pyproject.toml requirements.lock tests/cloudevents-sdk2.txt
 	$(PYTHON) -m venv $(VENV)
@@ -32,11 +32,18 @@ compile: $(STAMP)
 uncompile: $(STAMP)
 	$(COMPILE) --clean
 
-# The suite runs on the compiled modules (what the image runs; built unless up to date), which are
-# removed after it (`UNCOMPILE=:` keeps them, as .ci/run does between its lanes).
-test: $(STAMP)
+lint: $(STAMP)
 	$(BIN)/ruff check worker tests
 	$(BIN)/mypy
+
+# The quick loop: lint, types and every test that needs no broker and starts no worker process
+# (under 3 minutes on a 2-core machine); `make test` runs them all.
+test-fast: lint
+	PUSH_WORKER_TEST_FAST=1 $(BIN)/pytest -p no:cacheprovider -q
+
+# The suite runs on the compiled modules (what the image runs; built unless up to date), which are
+# removed after it (`UNCOMPILE=:` keeps them, as .ci/run does between its lanes).
+test: lint
 	$(COMPILE)
 	PUSH_WORKER_TEST_COMPILED=1 $(BIN)/pytest -p no:cacheprovider; rc=$$?; $(UNCOMPILE); exit $$rc
 

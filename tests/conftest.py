@@ -52,6 +52,17 @@ def _other_redis_topology(item: pytest.Item) -> bool:
         callspec is not None and callspec.params.get("redis_target", "standalone") != "standalone")
 
 
+# Fixtures that start or use a broker (and so a worker); `slow` marks multi-process scenarios.
+_BROKER_FIXTURES = frozenset({"broker", "own_broker", "partitioned_broker", "partitioned_topic", "client",
+                              "start_worker", "redis_cluster", "redis_sentinel"})
+
+
+def _needs_a_broker(item: pytest.Item) -> bool:
+    names = set(getattr(item, "fixturenames", ()))
+    return bool(names & _BROKER_FIXTURES) or item.get_closest_marker("slow") is not None or \
+        item.module.__name__.endswith(("test_demo", "test_embedded"))  # start the embedded broker themselves
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests of what only Apache Pulsar does are deselected on pulsar-lite; the Redis Cluster and
     Sentinel variants, and tests that use no broker under test, run in the pulsar-lite lane only
@@ -62,6 +73,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                       if _other_redis_topology(item) or item.get_closest_marker("broker_independent")]
     else:
         deselected = [item for item in items if item.get_closest_marker("apache_pulsar")]
+    if os.environ.get("PUSH_WORKER_TEST_FAST"):  # `make test-fast`: what needs no broker and no worker process
+        deselected += [item for item in items if _needs_a_broker(item)]
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         dropped = set(map(id, deselected))
