@@ -16,6 +16,7 @@ import json
 import os
 
 import jwt
+import pytest
 import redis
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -259,6 +260,16 @@ async def test_credentials_never_go_over_plain_http_to_a_public_address(monkeypa
     assert policy.clear_text_refusal("127.0.0.1") is None
     strict = DestinationPolicy(allow_cidrs=(ipaddress.ip_network("10.1.0.0/16"),))
     assert strict.clear_text_refusal("10.1.2.3") is None and strict.clear_text_refusal("10.2.0.1") is not None
+    # At validation too, however the scheme is spelled: no policy admits a public address for them.
+    from worker.admission import admit
+    from worker.errors import ConfigError
+    from worker.subscriptions import parse_subscription
+
+    for url in ("http://93.184.216.34/push", "HTTP://93.184.216.34/push"):
+        doc = {"name": "s", "topic": "persistent://p-a/main/t",
+               "deliver": {"mode": "push", "push": {"url": url, "bearer_token": {"secret": "t"}}}}
+        with pytest.raises(ConfigError, match="public address"):
+            admit(parse_subscription(doc), policy, None)
 
 
 def test_the_endpoints_file_holds_no_credentials_and_is_private(tmp_path):

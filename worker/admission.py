@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import ssl
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 from worker.config import Settings
 from worker.destinations import DestinationPolicy, check_host, endpoint_host, literal_address
@@ -30,7 +31,7 @@ def admit(sub: Subscription, policy: DestinationPolicy, oidc: OidcIssuer | None,
         check_host(host, policy, resolve=resolve)
     except DestinationRefused as e:
         raise ConfigError(where, "deliver.push.url", str(e)) from None
-    if sub.credentials and sub.url.startswith("http://"):
+    if sub.credentials and urlsplit(sub.url).scheme == "http":  # the scheme as the client reads it (any case)
         literal = literal_address(host)
         why = (policy.clear_text_refusal(str(literal)) if literal is not None
                else None if policy.may_send_credentials_in_clear()
