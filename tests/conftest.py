@@ -179,6 +179,14 @@ def own_redis(tmp_path: Path) -> Iterator[embedded.Service]:
     service.kill()
 
 
+@pytest.fixture(scope="session")
+def previous_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory holding the previous release's `worker` package (tests/previous_release.py)."""
+    from tests import previous_release as release
+
+    return release.extract(tmp_path_factory.mktemp("previous-release"))
+
+
 @pytest.fixture
 def topic() -> str:
     return f"persistent://p-test/main/t-{uuid.uuid4().hex[:12]}"
@@ -194,6 +202,7 @@ class Received:
     body: bytes
     at: float
     status: int | None = None  # what the endpoint answered, once it has
+    path: str = ""  # the request's path
 
     @property
     def acked(self) -> bool:
@@ -260,7 +269,7 @@ async def endpoint() -> AsyncIterator[Endpoint]:
     ep = Endpoint()
 
     async def handle(request: web.Request) -> web.StreamResponse:
-        rec = Received(dict(request.headers), await request.read(), time.monotonic())
+        rec = Received(dict(request.headers), await request.read(), time.monotonic(), path=request.path)
         ep.requests.append(rec)
         if ep.behaviour is None:
             result: Any = web.Response(status=204)

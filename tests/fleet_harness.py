@@ -24,10 +24,12 @@ from worker.keys import lease_key
 
 
 class WorkerProcess:
-    def __init__(self, worker_id: str, config: Path, log: Path) -> None:
+    def __init__(self, worker_id: str, config: Path, log: Path, code: Path | None = None) -> None:
+        """`code`: a directory holding another version's `worker` package (the previous release)."""
         self.id, self.log = worker_id, log
         self.port = free_port()
-        self.proc = spawn_worker(config, log, PUSH_WORKER_ID=worker_id, PUSH_WORKER_HTTP_PORT=str(self.port))
+        self.proc = spawn_worker(config, log, cwd=code, PUSH_WORKER_ID=worker_id,
+                                 PUSH_WORKER_HTTP_PORT=str(self.port))
 
     def metrics(self) -> dict[str, float]:
         """Samples of /metrics as {'name{labels}': value}."""
@@ -83,23 +85,24 @@ class FleetHarness:
         self.workers: dict[str, WorkerProcess] = {}
         self._n = 0
 
-    def start(self, worker_id: str | None = None) -> WorkerProcess:
+    def start(self, worker_id: str | None = None, code: Path | None = None) -> WorkerProcess:
         worker_id = worker_id or f"w{self._n}"
         self._n += 1
         name = worker_id if worker_id not in self.workers else f"{worker_id}#{self._n}"  # a twin (same id)
-        w = WorkerProcess(worker_id, self.config, self.tmp / f"{name}.log")
+        w = WorkerProcess(worker_id, self.config, self.tmp / f"{name}.log", code)
         self.workers[name] = w
         return w
 
-    def apply(self, definitions: list[dict[str, Any]]) -> subprocess.CompletedProcess[str]:
+    def apply(self, definitions: list[dict[str, Any]], code: Path | None = None) -> subprocess.CompletedProcess[str]:
         path = self.tmp / f"subs-{uuid.uuid4().hex[:8]}.yaml"
         path.write_text(yaml.safe_dump({"subscriptions": definitions}))
-        return self.cli("subs", "apply", "-f", str(path))
+        return self.cli("subs", "apply", "-f", str(path), code=code)
 
-    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+    def cli(self, *args: str, code: Path | None = None) -> subprocess.CompletedProcess[str]:
+        """`push-worker ARGS --config ...`; `code`: another version's (as for `start`)."""
         return subprocess.run([sys.executable, "-m", "worker.cli", *args, "--config", str(self.config)],
-                              capture_output=True, text=True, timeout=60,
-                              env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+                              capture_output=True, text=True, timeout=60, cwd=code,
+                              env={**os.environ, "PYTHONPATH": str(code or Path.cwd())})
 
     def owners(self, keys: list[str]) -> dict[str, str | None]:
         values = [self.redis.get(lease_key(k)) for k in keys]  # one slot each: no MGET on a cluster

@@ -333,3 +333,18 @@ def test_redis_cluster_and_sentinel_settings_with_passwords_from_the_environment
                        env={"PUSH_WORKER_REDIS_SENTINEL_PASSWORD": "spw"})
     assert (s.redis.master_name, s.redis.sentinel_password, s.redis.tls, s.redis.url) == ("main", "spw", True, None)
     assert "spw" not in repr(s)
+
+
+def test_an_empty_config_file_passes_with_a_warning_that_says_what_it_means(tmp_path: Path):
+    """An empty file is a valid config (every default), but more often a wrong path or an empty mount:
+    `check` says so rather than a bare "0 subscriptions"."""
+    path = tmp_path / "worker.yaml"
+    path.write_text("# nothing yet\n")
+    result = _cli("check", "--config", str(path), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok: 0 push subscription(s)"
+    assert result.stderr.strip() == (f"warning: {path} is empty: every setting is its default (the embedded "
+                                     "broker and Redis, no subscriptions but the registry's)")
+    path.write_text(yaml.safe_dump({"fleet": {"name": "a"}}))  # anything set: no warning
+    result = _cli("check", "--config", str(path), cwd=tmp_path)
+    assert result.returncode == 0 and result.stderr == "", result.stderr

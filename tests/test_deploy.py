@@ -74,12 +74,12 @@ def test_cross_references(rendered):
     assert keda["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
     assert set(re.findall(r"pushworker_\w+", keda["spec"]["triggers"][0]["metadata"]["query"])) <= exported
     # The scaler of the fleet's own namespace only, as the adapter rule; the HPA alone owns the count
-    # (a replicas field anywhere would be re-applied by every `kubectl apply`); the backlog source
-    # that scaling, panels and expiry need is not optional.
+    # (a replicas field anywhere would be re-applied by every `kubectl apply`); the admin URL is one of
+    # two backlog sources (the other, pulsar.metrics_url, is in worker.yaml): its Secret key is optional.
     assert 'namespace="pubsub"' in keda["spec"]["triggers"][0]["metadata"]["query"]
     assert "replicas" not in deployment["spec"]
     env = {e["name"]: e for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert not env["PUSH_WORKER_PULSAR_ADMIN_URL"]["valueFrom"]["secretKeyRef"].get("optional", False)
+    assert env["PUSH_WORKER_PULSAR_ADMIN_URL"]["valueFrom"]["secretKeyRef"]["optional"] is True
 
     # The config in the ConfigMap is valid, and its port is the one probes and the Service use.
     settings = parse_settings(yaml.safe_load(rendered["ConfigMap"]["data"]["worker.yaml"]), env={})

@@ -96,8 +96,23 @@ def test_the_evaluator_agrees_with_a_reference_evaluation(expression: Node, maps
         assert compiled.matches(attributes) == reference(expression, attributes), (text, attributes)
 
 
-def test_precedence_is_not_then_and_then_or():
-    f = parse_filter('attributes:a OR attributes:b AND NOT attributes:c')
+def test_and_and_or_without_parentheses_are_refused_naming_the_column():
+    """Google refuses a filter that mixes AND and OR without parentheses, and its emulator binds them
+    the other way from this worker: `a AND b OR c` would match other messages there."""
+    for text, column in [('attributes:a AND attributes:b OR attributes:c', 1),
+                         ('attributes:a OR attributes:b AND attributes:c', 17),
+                         ('NOT (attributes:x) OR attributes:a AND attributes:b', 23)]:
+        with pytest.raises(FilterError) as e:
+            parse_filter(text)
+        assert f"mixes AND and OR without parentheses at column {column}" in str(e.value), str(e.value)
+        assert "(a AND b) OR c" in str(e.value)
+    for text in ['(attributes:a AND attributes:b) OR attributes:c', 'attributes:a AND (attributes:b OR attributes:c)',
+                 'attributes:a AND attributes:b AND attributes:c', 'attributes:a OR attributes:b OR attributes:c']:
+        parse_filter(text)
+
+
+def test_precedence_is_not_then_and_then_or_for_a_filter_stored_before_that_rule():
+    f = parse_filter('attributes:a OR attributes:b AND NOT attributes:c', mixed=True)
     assert f.matches({"a": "1", "c": "1"})  # a OR (b AND NOT c)
     assert not f.matches({"b": "1", "c": "1"})
     assert f.matches({"b": "1"})
@@ -177,6 +192,36 @@ async def test_messages_the_filter_does_not_match_are_acked_unsent_counted_and_i
     assert code == 0, err
     outcomes = {e["message_id"]: e.get("event") or e.get("result") for e in json.loads(out)["messages"]}
     assert {outcomes[m] for m in skipped} == {"filtered"} and outcomes[wanted] == "ack"
+
+
+async def test_a_mixed_filter_is_refused_by_check_and_apply_and_a_stored_one_keeps_its_reading(redis_url, tmp_path):
+    import redis.asyncio as aioredis
+
+    from worker.fleet.registry import Registry
+
+    mixed = 'attributes:a AND attributes:b OR attributes:c'
+    definition = push_sub("mixed", "persistent://p-a/main/t", "https://example.com/h", filter=mixed)
+    path = tmp_path / "subs.yaml"
+    path.write_text(yaml.safe_dump({"subscriptions": [definition]}))
+    code, _, err = await cli("subs", "apply", "-f", str(path), "--redis-url", redis_url)
+    assert code == 2 and "filter: mixes AND and OR without parentheses at column 1" in err, err
+    (tmp_path / "worker.yaml").write_text(yaml.safe_dump({"subscriptions": [definition]}))
+    code, _, err = await cli("check", "--config", str(tmp_path / "worker.yaml"))
+    assert code == 2 and "filter: mixes AND and OR" in err, err
+
+    # Written before the rule (here: straight into the registry): served with today's reading, and
+    # `subs get` says so.
+    client = aioredis.Redis.from_url(redis_url)
+    registry = Registry(client, "default")
+    await client.hset(registry.hash, "p-a/mixed", json.dumps(definition))
+    await client.incr(registry.version_key)
+    valid, invalid = await registry.read()
+    await client.aclose()
+    assert "p-a/mixed" in valid and "p-a/mixed" not in invalid
+    assert valid["p-a/mixed"].filter is not None and valid["p-a/mixed"].filter.matches({"c": "1"})
+    code, out, err = await cli("subs", "get", "p-a/mixed", "--redis-url", redis_url)
+    assert code == 0, err
+    assert "mixes AND and OR without parentheses" in out + err and "(a AND b) OR c" in out + err
 
 
 async def test_a_filter_is_immutable_after_creation(redis_url, tmp_path):

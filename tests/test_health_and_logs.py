@@ -169,3 +169,43 @@ async def test_proxy_settings_are_said_to_be_unused_and_their_values_never_logge
     assert "proxy-password" not in repr(logged)
     client.publish(topic, [b"direct"])  # and delivery connects directly, as said
     await eventually(lambda: len(endpoint.requests) == 1, what="delivery")
+
+
+async def test_a_second_ctrl_c_stops_at_once_and_the_first_says_so(broker, redis_url, endpoint, client: Client,
+                                                                   topic, tmp_path: Path):
+    """Ctrl-C drains, which can take up to `shutdown_grace_seconds`; a second Ctrl-C was silently
+    ignored. The first now says how many requests are under way and how to stop at once; the second
+    stops at once (their messages go back to the broker)."""
+    import signal
+
+    release = asyncio.Event()
+
+    async def hang(rec):
+        await release.wait()
+        return web.Response(status=204)
+
+    endpoint.behaviour = hang
+    config = tmp_path / "w.yaml"
+    config.write_text(yaml.safe_dump({
+        "pulsar": {"service_url": broker.url}, "redis": {"url": redis_url}, "http": {"port": 0},
+        "destinations": {"allow_private": True}, "log": {"format": "json"},
+        "shutdown_grace_seconds": 60, "state_dir": str(tmp_path / "state"),
+        "subscriptions": [{"name": "interrupted", "topic": topic, "ack_deadline_seconds": 120,
+                           "deliver": {"mode": "push", "push": {"url": endpoint.url}}}]}))
+    log = tmp_path / "worker.log"
+    proc = spawn_worker(config, log)
+    try:
+        await eventually(lambda: '"worker started"' in log.read_text(), timeout=60, what="started")
+        client.publish(topic, [b"slow"])
+        await eventually(lambda: len(endpoint.requests) == 1, what="a request under way")
+        proc.send_signal(signal.SIGINT)
+        await eventually(lambda: "draining, 1 in flight; press Ctrl-C again to stop now" in log.read_text(),
+                         what="the first Ctrl-C said how to stop now")
+        assert proc.poll() is None  # draining: the request has 60 s
+        proc.send_signal(signal.SIGINT)
+        await eventually(lambda: proc.poll() is not None, timeout=10, what="stopped at once")
+        assert proc.returncode == 130
+        assert "stopping now: 1 request(s) under way abandoned" in log.read_text()
+    finally:
+        release.set()
+        stop_worker(proc)

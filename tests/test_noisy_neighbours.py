@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
+from typing import Any
 
 import pulsar
 import redis
@@ -20,7 +22,8 @@ from structlog.testing import capture_logs
 
 from tests.conftest import Client, Endpoint, make_sub
 from tests.helpers import cli, eventually, push_sub, worker_yaml
-from worker import keys
+from tests.redis_targets import ALL_REDIS, RedisTarget
+from worker import keys, redis_client
 from worker.attempts import AttemptStore
 from worker.backoff import MIN_BACKOFF_SECONDS, retry_delay
 from worker.config import PulsarSettings, RedisSettings
@@ -390,3 +393,63 @@ async def test_messages_over_the_attribute_limits_are_dead_lettered_unsent(start
     assert sorted(m.properties()["pubsub.original_message_id"] for m in letters) == sorted(over)
     assert {m.properties()["pubsub.last_status"] for m in letters} == {"attributes_too_large"}
     assert set(endpoint.by_id()) == {fine}
+
+
+def _calls(client: Any, mode: str, command: str) -> int:
+    """How often Redis ran `command` (on every primary of a Cluster)."""
+    nodes = client.info("commandstats", target_nodes="primaries").values() if mode == "cluster" else [
+        client.info("commandstats")]
+    return sum(int(n.get(f"cmdstat_{command}", {}).get("calls", 0)) for n in nodes)
+
+
+@ALL_REDIS
+async def test_a_registry_change_is_read_at_the_cost_of_what_changed(redis_target: RedisTarget):
+    """Every change made every worker read the whole registry (a thousand 16 KiB definitions: 16 MB a
+    change, per worker). A worker reads the change log and then only the keys it names; a change the
+    log does not account for (one by the previous release, which bumps the version alone; a log of
+    the wrong type) makes it read everything, as before."""
+    from worker.fleet.registry import Registry
+    from worker.fleet.registry_follower import RegistryFollower
+
+    client = redis_client.connect(redis_target.settings, socket_timeout=10)
+    sync = redis_target.client()
+    registry = Registry(client, f"follow-{time.monotonic_ns()}")
+    follower = RegistryFollower(registry)
+    mode = redis_target.mode
+
+    def definition(i: int, url: str = "https://push.example/h") -> dict[str, Any]:
+        return push_sub(f"s{i}", "persistent://p-a/main/t", url, filter=f'attributes.k = "{i}"')
+
+    try:
+        await registry.apply_all([definition(i) for i in range(200)])
+        await follower.refresh()
+        assert len(follower.subscriptions()[0]) == 200 and follower.full_reads == 1
+
+        hgetall = _calls(sync, mode, "hgetall")
+        await registry.apply(definition(7, "https://push.example/other"))
+        await registry.set_paused("p-a/s8", True)
+        await registry.delete("p-a/s9")
+        await follower.refresh()
+        valid, _ = follower.subscriptions()
+        assert valid["p-a/s7"].url == "https://push.example/other" and "p-a/s9" not in valid
+        assert follower.paused == {"p-a/s8"}
+        assert _calls(sync, mode, "hgetall") == hgetall and follower.full_reads == 1
+        await follower.refresh()  # nothing changed: nothing read
+        assert follower.full_reads == 1
+
+        # The previous release writes the definition and bumps the version, with no log entry.
+        await client.hset(registry.hash, "p-a/s10", json.dumps(definition(10, "https://push.example/old")))
+        await client.incr(registry.version_key)
+        await follower.refresh()
+        assert follower.full_reads == 2 and follower.subscriptions()[0]["p-a/s10"].url == "https://push.example/old"
+
+        # A change log that is garbage: changes still land, and are read in full.
+        await client.delete(registry.changes_key)
+        await client.set(registry.changes_key, "garbage")
+        await registry.apply(definition(11, "https://push.example/after-garbage"))
+        await follower.refresh()
+        assert follower.full_reads == 3
+        assert follower.subscriptions()[0]["p-a/s11"].url == "https://push.example/after-garbage"
+    finally:
+        await client.aclose()
+        sync.close()

@@ -14,6 +14,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+import pulsar as pulsar_client
 import pytest
 import redis as redis_sync
 import yaml
@@ -21,7 +22,7 @@ from aiohttp import web
 
 from tests.conftest import Client, make_sub
 from tests.helpers import cli, push_sub, wait_sync
-from worker.config import PulsarSettings
+from worker.config import FleetSettings, PulsarSettings
 from worker.embedded import free_port, wait_for_port
 from worker.keys import lease_key
 from worker.subscriptions import RetryPolicy
@@ -79,7 +80,7 @@ def test_dashboards_are_well_formed_and_generated_from_their_source():
 def test_promtool_accepts_the_rules():
     result = subprocess.run(["promtool", "check", "rules", str(RULES)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 9 rules found" in result.stdout
+    assert "SUCCESS: 10 rules found" in result.stdout
 
 
 @needs_prometheus
@@ -97,7 +98,15 @@ async def test_every_panel_query_and_alert_returns_series_against_a_scraped_work
     dropping = make_sub(topic + "-d", endpoint.url, name="failing-nodlq-" + topic[-6:], max_deliver=1)
     paused = make_sub(topic + "-p", endpoint.url, name="paused-" + topic[-6:])
     pulsar = PulsarSettings(service_url=broker.url, metrics_url=broker.metrics_url, backlog_interval_seconds=1)
-    w = await start_worker(good, bad, dropping, paused, broker_url=broker.url, pulsar=pulsar)
+    w = await start_worker(good, bad, dropping, paused, broker_url=broker.url, pulsar=pulsar,
+                           fleet=FleetSettings(error_after_seconds=2))  # failing endpoints: Error after 2 s
+    # Exclusive, and held by another consumer: the broker refuses the worker's subscribe.
+    refused = "refused-" + topic[-6:]
+    holder = client.client.subscribe(topic + "-x", refused, consumer_type=pulsar_client.ConsumerType.Exclusive)
+    (tmp_path / "refused.yaml").write_text(yaml.safe_dump({"subscriptions": [
+        push_sub(refused, topic + "-x", endpoint.url, type="exclusive")]}))
+    code, _, err = await cli("subs", "apply", "-f", str(tmp_path / "refused.yaml"), "--redis-url", redis_url)
+    assert code == 0, err
     code, _, err = await cli("subs", "pause", paused.name, "--redis-url", redis_url)
     assert code == 0, err
     # Created in the registry and assigned to this worker, but its lease is held by a worker that
@@ -147,6 +156,8 @@ async def test_every_panel_query_and_alert_returns_series_against_a_scraped_work
                         and query('pushworker_subscription_state{state="Paused"}')["data"]["result"]
                         and query("pushworker_subscription_assigned")["data"]["result"]
                         and query("sum(pushworker_subscription_backlog)")["data"]["result"]
+                        and query('pushworker_subscription_state{state="Error"}')["data"]["result"]
+                        and query('pushworker_subscription_state{state="Starting"}')["data"]["result"]
                         and history and len(history[0]["values"]) >= 5)
 
         deadline = time.monotonic() + 60
@@ -174,13 +185,16 @@ async def test_every_panel_query_and_alert_returns_series_against_a_scraped_work
                 if not query(metric)["data"]["result"]:
                     failures.append(f"alert {rule['alert']}: no series for {metric}")
         # The conditions that do hold in this traffic fire: dead-lettering, a failing endpoint, a drop,
-        # a subscription nobody serves; and only for the subscriptions they concern.
+        # endpoints failing long enough for Error, a subscribe the broker refuses, a subscription
+        # nobody serves; and only for the subscriptions they concern.
         def firing(name: str) -> set[str]:
             expr = next(r["expr"] for r in alert_rules() if r["alert"] == name)
             return {r["metric"].get("subscription", "") for r in query(expr)["data"]["result"]}
 
         expected = {"PushWorkerDeadLettering": {bad.name}, "PushWorkerEndpointFailing": {bad.name, dropping.name},
-                    "PushWorkerMessagesDropped": {dropping.name}, "PushWorkerSubscriptionUnowned": {stranded}}
+                    "PushWorkerMessagesDropped": {dropping.name}, "PushWorkerSubscriptionUnowned": {stranded},
+                    "PushWorkerSubscriptionError": {bad.name, dropping.name},
+                    "PushWorkerSubscribeFailing": {refused}}
         for name, subs in expected.items():
             if firing(name) != subs:
                 failures.append(f"alert {name}: fires for {sorted(firing(name))}, expected {sorted(subs)}")
@@ -192,4 +206,5 @@ async def test_every_panel_query_and_alert_returns_series_against_a_scraped_work
     finally:
         prom.terminate()
         prom.wait(20)
+        holder.close()
         client.close()

@@ -178,6 +178,38 @@ def test_adaptive_limit_slow_start_shrink_and_growth():
     asyncio.run(scenario())
 
 
+def test_requests_that_hang_shrink_the_window_before_their_answers_come():
+    """The window learned only from answers: an endpoint that hung after growing it to 3,004 kept
+    it there, and 2,015 sockets hung for their 600 s deadline. A request under way for 8 typical
+    latencies (at least 1 s) counts as overload when the next one would start."""
+    now = [1000.0]
+
+    async def scenario():
+        limit = AdaptiveLimit(ceiling=5000, initial=4, cooldown=0.2, clock=lambda: now[0])
+        for _ in range(60):  # answers in 10 ms: the window grows to 64
+            ticket = await limit.acquire()
+            now[0] += 0.01
+            limit.release(Outcome(Result.ACK, status=204, latency=0.01), ticket)
+        assert limit.size == 64 and limit.hung_after() == 1.0
+        hung = [await limit.acquire() for _ in range(40)]  # the endpoint stops answering
+        now[0] += 0.5
+        await limit.acquire()  # half a second: not hung yet
+        assert limit.size == 64
+        now[0] += 0.6  # over a second: the oldest counts, once, and the window halves...
+        waiting = asyncio.ensure_future(limit.acquire())
+        await asyncio.sleep(0)
+        assert limit.size == 32 and not waiting.done()  # ...so the next request waits (41 under way)
+        now[0] += 0.3  # past the cooldown, the next request to come halves it again
+        also_waiting = asyncio.ensure_future(limit.acquire())
+        await asyncio.sleep(0)
+        assert limit.size == 16 and not also_waiting.done()
+        for ticket in hung:  # their deadline passes: timeouts
+            limit.release(Outcome(Result.TIMEOUT), ticket)
+        await asyncio.gather(waiting, also_waiting)  # room again once they have ended
+
+    asyncio.run(scenario())
+
+
 def test_odd_server_errors_do_not_shrink_the_window_but_a_failing_endpoint_does():
     async def scenario():
         limit = AdaptiveLimit(ceiling=64, initial=32, cooldown=0.0)

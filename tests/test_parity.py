@@ -479,6 +479,12 @@ async def test_queue_history_discard_and_purge(start_worker, endpoint: Endpoint,
         assert code == 0 and json.loads(out)["result"] == "already_settled", err
         assert 0 < await r.ttl(keys.message_key(sub.key, ok)) <= RedisSettings().settled_ttl_seconds
         assert await r.hget(keys.message_key(sub.key, ok), "discard") is None
+        # A message the subscription's state does not know (never tried, or settled long ago): exit 3,
+        # and nothing is written (it answered "will be discarded" and left a record for a week).
+        unknown = "999:0:-1:-1"
+        code, _, err = await cli("discard", unknown, "--subscription", sub.name, *args)
+        assert code == 3 and f"no message {unknown} known" in err, err
+        assert not await r.exists(keys.message_key(sub.key, unknown))
     finally:
         await r.aclose()
 

@@ -196,15 +196,19 @@ async def test_byte_budget_serves_in_turn_lets_an_oversized_message_go_alone_and
     assert budget.used == 0 and budget.try_take(100)
 
 
-def test_prefetch_follows_the_window_until_messages_are_large_then_fits_its_bytes():
-    budget = 16 << 20
-    assert prefetch_for(max_ack_pending=64, largest=0, budget=budget) == 64  # sizes unknown: the window
-    assert prefetch_for(max_ack_pending=5000, largest=0, budget=budget) == 1000  # at most 1,000
-    assert prefetch_for(max_ack_pending=1000, largest=1 << 20, budget=budget) == 16
-    assert prefetch_for(max_ack_pending=8, largest=1 << 20, budget=budget) == 8  # never above the window
-    assert prefetch_for(max_ack_pending=1000, largest=64 << 20, budget=budget) == 1  # never below one
-    # A consumer of 16 subscribes again for messages over twice what fits (2 MiB), not at 1.5 MiB.
-    assert too_large(16, budget) == 2 << 20
+def test_prefetch_holds_at_most_its_bytes_of_the_largest_messages_from_the_first_message_on():
+    budget, largest_allowed = 32 << 20, 5 << 20
+    # Sizes unknown: as many of the broker's largest messages as fit, not the window.
+    assert prefetch_for(max_ack_pending=64, largest=0, budget=budget, max_message_bytes=largest_allowed) == 6
+    assert prefetch_for(max_ack_pending=5000, largest=0, budget=budget, max_message_bytes=1024) == 1000  # at most 1,000
+    assert prefetch_for(max_ack_pending=4, largest=0, budget=budget, max_message_bytes=1024) == 4  # the window
+    # Messages seen smaller than the broker's largest change nothing; larger ones (compressed,
+    # chunked) make it smaller, never below one.
+    assert prefetch_for(max_ack_pending=64, largest=1024, budget=budget, max_message_bytes=largest_allowed) == 6
+    assert prefetch_for(max_ack_pending=64, largest=16 << 20, budget=budget, max_message_bytes=largest_allowed) == 2
+    assert prefetch_for(max_ack_pending=64, largest=1 << 30, budget=budget, max_message_bytes=largest_allowed) == 1
+    # A consumer of 16 subscribes again for messages over twice what fits (2 MiB of 16 MiB), not at 1.5 MiB.
+    assert too_large(16, 16 << 20) == 2 << 20
 
 
 class _DeafToCancel(_Backlog):

@@ -37,6 +37,9 @@ PULSAR_SCHEMES = ("pulsar", "pulsar+ssl")
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 REDIS_MODES = ("standalone", "cluster", "sentinel")
 
+DEFAULT_MAX_MESSAGE_BYTES = 5 * 1024 * 1024  # Apache Pulsar's default maxMessageSize
+
+
 @dataclass(frozen=True)
 class PulsarSettings:
     """Broker connection. `service_url` None means: start an embedded pulsar-lite under state_dir."""
@@ -48,6 +51,9 @@ class PulsarSettings:
     admin_url: str | None = None  # Pulsar admin REST API, for backlog (topic stats msgBacklog)
     metrics_url: str | None = None  # or the broker's Prometheus endpoint (pulsar_subscription_back_log)
     backlog_interval_seconds: float = 15.0
+    # The broker's largest message (its maxMessageSize): a consumer prefetches no more of these than
+    # fit in its share of max_held_bytes_per_subscription (prefetch.py).
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
 
 @dataclass(frozen=True)
@@ -98,7 +104,7 @@ class FleetSettings:
 
 # Payload bytes of the messages one subscription holds at once (taken from the broker, not settled):
 # `max_ack_pending` in bytes. The process holds about three times as much for them (the payload,
-# its base64 and the JSON body); docs/operating.md sizes the pod's memory from it.
+# its base64 and the JSON body); docs/sizing.md sizes the pod's memory from it.
 DEFAULT_MAX_HELD_BYTES = 64 * 1024 * 1024
 
 
@@ -270,7 +276,7 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
 
     p = r.sub("pulsar")
     p.reject_unknown({"service_url", "tls_trust_certs_file", "operation_timeout_seconds", "admin_url",
-                      "metrics_url", "backlog_interval_seconds"})
+                      "metrics_url", "backlog_interval_seconds", "max_message_bytes"})
     pulsar_url = _url(p, "service_url", PULSAR_SCHEMES, "PUSH_WORKER_PULSAR_URL", env)
     pulsar = PulsarSettings(
         service_url=pulsar_url,
@@ -280,6 +286,7 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
         admin_url=_url(p, "admin_url", ("http", "https"), "PUSH_WORKER_PULSAR_ADMIN_URL", env),
         metrics_url=_url(p, "metrics_url", ("http", "https")),
         backlog_interval_seconds=p.number("backlog_interval_seconds", 15.0, 1.0, 3600.0),
+        max_message_bytes=p.integer("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES, 1024, 2**31 - 1),
     )
 
     rd = r.sub("redis")

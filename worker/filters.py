@@ -4,8 +4,10 @@
     NOT x      -x      x AND y      x OR y      ( x )
 
 KEY is a name of letters, digits, `_` and `-`, or any name as a quoted string (`attributes."a b"`).
-`-` is Google's other spelling of NOT. NOT binds tightest, then AND, then OR (Google's own emulator,
-on AIP-160's grammar, binds OR before AND: docs/configuration.md asks for parentheses). Parsed by
+`-` is Google's other spelling of NOT. NOT binds tightest, then AND, then OR. Google refuses a filter
+that mixes AND and OR without parentheses, and its own emulator (on AIP-160's grammar) binds OR
+before AND, so such a filter is refused here too; one stored before that rule keeps this reading
+(`mixed=True`). Parsed by
 lark (an LALR grammar), compiled once into nested closures: evaluating a message costs a few
 dictionary lookups.
 """
@@ -16,7 +18,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from lark import Lark, Token, Transformer, v_args
+from lark import Lark, Token, Transformer, Tree, v_args
 from lark.exceptions import UnexpectedInput, VisitError
 
 Predicate = Callable[[Mapping[str, str]], bool]
@@ -27,7 +29,7 @@ _GRAMMAR = r"""
 ?and_expr: unary (_AND unary)*          -> all_of
 ?unary: (_NOT | _MINUS) unary           -> negate
       | atom
-?atom: "(" or_expr ")"
+?atom: "(" or_expr ")"                   -> group
      | "attributes" "." key "=" STRING   -> equals
      | "attributes" "." key "!=" STRING  -> differs
      | "attributes" ":" key              -> has
@@ -43,7 +45,7 @@ STRING: /"(?:[^"\\]|\\.)*"/
 %ignore WS
 """
 
-_PARSER = Lark(_GRAMMAR, parser="lalr", maybe_placeholders=False)
+_PARSER = Lark(_GRAMMAR, parser="lalr", maybe_placeholders=False, propagate_positions=True)
 MAX_LENGTH = 256  # Google's limit on a filter's length
 
 
@@ -101,6 +103,9 @@ class _Compile(Transformer[Token, Predicate]):
         start = _unquote(str(prefix))
         return lambda attributes: attributes.get(key, None) is not None and attributes[key].startswith(start)
 
+    def group(self, inner: Predicate) -> Predicate:
+        return inner
+
     def negate(self, inner: Predicate) -> Predicate:
         return lambda attributes: not inner(attributes)
 
@@ -117,12 +122,29 @@ class Filter:
 
     text: str
     _predicate: Predicate = field(compare=False, repr=False)
+    mixed_at: int | None = field(default=None, compare=False)  # column of AND meeting OR unparenthesised
 
     def matches(self, attributes: Mapping[str, str]) -> bool:
         return self._predicate(attributes)
 
 
-def parse_filter(text: str) -> Filter:
+MIXED = "mixes AND and OR without parentheses at column {}: write (a AND b) OR c, or a AND (b OR c)"
+
+
+def _mixed_at(tree: Tree[Token]) -> int | None:
+    """The column of the first AND group that is an operand of OR without parentheses, or None."""
+    # (One-operand AND and OR nodes wrap every term.)
+    for node in tree.iter_subtrees_topdown():  # type: ignore[no-untyped-call]
+        if node.data == "any_of" and len(node.children) > 1:
+            for child in node.children:
+                if isinstance(child, Tree) and child.data == "all_of" and len(child.children) > 1:
+                    return int(child.meta.column)
+    return None
+
+
+def parse_filter(text: str, mixed: bool = False) -> Filter:
+    """The filter `text`; one that mixes AND and OR without parentheses only with `mixed` (a filter
+    stored before that was refused: it keeps the reading NOT, then AND, then OR)."""
     if len(text) > MAX_LENGTH:
         raise FilterError(f"must be at most {MAX_LENGTH} characters (got {len(text)})")
     if not text.strip():
@@ -138,4 +160,7 @@ def parse_filter(text: str) -> Filter:
     except (VisitError, ValueError):
         raise FilterError("a quoted string has an invalid escape (\\\" \\\\ \\n \\t, \\xHH, \\ooo, \\uHHHH "
                           "and \\UHHHHHHHH are known)") from None
-    return Filter(text, predicate)
+    mixed_at = _mixed_at(tree)
+    if mixed_at is not None and not mixed:
+        raise FilterError(MIXED.format(mixed_at))
+    return Filter(text, predicate, mixed_at)

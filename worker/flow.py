@@ -4,8 +4,10 @@ budgets of held bytes and connections are in `budgets`)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 
 from worker.delivery import Outcome, Result
 
@@ -83,6 +85,9 @@ def refused(outcome: Outcome) -> bool:
 
 FAILED_SHARE = 0.3  # recent share of refused answers above which they count as overload
 SHARE_WEIGHT = 0.05  # weight of each answer in that share (about the last 20-40 answers)
+HUNG_AFTER_LATENCIES = 8  # a request under way this many typical answers long counts as overload...
+HUNG_AFTER_FLOOR = 1.0  # ...and at least this many seconds
+LATENCY_WEIGHT = 0.1  # weight of each acked answer's latency in the typical latency
 
 
 class AdaptiveLimit(_Slots):
@@ -94,9 +99,16 @@ class AdaptiveLimit(_Slots):
     answers count as overload only while they are a large share of recent answers: an endpoint
     that refuses one message in ten is not slowed for the other nine. A `Retry-After`
     on 429/503 also pauses new requests to the endpoint until it has passed.
+
+    A request under way far longer than answers take (`HUNG_AFTER_LATENCIES` typical latencies, at
+    least `HUNG_AFTER_FLOOR`) counts as overload once, when the next request would start: a window
+    learns only from answers, so an endpoint that hung after growing it to 3,004 kept it there
+    while 2,015 sockets hung for their 600 s deadline.
     """
 
-    def __init__(self, ceiling: int, initial: int = 4, cooldown: float = 0.2) -> None:
+    def __init__(self, ceiling: int, initial: int = 4, cooldown: float = 0.2,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self.ceiling = max(1, ceiling)
         self.window = float(min(initial, self.ceiling))
         self.threshold = float(self.ceiling)
@@ -104,6 +116,10 @@ class AdaptiveLimit(_Slots):
         self._last_cut = 0.0
         self._paused_until = 0.0
         self._error_share = 0.0
+        self._latency: float | None = None  # typical latency of acked answers
+        self._tickets = itertools.count()
+        self._under_way: dict[int, float] = {}  # ticket -> when it started
+        self._unjudged: deque[tuple[int, float]] = deque()  # under way (or since released), not yet counted as hung
         super().__init__(self.size)
 
     @property
@@ -114,18 +130,38 @@ class AdaptiveLimit(_Slots):
     def in_use(self) -> int:
         return self.used
 
-    async def acquire(self) -> None:
-        pause = self._paused_until - time.monotonic()
+    async def acquire(self) -> int:
+        """Wait for a slot; returns the request's ticket, for `release`."""
+        pause = self._paused_until - self.clock()
         while pause > 0:
             await asyncio.sleep(pause)
-            pause = self._paused_until - time.monotonic()
+            pause = self._paused_until - self.clock()
+        self._notice_hung(self.clock())
         await self._take()
+        ticket = next(self._tickets)
+        started = self.clock()
+        self._under_way[ticket] = started
+        self._unjudged.append((ticket, started))
+        return ticket
 
-    def release(self, outcome: Outcome | None) -> None:
+    def release(self, outcome: Outcome | None, ticket: int | None = None) -> None:
+        if ticket is not None:
+            self._under_way.pop(ticket, None)
         if outcome is not None:
             self._learn(outcome)
             self.limit = self.size
         self._give()
+
+    def hung_after(self) -> float:
+        return max(HUNG_AFTER_FLOOR, HUNG_AFTER_LATENCIES * (self._latency or 0.0))
+
+    def _notice_hung(self, now: float) -> None:
+        """Count the oldest request under way as overload if it has hung (each request once)."""
+        while self._unjudged and self._unjudged[0][0] not in self._under_way:
+            self._unjudged.popleft()  # answered meanwhile
+        if self._unjudged and now - self._unjudged[0][1] > self.hung_after() and self._cut(now):
+            self._unjudged.popleft()
+            self.limit = self.size
 
     def set_ceiling(self, ceiling: int) -> None:
         self.ceiling = max(1, ceiling)
@@ -139,13 +175,22 @@ class AdaptiveLimit(_Slots):
         if outcome.acked:
             step = 1.0 if self.window < self.threshold else 1.0 / self.window
             self.window = min(float(self.ceiling), self.window + step)
+            typical = self._latency
+            change = 0.0 if typical is None else LATENCY_WEIGHT * (outcome.latency - typical)
+            self._latency = outcome.latency if typical is None else typical + change
             return
         if not (overloaded(outcome) or (failed and self._error_share > FAILED_SHARE)):
             return
-        now = time.monotonic()
-        if now - self._last_cut >= self.cooldown:
-            self.threshold = max(1.0, self.window / 2)
-            self.window = self.threshold
-            self._last_cut = now
+        now = self.clock()
+        self._cut(now)
         if outcome.retry_after:
             self._paused_until = max(self._paused_until, now + min(outcome.retry_after, 60.0))
+
+    def _cut(self, now: float) -> bool:
+        """Halve the window, unless it was cut less than `cooldown` ago; whether it was."""
+        if now - self._last_cut < self.cooldown:
+            return False
+        self.threshold = max(1.0, self.window / 2)
+        self.window = self.threshold
+        self._last_cut = now
+        return True

@@ -100,6 +100,15 @@ def _case_clashes(attributes: dict[str, str]) -> frozenset[str]:
     return frozenset(name for name in attributes if name != "content-type" and counts[name.lower()] > 1)
 
 
+def memory_per_payload_byte(sub: Subscription) -> float:
+    """What a message held for `sub` costs in memory per payload byte: the Pulsar client's copy and
+    the worker's, and while a request is under way a body that encodes it in base64 (4/3 of it).
+    Counting payload bytes alone, three projects' 4 MiB messages took a worker to 869 MiB against a
+    512 MiB `max_held_bytes`."""
+    raw_body = sub.content == "raw" or (sub.content == "cloudevents" and sub.cloudevents.mode == "binary")
+    return 2.0 if raw_body else 2.0 + 4 / 3
+
+
 def build_request(sub: Subscription, env: Envelope, attempt: int) -> PushRequest:
     """Headers and body for delivery attempt `attempt` of `env` to `sub`, per the contract."""
     headers = {

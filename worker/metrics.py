@@ -41,7 +41,8 @@ class Metrics:
                                     SUB, registry=r)
         self.unsettled = Gauge("pushworker_unsettled", "Messages taken from the broker and not yet settled "
                                "(bounded by max_ack_pending)", SUB, registry=r)
-        self.held_bytes = Gauge("pushworker_held_bytes", "Payload bytes of the unsettled messages (bounded by "
+        self.held_bytes = Gauge("pushworker_held_bytes", "Memory the unsettled messages take: twice their "
+                                "payload, plus its base64 body where there is one (bounded by "
                                 "max_held_bytes_per_subscription, but for one message larger than it)", SUB,
                                 registry=r)
         self.message_failures = Counter("pushworker_message_failures", "Messages whose handling raised (a bug, "
@@ -51,9 +52,9 @@ class Metrics:
         self.log_lines_suppressed = Counter("pushworker_log_lines_suppressed", "Per-message log lines left out "
                                             "by the per-subscription rate limit (each kind says how many in its "
                                             "next line)", SUB, registry=r)
-        self.max_held_bytes = Gauge("pushworker_max_held_bytes", "The worker's budget of held payload bytes, "
+        self.max_held_bytes = Gauge("pushworker_max_held_bytes", "The worker's budget of memory for held messages, "
                                     "shared fairly by its subscriptions (max_held_bytes)", registry=r)
-        self.worker_held_bytes = Gauge("pushworker_worker_held_bytes", "Payload bytes all the worker's "
+        self.worker_held_bytes = Gauge("pushworker_worker_held_bytes", "Memory all the worker's "
                                        "subscriptions hold (bounded by pushworker_max_held_bytes)", registry=r)
         self.attributes_omitted = Counter("pushworker_attributes_omitted",
                                           "Attributes not sent as headers (unsafe name or value)", SUB, registry=r)

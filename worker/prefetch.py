@@ -2,11 +2,12 @@
 
 The Pulsar client prefetches a number of messages, whatever their size, and the C++ client has no
 memory limit for consumers (pulsar-client-cpp issue #161): 150 messages of 4 MiB sat in one
-consumer's queue (600 MiB) beside what the worker held. So a subscription prefetches as many as its
-window (at most 1,000) until its messages are seen to be large; then it subscribes again with as
-many as fit in a quarter of `max_held_bytes_per_subscription`. The largest size is remembered in
-Redis, so that the next owner starts small: a pod killed by one subscription's prefetch would
-otherwise take each next owner with it.
+consumer's queue (600 MiB) beside what the worker held. So a subscription prefetches, from its first
+message on, only as many messages of the broker's largest size (`pulsar.max_message_bytes`) as fit
+in half of `max_held_bytes_per_subscription`, and at most its window. A message larger still (a
+compressed or chunked one, whose size the broker does not limit) makes it subscribe again with as
+many of that size as fit; that size is remembered in Redis, so that the next owner starts small: a
+pod killed by one subscription's prefetch would otherwise take each next owner with it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from worker.redis_batch import Pipeliner
 from worker.redis_client import REDIS_DOWN
 
 MAX_PREFETCH = 1000
-SHARE_OF_HELD_BYTES = 4  # prefetched bytes stay under max_held_bytes_per_subscription / this
+SHARE_OF_HELD_BYTES = 2  # prefetched bytes stay under max_held_bytes_per_subscription / this
 READ_SECONDS = 2.0  # a slow Redis delays no subscribe longer than this (the default prefetch then)
 
 
@@ -27,16 +28,14 @@ def prefetch_bytes(max_held_bytes: int) -> int:
 
 
 def default_prefetch(max_ack_pending: int) -> int:
-    """The prefetch while message sizes are unknown: the window, at most MAX_PREFETCH."""
+    """The most a consumer prefetches, whatever the sizes: the window, at most MAX_PREFETCH."""
     return max(1, min(max_ack_pending, MAX_PREFETCH))
 
 
-def prefetch_for(max_ack_pending: int, largest: int, budget: int) -> int:
-    """The prefetch for a subscription whose largest message so far is `largest` bytes (0: unknown)."""
-    default = default_prefetch(max_ack_pending)
-    if largest <= 0:
-        return default
-    return max(1, min(default, budget // largest))
+def prefetch_for(max_ack_pending: int, largest: int, budget: int, max_message_bytes: int) -> int:
+    """The prefetch that holds at most `budget` bytes of messages of the broker's largest size, or of
+    `largest` (the largest the subscription has carried; 0: unknown) if that is larger."""
+    return max(1, min(default_prefetch(max_ack_pending), budget // max(largest, max_message_bytes, 1)))
 
 
 def too_large(prefetch: int, budget: int) -> int:

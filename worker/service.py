@@ -71,6 +71,7 @@ class Worker:
         self._resubscribing: set[str] = set()
         self._largest: dict[str, int] = {}  # the largest message seen per subscription, if large
         self._carried_stats: dict[str, Stats] = {}  # a dispatcher's counters, to its replacement
+        self._draining: set[Dispatcher] = set()  # stopped serving, their requests under way finishing
         self.largest: LargestMessages | None = None
         self._prefetch_budget = prefetch_bytes(settings.max_held_bytes_per_subscription)  # bytes, per subscription
         self._orphans: set[asyncio.Future[None]] = set()
@@ -271,8 +272,8 @@ class Worker:
     async def _subscribe_and_run(self, sub: Subscription, lease: Fence | None) -> None:
         if sub.key not in self._largest and self.largest is not None:
             self._largest[sub.key] = await self.largest.recall(sub.key)
-        prefetch = prefetch_for(sub.max_ack_pending, self._largest.get(sub.key, 0), self._prefetch_budget)
-        if self._largest.get(sub.key):
+        prefetch = self._prefetch_for(sub, self._largest.get(sub.key, 0))
+        if self._largest.get(sub.key, 0) > self.settings.pulsar.max_message_bytes:
             self.log.info("large messages: prefetch sized to them", subscription=sub.key,
                           message_bytes=self._largest[sub.key], prefetch=prefetch)
         delay = 0.5
@@ -293,6 +294,7 @@ class Worker:
                 self.metrics.broker_errors.labels("subscribe").inc()
                 said = pulsar_adapter.broker_error_text(e)
                 self.subscribe_failures[sub.key] = said
+                self.metrics.set_state(sub.tenant, sub.name, State.STARTING)  # what the alert reads
                 self.log.warning("subscribe failed; retrying", subscription=sub.key, error=said, in_seconds=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
@@ -332,13 +334,16 @@ class Worker:
                 self._resubscribing.discard(key)
                 self.add(sub, lease)
 
+    def _prefetch_for(self, sub: Subscription, largest: int) -> int:
+        return prefetch_for(sub.max_ack_pending, largest, self._prefetch_budget, self.settings.pulsar.max_message_bytes)
+
     def _large_messages(self, key: str, size: int) -> None:
         """The dispatcher of `key` took a message too large for its consumer's prefetch."""
         dispatcher = self.dispatchers.get(key)
         if dispatcher is None or size <= self._largest.get(key, 0):
             return
         self._largest[key] = size
-        smaller = prefetch_for(dispatcher.sub.max_ack_pending, size, self._prefetch_budget) < dispatcher.prefetch
+        smaller = self._prefetch_for(dispatcher.sub, size) < dispatcher.prefetch
         task = asyncio.create_task(self._subscribe_smaller(key, size, smaller), name=f"prefetch {key}")
         self._orphans.add(task)
         task.add_done_callback(self._orphans.discard)
@@ -374,8 +379,14 @@ class Worker:
     def _forget_start(self, key: str, task: asyncio.Task[None]) -> None:
         if self._starting.get(key) is task:  # a newer start of the same key is not ours to forget
             del self._starting[key]
-            self._starting_subs.pop(key, None)
-            self.subscribe_failures.pop(key, None)
+            self._start_ended(key)
+
+    def _start_ended(self, key: str) -> None:
+        """A subscribe ended, served or given up (moved, paused, deleted): its failures are forgotten,
+        and so is its Starting state unless a dispatcher now reports its own."""
+        sub = self._starting_subs.pop(key, None)
+        if self.subscribe_failures.pop(key, None) is not None and sub is not None and key not in self.dispatchers:
+            self.metrics.set_state(sub.tenant, sub.name, None)
 
     @property
     def serving(self) -> set[str]:
@@ -422,11 +433,17 @@ class Worker:
 
     async def _stop_serving(self, key: str, grace: float | None = None, unsubscribe: bool = False) -> None:
         starting = self._starting.pop(key, None)
-        if starting is not None and await cancel_within([starting], CLOSE_TIMEOUT):
-            self.log.warning("subscribe did not end on cancel; stopping without it", subscription=key)
+        if starting is not None:
+            if await cancel_within([starting], CLOSE_TIMEOUT):
+                self.log.warning("subscribe did not end on cancel; stopping without it", subscription=key)
+            self._start_ended(key)
         dispatcher = self.dispatchers.pop(key, None)
         if dispatcher is not None:
-            await dispatcher.stop(self.settings.shutdown_grace_seconds if grace is None else grace, unsubscribe)
+            self._draining.add(dispatcher)
+            try:
+                await dispatcher.stop(self.settings.shutdown_grace_seconds if grace is None else grace, unsubscribe)
+            finally:
+                self._draining.discard(dispatcher)
             topic = dispatcher.sub.dead_letter_topic
             if topic and all(d.sub.dead_letter_topic != topic for d in self.dispatchers.values()):
                 await self.dead_letters.forget(topic)  # its producer is no longer needed here
@@ -455,6 +472,9 @@ class Worker:
     @property
     def stopping(self) -> bool:
         return self._stop.is_set()
+
+    def requests_under_way(self) -> int:
+        return sum(d.endpoint_limit.in_use for d in (*self.dispatchers.values(), *self._draining))
 
     def request_stop(self) -> None:
         """Signal-safe: only sets a flag; the run loop does the draining."""

@@ -50,6 +50,7 @@ class State(enum.StrEnum):
     SEEKING = "Seeking"
     PAUSED = "Paused"
     EXPIRED = "Expired"
+    STARTING = "Starting"  # its owner's subscribe keeps failing (the broker refuses it)
 
 
 @dataclass(frozen=True)
@@ -278,10 +279,11 @@ def is_push(data: Any) -> bool:
     return not (isinstance(deliver, dict) and deliver.get("mode") == "pull")
 
 
-def parse_subscription(data: Any, where: str = "", *, trusted: bool = False) -> Subscription:
+def parse_subscription(data: Any, where: str = "", *, trusted: bool = False, stored: bool = False) -> Subscription:
     """Validate one subscription definition and build its value. `trusted`: it comes from the
     operator's config file (it may name the worker's environment and files); else from the
-    registry, written on behalf of a project."""
+    registry, written on behalf of a project. `stored`: read back from the registry, where it may
+    have been written under older rules (a filter mixing AND and OR keeps its reading)."""
     if not isinstance(data, dict):
         raise ConfigError(where, "subscription", "must be a mapping")
     name_value = data.get("name")
@@ -354,7 +356,7 @@ def parse_subscription(data: Any, where: str = "", *, trusted: bool = False) -> 
         signing_secrets=signing_secrets,
         bearer_token=bearer_token,
         cloudevents=cloudevents,
-        filter=_filter(r),
+        filter=_filter(r, stored),
         oidc=oidc,
     )
 
@@ -374,11 +376,11 @@ def _oidc(push: FieldReader) -> Oidc | None:
     return Oidc(audience=o.text("audience") if o.has("audience") else None)
 
 
-def _filter(r: FieldReader) -> Filter | None:
+def _filter(r: FieldReader, stored: bool) -> Filter | None:
     if not r.has("filter"):
         return None
     try:
-        return parse_filter(r.text("filter"))
+        return parse_filter(r.text("filter"), mixed=stored)
     except FilterError as e:
         raise r.fail("filter", str(e)) from None
 

@@ -5,14 +5,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import os
 import signal
-from typing import Any
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
 
 from worker import logs
 from worker.cli.common import KEEP_UNTIL_EXIT, run_loop
 from worker.config import load_settings
 from worker.errors import UsageError
 from worker.subscriptions import TOPIC_RULE, topic_parts
+
+if TYPE_CHECKING:
+    from worker.service import Worker
 
 
 async def _serve(config_path: str) -> int:
@@ -22,19 +30,49 @@ async def _serve(config_path: str) -> int:
     settings = load_settings(config_path)
     preflight(settings)
     logs.configure(settings.log_format, settings.log_level)
+    if empty_config(config_path):
+        logs.get().warning(EMPTY_CONFIG.format(config_path))
     worker = Worker(settings)
     KEEP_UNTIL_EXIT.append(worker)
     loop = asyncio.get_running_loop()
     # SIGHUP too: a worker whose terminal closed drains and hands over like one told to stop, instead
     # of dying on the spot with its leases held until they lapse.
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in (signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, worker.request_stop)
+    loop.add_signal_handler(signal.SIGINT, _interrupted, worker)
     loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)  # what a stuck worker is waiting on
     async with worker:
         _tune_gc()
         await worker.run_until_stopped()
         logs.get().info("stop requested; draining", grace_seconds=settings.shutdown_grace_seconds)
     return 0
+
+
+EMPTY_CONFIG = ("{} is empty: every setting is its default (the embedded broker and Redis, no "
+                "subscriptions but the registry's)")
+
+
+def empty_config(path: str) -> bool:
+    """Whether the config file holds no settings at all (an empty or comment-only file is valid, but
+    more often a wrong path or an empty mount than a choice)."""
+    try:
+        return yaml.safe_load(Path(path).read_text()) is None
+    except (OSError, yaml.YAMLError):
+        return False  # load_settings has said what is wrong with it
+
+
+def _interrupted(worker: Worker) -> None:
+    """Ctrl-C: the first drains (as SIGTERM does) and says how to stop at once; the second stops at
+    once. Requests under way are abandoned then: their messages go back to the broker (redelivered,
+    attempt counts kept) and the leases lapse after fleet.lease_seconds, as after a crash."""
+    in_flight = worker.requests_under_way()
+    if not worker.stopping:
+        logs.get().warning(f"draining, {in_flight} in flight; press Ctrl-C again to stop now")
+        worker.request_stop()
+        return
+    logs.get().warning(f"stopping now: {in_flight} request(s) under way abandoned; their messages go back "
+                       "to the broker")
+    os._exit(130)  # 128 + SIGINT, as a shell reports an interrupted program
 
 
 # Young objects collected per this many new ones (CPython's default is 700): a delivery allocates
@@ -77,6 +115,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     settings = load_settings(args.config)
     preflight(settings)
     print(f"ok: {len(settings.subscriptions)} push subscription(s)")
+    if empty_config(args.config):
+        print("warning: " + EMPTY_CONFIG.format(args.config), file=sys.stderr)
     return 0
 
 

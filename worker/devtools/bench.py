@@ -15,6 +15,7 @@ and 1 MiB bodies), `concurrency` (16 and 256), `dispatcher` (the dispatcher alon
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -26,6 +27,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
@@ -39,6 +41,7 @@ import redis
 import uvloop
 import yaml
 import yarl
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from worker import compiled, embedded
@@ -141,6 +144,23 @@ def sink_main(port: int, fail_rate: float) -> None:
         await server.serve_forever()
 
     uvloop.run(serve())
+
+
+def misbehaving_main(port: int) -> None:
+    """The endpoints of a project that misbehaves (the neighbours section): /ok answers 204, /refuse
+    400, /slow 204 after 0.5 s, /hang never."""
+    async def answer(request: web.Request) -> web.Response:
+        await request.read()
+        kind = request.match_info["kind"]
+        if kind == "hang":
+            await asyncio.Event().wait()  # until the worker gives up on it
+        if kind == "slow":
+            await asyncio.sleep(0.5)
+        return web.Response(status=400 if kind == "refuse" else 204)
+
+    app = web.Application(client_max_size=8 << 20)
+    app.router.add_post("/{kind}", answer)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
 # -- the reference (own process) ----------------------------------------------------------------
@@ -366,26 +386,31 @@ class PacedPublisher:
                           for t in topics]
         self.rate = rate
         self.failures: list[str] = []
+        self.sent = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._publish, daemon=True)
 
     def _publish(self) -> None:
-        started, sent = time.monotonic(), 0
+        started = time.monotonic()
         while not self._stop.is_set():
-            self.producers[sent % len(self.producers)].send_async(PAYLOAD, _failed_into(self.failures))
-            sent += 1
-            _pace(started, sent, self.rate)
+            self.producers[self.sent % len(self.producers)].send_async(PAYLOAD, _failed_into(self.failures))
+            self.sent += 1
+            _pace(started, self.sent, self.rate)
 
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self) -> int:
+        """Stop publishing (again: nothing more happens); returns how many messages were sent."""
+        if self._stop.is_set():
+            return self.sent
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(10)
         for producer in self.producers:
             producer.flush()
             producer.close()
+        return self.sent
 
     def check(self) -> None:
         """After `stop()`: raise if any message was not published."""
@@ -588,16 +613,30 @@ class Bench:
         return Steady(subscriptions, total_rate, delivered / (t1 - t0), 1e6 * (cpu1 - cpu0) / max(1, delivered),
                       1000 * _percentile(latency, 0.5), 1000 * _percentile(latency, 0.99), rss / 2**20)
 
-    def neighbours(self, rate: float = 200.0, burst: int = 30_000, seconds: float = 10.0) -> Neighbours:
-        """A well-behaved project (1 KiB at `rate` msg/s) beside one that bursts `burst` messages, on one
-        worker: the well-behaved project's publish-to-endpoint latency alone, then during the burst."""
+    def neighbours(self, rate: float = 200.0, seconds: float = 10.0) -> list[Neighbours]:
+        """A well-behaved project (1 KiB at `rate` msg/s) beside one that misbehaves, on one worker (a
+        fresh one per misbehaviour): the well-behaved project's publish-to-endpoint latency over
+        `seconds` alone, then over `seconds` from the start of the misbehaviour; what it lost; the
+        worker's peak memory and whether it stayed up."""
+        rude = self.misbehaving_endpoint()
+        return [self._beside(name, rate, seconds, rude, noisy) for name, noisy in NOISY_PROJECTS.items()]
+
+    def misbehaving_endpoint(self) -> str:
+        port = embedded.free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "worker.devtools.bench", "misbehaving", str(port)])
+        self.sinks.append(proc)
+        embedded.wait_for_port(port, proc, "misbehaving endpoint")
+        return f"http://127.0.0.1:{port}"
+
+    def _beside(self, name: str, rate: float, seconds: float, rude: str, noisy: NoisyProject) -> Neighbours:
         sink = self.sink()
+        _post(sink + "/reset")
         run = time.monotonic_ns()
-        good, noisy = f"persistent://p-good/main/n-{run}", f"persistent://p-noisy/main/n-{run}"
-        proc = self.start_worker(self.config([self.sub(f"good-{run}", good, f"{sink}/push/good"),
-                                              self.sub(f"noisy-{run}", noisy, f"{sink}/push/noisy",
-                                                       concurrency=1000)]))
+        good, noisy_topic = f"persistent://p-good/main/n-{run}", f"persistent://p-noisy/main/n-{run}"
+        noisy_sub = {**self.sub(f"noisy-{run}", noisy_topic, rude + noisy.path), **noisy.settings}
+        proc = self.start_worker(self.config([self.sub(f"good-{run}", good, f"{sink}/push/good"), noisy_sub]))
         ps = psutil.Process(proc.pid)
+        bench_cores = _pin_apart(ps)
         publisher = PacedPublisher(self.client, [good], rate)
         peak_rss = 0
 
@@ -615,19 +654,30 @@ class Bench:
             publisher.start()
             _wait(lambda: _caught_up(sink), 300, "the well-behaved project: caught up", poll=0)
             alone = latencies()
-            flood = threading.Thread(target=self.publish, args=(noisy, burst), daemon=True)
-            flood.start()
+            misbehaviour = threading.Thread(target=noisy.start, args=(self, noisy_topic), daemon=True)
+            misbehaviour.start()
             during = latencies()
-            flood.join(300)
-            noisy_delivered = _get(sink + "/stats")["acked"]
+            published = publisher.stop()
+            up = proc.poll() is None
+
+            def delivered() -> int:
+                return int(_metric(ps, "pushworker_deliveries_total", project="p-good", result="ack"))
+
+            with contextlib.suppress(RuntimeError):  # what is missing then is reported as lost
+                _wait(lambda: up and delivered() >= published, 60, "the well-behaved project: every message")
+            lost = published - (delivered() if up else 0)
+            misbehaviour.join(300)
         finally:
             publisher.stop()
             proc.terminate()
             proc.wait(60)
+            for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    process.cpu_affinity(bench_cores)
         publisher.check()
-        return Neighbours(rate, burst, 1000 * _percentile(alone, 0.5), 1000 * _percentile(alone, 0.99),
-                          1000 * _percentile(during, 0.5), 1000 * _percentile(during, 0.99), noisy_delivered,
-                          peak_rss / 2**20)
+        return Neighbours(name, 1000 * _percentile(alone, 0.5), 1000 * _percentile(alone, 0.99),
+                          1000 * _percentile(during, 0.5), 1000 * _percentile(during, 0.99), lost,
+                          peak_rss / 2**20, up)
 
     def idle(self, count: int = 1000) -> tuple[float, float, float]:
         sink = self.sink()
@@ -651,14 +701,55 @@ class Bench:
 
 @dataclass(frozen=True)
 class Neighbours:
-    rate: float
-    burst: int
+    misbehaviour: str
     alone_p50_ms: float
     alone_p99_ms: float
     during_p50_ms: float
     during_p99_ms: float
-    delivered: int  # by the sink in all, during the burst's window
+    lost: int  # of the well-behaved project's messages
     rss_mb: float
+    up: bool
+
+
+@dataclass(frozen=True)
+class NoisyProject:
+    """A project that misbehaves: its subscription's endpoint (a path of the misbehaving endpoint),
+    settings, and what it does once the well-behaved project's latency alone is measured."""
+
+    path: str
+    settings: dict[str, Any]
+    start: Callable[[Bench, str], None]
+
+
+NOISY_PROJECTS = {
+    "a burst of 30,000 messages": NoisyProject("/ok", {"max_ack_pending": 1000},
+                                               lambda bench, topic: bench.publish(topic, 30_000)),
+    "every answer a 400, retried forever": NoisyProject(
+        "/refuse", {"max_ack_pending": 1000, "max_deliver": -1, "retry": {"min_backoff_seconds": 0,
+                                                                         "max_backoff_seconds": 0}},
+        lambda bench, topic: bench.publish(topic, 5_000)),
+    "an endpoint that hangs (600 s deadline)": NoisyProject(
+        "/hang", {"max_ack_pending": 5000, "max_concurrency": 5000, "ack_deadline_seconds": 600},
+        lambda bench, topic: bench.publish(topic, 5_000)),
+    "120 messages of 4 MiB, answered in 0.5 s": NoisyProject(
+        "/slow", {"max_ack_pending": 200},
+        lambda bench, topic: bench.publish(topic, 120, payload=os.urandom((4 << 20) - 1024))),
+}
+
+
+def _pin_apart(worker: psutil.Process) -> list[int]:
+    """The worker on a core of its own, everything else of the bench on the others, where the machine
+    has two or more: what the worker does to one project's latency, not the publisher or broker
+    competing with it for one core. Returns the bench's own cores before, to give back."""
+    me = psutil.Process()
+    before: list[int] = list(me.cpu_affinity() or [])
+    cores = list(range(os.cpu_count() or 1))
+    if len(cores) < 2:
+        return before
+    for process in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            process.cpu_affinity(cores[-1:] if process.pid == worker.pid else cores[:-1])
+    return before
 
 
 def _status_port(ps: psutil.Process) -> int | None:
@@ -676,10 +767,11 @@ def _worker_ready(ps: psutil.Process) -> bool:
         return False
 
 
-def _metric(ps: psutil.Process, name: str) -> float:
-    """Sum of a metric's samples on the worker's /metrics."""
+def _metric(ps: psutil.Process, name: str, **labels: str) -> float:
+    """Sum of a metric's samples on the worker's /metrics (those with `labels`)."""
     text = _fetch(f"http://127.0.0.1:{_status_port(ps)}/metrics").decode()
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == name and labels.items() <= s.labels.items())
 
 
 SECTIONS = ("dispatcher", "core", "concurrency", "subscriptions", "payload", "idle", "neighbours")
@@ -861,18 +953,19 @@ async def run_bench(messages: int = 20000, concurrency: int = 64, sections: tupl
                 if "payload" in sections:
                     run.payload()
                 if "neighbours" in sections:
-                    n = bench.neighbours()
-                    print(f"neighbours: a well-behaved project (1 KiB at {n.rate:.0f} msg/s) beside one bursting "
-                          f"{n.burst:,} messages on the same worker; publish-to-endpoint latency of the well-behaved "
-                          f"one over 10 s alone, then over the first 10 s of the burst")
-                    print(table([{"well-behaved": "alone", "p50 ms": f"{n.alone_p50_ms:.1f}",
-                                  "p99 ms": f"{n.alone_p99_ms:.1f}", "x alone p99": "1.00"},
-                                 {"well-behaved": "during the burst", "p50 ms": f"{n.during_p50_ms:.1f}",
-                                  "p99 ms": f"{n.during_p99_ms:.1f}",
-                                  "x alone p99": f"{n.during_p99_ms / n.alone_p99_ms:.2f}"}],
-                                ["well-behaved", "p50 ms", "p99 ms", "x alone p99"],
-                                right=("p50 ms", "p99 ms", "x alone p99")))
-                    print(f"peak RSS {n.rss_mb:.0f} MiB\n")
+                    rows = bench.neighbours()
+                    print("neighbours: a well-behaved project (1 KiB at 200 msg/s) beside one that misbehaves, on "
+                          "one worker pinned to a core of its own (a fresh worker each); the well-behaved project's "
+                          "publish-to-endpoint latency over 10 s alone, then over the first 10 s of the misbehaviour")
+                    print(table([{"misbehaviour": n.misbehaviour, "p50 ms": f"{n.during_p50_ms:.1f}",
+                                  "p99 ms": f"{n.during_p99_ms:.1f}", "alone p99 ms": f"{n.alone_p99_ms:.1f}",
+                                  "x alone p99": f"{n.during_p99_ms / n.alone_p99_ms:.2f}", "lost": f"{n.lost}",
+                                  "peak RSS MiB": f"{n.rss_mb:.0f}", "worker": "up" if n.up else "DOWN"}
+                                 for n in rows],
+                                ["misbehaviour", "p50 ms", "p99 ms", "alone p99 ms", "x alone p99", "lost",
+                                 "peak RSS MiB", "worker"],
+                                right=("p50 ms", "p99 ms", "alone p99 ms", "x alone p99", "lost", "peak RSS MiB")))
+                    print()
                 if "idle" in sections:
                     ready, cpu, rss = bench.idle()
                     print(f"idle: 1000 push subscriptions ready in {ready:.1f}s; idle CPU {100 * cpu:.1f}% of a core; "
@@ -895,5 +988,7 @@ if __name__ == "__main__":
                                         Path(sys.argv[5]).read_bytes()))
     elif sys.argv[1] == "floor":  # service URL, topic, subscription, endpoint URL, messages, concurrency
         uvloop.run(floor_main(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], int(sys.argv[6]), int(sys.argv[7])))
+    elif sys.argv[1] == "misbehaving":
+        misbehaving_main(int(sys.argv[2]))
     elif sys.argv[1] == "bare-consumer":
         bare_consumer_main(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))

@@ -23,6 +23,7 @@ from worker.config import FleetSettings
 from worker.fleet import lifecycle
 from worker.fleet.leases import ACQUIRE, RELEASE, RENEW, Lease, assign
 from worker.fleet.registry import Admit, Registry, clear_state, safe_text
+from worker.fleet.registry_follower import RegistryFollower
 from worker.fleet.status import StatusReports
 from worker.redis_batch import Pipeliner
 from worker.redis_client import REDIS_DOWN, AsyncClient, describe
@@ -68,6 +69,7 @@ class Fleet:
         self.settings = settings
         self.static = {s.key: s for s in static}
         self.registry = Registry(client, settings.name, self.static, admit, settings.max_subscriptions_per_project)
+        self.follower = RegistryFollower(self.registry)
         self.members_key = keys.fleet_key(settings.name, "members")
         self.leases: dict[str, Lease] = {}
         self.members: list[str] = []
@@ -240,23 +242,22 @@ class Fleet:
         return lost
 
     async def _read_registry(self) -> None:
-        """The registry, paused and expired sets. One that cannot be read (a key of the wrong type)
-        keeps what was read last; invalid entries are skipped; both are logged."""
+        """The registry, paused and expired sets: what changed since the last read (`RegistryFollower`).
+        A registry that cannot be read (a key of the wrong type) keeps what was read last; invalid
+        entries are skipped; both are logged."""
         try:
-            live, invalid = await self.registry.read()
-            self.subscriptions = {**live, **self.static}  # the config's own win (the registry cannot shadow them)
-            for key, reason in invalid.items():
-                self._ignore("registry entry", f"{key}: {reason}")
+            await self.follower.refresh()
         except ResponseError as e:
             self._ignore("registry", str(e))
-        try:
-            self.paused = await self.registry.paused()
-        except ResponseError as e:
-            self._ignore("paused set", str(e))
-        try:
-            self.expired = await self.registry.expired()
-        except ResponseError as e:
-            self._ignore("expired set", str(e))
+            return
+        live, invalid = self.follower.subscriptions()
+        self.subscriptions = {**live, **self.static}  # the config's own win (the registry cannot shadow them)
+        for key, reason in invalid.items():
+            self._ignore("registry entry", f"{key}: {reason}")
+        for what, reason in self.follower.unreadable.items():
+            self._ignore(what, reason)
+        self.paused = set(self.follower.paused)
+        self.expired = set(self.follower.expired)
 
     def _owners(self) -> dict[str, str]:
         basis = (tuple(self.members), tuple(sorted(self.subscriptions)))

@@ -7,11 +7,12 @@ worker's admission (`admission.admit`), and must not be a subscription of the op
 file. An entry that breaks any of these is Invalid with the reason, and nothing is served for it.
 
 Layout (all under the fleet's hash tag): `pw:{fleet/<name>}:registry` hash of subscription key
-(`tenant/name`) -> JSON definition; `...:version` counter bumped on every change; changes are also
-announced on the channel `...:events`. `...:paused` is the set of paused subscription keys (config
-or registry ones): no worker serves them, and their backlog waits in the broker. Edits follow the
-platform's PATCH rules: topic, type and start_from are immutable (and filter, as in Google's push
-subscriptions).
+(`tenant/name`) -> JSON definition; `...:version` counter bumped on every change, and `...:changes`
+a stream with one entry per bump naming the keys it changed (so that a worker reads only those:
+`registry_follower.py`); changes are also announced on the channel `...:events`. `...:paused` is
+the set of paused subscription keys (config or registry ones): no worker serves them, and their
+backlog waits in the broker. Edits follow the platform's PATCH rules: topic, type and start_from are
+immutable (and filter, as in Google's push subscriptions).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from worker.subscriptions import Subscription, is_push, parse_subscription, vali
 Admit = Callable[[Subscription], None]  # a worker's admission: raises ConfigError
 
 IMMUTABLE = ("topic", "type", "start_from", "filter")
+CHANGE_LOG_LENGTH = 10_000  # entries kept in the change log (about); a worker further behind reads everything
 MAX_DEFINITION_BYTES = 16 * 1024  # a definition's JSON; sixty 1 MB entries slowed every project's deliveries
 Entry = tuple[dict[str, Any], Subscription | None] | str  # a definition (and its subscription), or why not
 
@@ -116,6 +118,7 @@ class Registry:
         self._parsed: dict[tuple[bytes | str, bytes | str], Entry] = {}  # (field, value) as last read -> its entry
         self.hash = keys.fleet_key(fleet, "registry")
         self.version_key = keys.fleet_key(fleet, "version")
+        self.changes_key = keys.fleet_key(fleet, "changes")
         self.channel = keys.fleet_key(fleet, "events")
         self.paused_key = keys.fleet_key(fleet, "paused")
         self.expired_key = keys.fleet_key(fleet, "expired")
@@ -129,14 +132,7 @@ class Registry:
 
     async def read(self) -> tuple[dict[str, Subscription], dict[str, str]]:
         """Every valid push definition by key, and every invalid entry with the reason it is ignored."""
-        valid: dict[str, Subscription] = {}
-        invalid: dict[str, str] = {}
-        for key, entry in (await self.entries()).items():
-            if isinstance(entry, str):
-                invalid[key] = entry
-            elif entry[1] is not None:
-                valid[entry[1].key] = entry[1]
-        return valid, invalid
+        return self.split(await self.entries())
 
     async def entries(self) -> dict[str, Entry]:
         """Each entry by key: its definition and, for push ones, the subscription; or, for an entry
@@ -148,11 +144,23 @@ class Registry:
         cache: dict[tuple[bytes | str, bytes | str], Entry] = {}
         for name, value in (await self.client.hgetall(self.hash)).items():
             known = self._parsed.get((name, value))
-            out[safe_text(name)] = cache[(name, value)] = known if known is not None else self._entry(name, value)
+            out[safe_text(name)] = cache[(name, value)] = known if known is not None else self.entry(name, value)
         self._parsed = cache
-        return self._limit_per_project(out)
+        return self.limit_per_project(out)
 
-    def _entry(self, name: bytes | str, value: bytes | str) -> Entry:
+    @staticmethod
+    def split(entries: dict[str, Entry]) -> tuple[dict[str, Subscription], dict[str, str]]:
+        """The valid push subscriptions by key, and the invalid entries with the reason."""
+        valid: dict[str, Subscription] = {}
+        invalid: dict[str, str] = {}
+        for key, entry in entries.items():
+            if isinstance(entry, str):
+                invalid[key] = entry
+            elif entry[1] is not None:
+                valid[entry[1].key] = entry[1]
+        return valid, invalid
+
+    def entry(self, name: bytes | str, value: bytes | str) -> Entry:
         key = safe_text(name)
         if len(value) > MAX_DEFINITION_BYTES:
             return f"definition: is {len(value)} bytes (at most {MAX_DEFINITION_BYTES})"
@@ -160,14 +168,14 @@ class Registry:
             data = orjson.loads(value)
             if not isinstance(data, dict):
                 raise ConfigError("", "definition", "must be a JSON object")
-            return data, self.check(data, key) if is_push(data) else None
+            return data, self.check(data, key, stored=True) if is_push(data) else None
         except ConfigError as e:
             return str(e)
         except (orjson.JSONDecodeError, ValueError, TypeError) as e:
             return f"not a JSON definition ({type(e).__name__}: {e})"[:300]
 
-    def _limit_per_project(self, entries: dict[str, Entry]) -> dict[str, Entry]:
-        """A project's push entries beyond `max_per_project` (in key order) are Invalid."""
+    def limit_per_project(self, entries: dict[str, Entry]) -> dict[str, Entry]:
+        """A project's push entries beyond `max_per_project` (in key order) are Invalid (in place)."""
         if self.max_per_project is None:
             return entries
         counts: dict[str, int] = {}
@@ -182,11 +190,11 @@ class Registry:
                                 "push subscriptions (fleet.max_subscriptions_per_project)")
         return entries
 
-    def check(self, data: Any, field: str | None = None, where: str = "") -> Subscription:
+    def check(self, data: Any, field: str | None = None, where: str = "", stored: bool = False) -> Subscription:
         """The subscription an entry defines, if it may: its own rules, bound to its `field` (None:
         about to be written at its own key), not a config-file subscription, admitted by the worker;
-        else ConfigError."""
-        sub = parse_subscription(data, where)
+        else ConfigError. `stored`: an entry read back (written under older rules, maybe)."""
+        sub = parse_subscription(data, where, stored=stored)
         if field is not None:
             bound_to_field(sub, field)
         if sub.key in self.static:
@@ -239,8 +247,7 @@ class Registry:
                     pipe.multi()  # type: ignore[no-untyped-call]
                     for sub, data in changed:
                         pipe.hset(self.hash, sub.key, orjson.dumps(data))
-                    pipe.incr(self.version_key)
-                    await pipe.execute()
+                    await self._execute_logged(pipe, [sub.key for sub, _ in changed])
                     await self._announce(b"registry")
                     return results
                 except WatchError:
@@ -255,6 +262,19 @@ class Registry:
                 raise ConfigError(f"subscription {sub.name!r}", "name",
                                   f"would be one of {count} subscriptions of project {sub.tenant}: at most "
                                   f"{self.max_per_project} (fleet.max_subscriptions_per_project)")
+
+    async def _execute_logged(self, pipe: Any, changed: list[str]) -> list[Any]:
+        """Execute a transaction of registry writes with the version bump and its change-log entry;
+        returns the writes' results. A change log that cannot be written (a key of the wrong type)
+        does not fail the change: without its entry workers read the whole registry, as they do
+        after a change by an earlier version of push-worker, which bumps the version alone."""
+        pipe.incr(self.version_key)
+        pipe.xadd(self.changes_key, {"keys": orjson.dumps(changed)}, maxlen=CHANGE_LOG_LENGTH, approximate=True)
+        results = await pipe.execute(raise_on_error=False)
+        for result in results[:-1]:
+            if isinstance(result, Exception):
+                raise result
+        return list(results[:-2])
 
     async def _announce(self, what: bytes) -> None:
         """Tell the workers after the change is written (not inside the transaction: Redis Cluster
@@ -271,8 +291,7 @@ class Registry:
         """Mark a subscription Expired: nobody serves it any more; only deletion is allowed."""
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.sadd(self.expired_key, key)
-            pipe.incr(self.version_key)
-            await pipe.execute()
+            await self._execute_logged(pipe, [key])
             await self._announce(b"expired")
 
     async def refuse_if_expired(self, key: str, what: str) -> None:
@@ -286,8 +305,7 @@ class Registry:
                 pipe.sadd(self.paused_key, key)
             else:
                 pipe.srem(self.paused_key, key)
-            pipe.incr(self.version_key)
-            changed, _ = await pipe.execute()
+            changed = (await self._execute_logged(pipe, [key]))[0]
             await self._announce(b"paused")
         return bool(changed)
 
@@ -305,8 +323,7 @@ class Registry:
                     pipe.hdel(self.hash, *doomed)
                     pipe.srem(self.paused_key, *doomed)
                     pipe.srem(self.expired_key, *doomed)
-                    pipe.incr(self.version_key)
-                    await pipe.execute()
+                    await self._execute_logged(pipe, doomed)
                     await self._announce(b"registry")
                     return doomed
                 except WatchError:
@@ -317,8 +334,7 @@ class Registry:
             pipe.hdel(self.hash, key)
             pipe.srem(self.paused_key, key)
             pipe.srem(self.expired_key, key)
-            pipe.incr(self.version_key)
-            removed, _, was_expired, _ = await pipe.execute()
+            removed, _, was_expired = await self._execute_logged(pipe, [key])
             await self._announce(b"registry")
         return bool(removed or was_expired)
 

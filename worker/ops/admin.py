@@ -34,6 +34,7 @@ from worker.config import (
 )
 from worker.embedded import recorded_endpoints
 from worker.errors import ConfigError, NotFound, PushWorkerError, UsageError
+from worker.filters import MIXED
 from worker.fleet import leases, lifecycle
 from worker.fleet.lifecycle import SeekTarget
 from worker.fleet.registry import Registry, clear_state, safe_text
@@ -153,6 +154,7 @@ def _not_in_registry(name: str) -> ConfigError:
 # that was delivered, and keep the marker for a week. Else mark it; a message that never comes back
 # leaves nothing behind after the week.
 _MARK_DISCARD = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 if redis.call('HEXISTS', KEYS[1], 'settled') == 1 then return 0 end
 redis.call('HSET', KEYS[1], 'discard', 1)
 redis.call('EXPIRE', KEYS[1], ARGV[1])
@@ -301,12 +303,20 @@ class Admin:
         return Output(data, table(rows, list(rows[0])))
 
     async def discard(self, message_id: str, name: str, wait: float) -> Output:
-        """Settle one message without delivering it: the worker holding it acks it at its next
-        attempt (or when it arrives) and records `discarded` in its history."""
+        """Settle one message the fleet has tried without delivering it: the worker holding it acks
+        it at its next attempt and records `discarded` in its history. A message the subscription's
+        state does not know (never tried: still in the backlog; or settled longer ago than
+        `redis.settled_ttl_seconds`) is NotFound: marking it would say "will be discarded" of a
+        message that may never come, and leave a record behind for a week."""
         key = await self.existing(name)
         await self.registry.refuse_if_expired(key, "discard")
         record = keys.message_key(key, message_id)
-        if not await self.client.eval(_MARK_DISCARD, 1, record, 7 * 24 * 3600):
+        marked = await self.client.eval(_MARK_DISCARD, 1, record, 7 * 24 * 3600)
+        if marked == -1:
+            raise NotFound(f"{key}: no message {message_id} known (never tried, or settled longer ago than "
+                           "redis.settled_ttl_seconds): nothing to discard; `purge` or `subs seek` skip "
+                           "messages still in the backlog")
+        if not marked:
             return Output({"subscription": key, "message_id": message_id, "result": "already_settled"},
                           f"{key}: {message_id} was already settled (acked, dead-lettered or discarded): "
                           "nothing to discard")
@@ -321,7 +331,7 @@ class Admin:
         if done:
             return Output(result, f"{key}: {message_id} discarded")
         return Output(result, f"{key}: {message_id} will be discarded when a worker next tries it (it is waiting "
-                              "for a retry, or not yet received)")
+                              "for a retry)")
 
     async def purge(self, name: str, pulsar: PulsarSettings) -> Output:
         """Skip the whole backlog: the cursor moves to the latest message; attempt counts reset."""
@@ -451,4 +461,15 @@ class Admin:
         else:
             raise _not_in_registry(name)
         out["status"] = await self._row(key, definition, await self._held_back())
+        stored = self.static.get(key) or self._stored_subscription(key, definition)
+        if stored is not None and stored.filter is not None and stored.filter.mixed_at is not None:
+            # Stored before such filters were refused: it keeps its reading, which Google's differs from.
+            out["warnings"] = [f"filter: {MIXED.format(stored.filter.mixed_at)} (it reads NOT, then AND, "
+                               "then OR here; Google's emulator reads OR before AND)"]
         return Output(out, yaml.safe_dump(out, sort_keys=False).rstrip())
+
+    def _stored_subscription(self, key: str, definition: dict[str, Any]) -> Subscription | None:
+        try:
+            return self.registry.check(definition, key, stored=True)
+        except ConfigError:
+            return None

@@ -1,0 +1,138 @@
+"""The docs a user looks things up in agree with the code: every relative link and anchor of
+README.md and docs/ resolves, every setting of configuration.md is one the worker reads (and every
+one it reads is there), and every metric the observability page lists is exported (and every
+exported one is listed)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+import worker.subscriptions as subscriptions
+from worker.config import load_settings
+from worker.metrics import Metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md"))]
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces as dashes;
+    a repeated heading gets -1, -2, ..."""
+    out: set[str] = set()
+    in_code = False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        if in_code or not line.startswith("#"):
+            continue
+        text = line.lstrip("#").strip().lower()
+        slug = re.sub(r"[^\w\- ]", "", text.replace("`", "")).replace(" ", "-")
+        candidate, n = slug, 0
+        while candidate in out:
+            n += 1
+            candidate = f"{slug}-{n}"
+        out.add(candidate)
+    return out
+
+
+def links(page: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # links in code blocks are not links
+    return [target for target in LINK.findall(text) if not re.match(r"[a-z]+:", target)]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_and_anchor_resolves(page: Path):
+    broken = []
+    for target in links(page):
+        path, _, anchor = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        if not resolved.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+            broken.append(f"{target}: no such heading")
+    assert not broken, broken
+
+
+def _flatten(data: Any, prefix: str = "") -> set[str]:
+    out: set[str] = set()
+    if isinstance(data, dict):
+        for key, value in data.items():
+            out.add(prefix + str(key))
+            out |= _flatten(value, f"{prefix}{key}.")
+    elif isinstance(data, list):
+        for item in data:
+            out |= _flatten(item, prefix.rstrip(".") + "[].")
+    return out
+
+
+def documented_settings() -> tuple[str, set[str]]:
+    """The first worker.yaml of configuration.md, and every setting path its YAML blocks show
+    (a commented-out `key: value` line counts: it documents an alternative)."""
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", doc, re.S)
+    paths: set[str] = set()
+    commented = re.compile(r"^(\s*)# (\w+: .*)$")
+    for block in blocks:
+        lines = block.splitlines()
+        variants = [block] + [  # each commented-out line uncommented alone (it replaces the key it repeats)
+            "\n".join(commented.sub(r"\1\2", line) if i == n else line for i, line in enumerate(lines))
+            for n, line in enumerate(lines) if commented.match(line)]
+        for text in variants:
+            for part in yaml.safe_load_all(text):
+                paths |= _flatten(part)
+    return blocks[0], paths
+
+
+def read_settings(tmp_path: Path, example: str, monkeypatch) -> set[str]:
+    """Every setting path the worker reads, as it loads `example`."""
+    read: set[str] = set()
+    reject_unknown = subscriptions.FieldReader.reject_unknown
+
+    def record(self, allowed: set[str]) -> None:
+        prefix = re.sub(r"\[\d+\]", "[]", self.prefix)
+        if self.where != "config":
+            prefix = "subscriptions[]." + prefix
+        read.update(prefix + key for key in allowed)
+        reject_unknown(self, allowed)
+
+    monkeypatch.setattr(subscriptions.FieldReader, "reject_unknown", record)
+    # The example with one subscription more, using the settings it shows commented out (they
+    # exclude others of the example: a CloudEvents body, OIDC instead of a bearer token).
+    data = yaml.safe_load(example)
+    data["subscriptions"].append({
+        "name": "events-push", "topic": "persistent://p-demo/main/events",
+        "deliver": {"mode": "push", "push": {
+            "url": "https://example.com/events", "content": "cloudevents",
+            "cloudevents": {"mode": "structured", "type": "t", "source": "s"},
+            "oidc": {"audience": "https://example.com"}}}})
+    config = tmp_path / "worker.yaml"
+    config.write_text(yaml.safe_dump(data))
+    load_settings(config)
+    return read
+
+
+def test_every_setting_in_the_configuration_page_is_read_and_every_one_read_is_there(tmp_path, monkeypatch):
+    example, documented = documented_settings()
+    read = read_settings(tmp_path, example, monkeypatch)
+    # Where a list's items are settings of their own (secret references), list indices are dropped.
+    assert sorted(documented - read) == [], "documented but not read by the worker"
+    assert sorted(read - documented) == [], "read by the worker but not in docs/configuration.md"
+
+
+def test_every_metric_on_the_observability_page_is_exported_and_every_exported_one_is_there():
+    page = (ROOT / "docs" / "observability.md").read_text()
+    documented = set(re.findall(r"^\| `(pushworker_\w+)`", page, re.M))
+    registry = CollectorRegistry()
+    Metrics(registry)
+    exported = set()
+    for family in registry.collect():
+        exported.add(family.name + ("_total" if family.type == "counter" else ""))
+    assert sorted(documented - exported) == [], "documented but not exported"
+    assert sorted(exported - documented) == [], "exported but not documented"
