@@ -128,14 +128,20 @@ def subscription() -> dict[str, Any]:
             f"max by ({by}) (pushworker_endpoint_concurrency_window{{{sel}}})", name)], 12, 16),
         panel(7, "Owner", [(f"max by ({by}, instance) (pushworker_subscription_owned{{{sel}}})",
                             f"{name} on {{{{instance}}}}")], 0, 24, kind="table", w=12),
-        panel(8, "State (Active, Error, Seeking, Paused, Expired)", [(
+        panel(8, "State (Active, Error, Seeking, Starting, Paused, Expired)", [(
             f"max by ({by}, state) (pushworker_subscription_state{{{sel}}})", f"{name} {{{{state}}}}")],
             12, 24, kind="table", w=12),
     ], [JOB_VAR, PROJECT_VAR, SUB_VAR])
 
 
+def boards() -> dict[str, str]:
+    """Each dashboard's file name and its JSON text, as the files hold it."""
+    return {name: json.dumps(board, indent=2) + "\n"
+            for name, board in (("push-worker-fleet.json", fleet()), ("push-worker-subscription.json", subscription()))}
+
+
 if __name__ == "__main__":
     OUT.mkdir(exist_ok=True)
-    for name, board in (("push-worker-fleet.json", fleet()), ("push-worker-subscription.json", subscription())):
-        (OUT / name).write_text(json.dumps(board, indent=2) + "\n")
+    for name, text in boards().items():
+        (OUT / name).write_text(text)
         print(f"wrote {OUT / name}")

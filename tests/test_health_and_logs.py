@@ -209,3 +209,27 @@ async def test_a_second_ctrl_c_stops_at_once_and_the_first_says_so(broker, redis
     finally:
         release.set()
         stop_worker(proc)
+
+
+async def test_a_worker_waiting_for_the_broker_says_so_and_not_that_it_started(redis_url, endpoint, tmp_path: Path):
+    """With the broker unreachable, a worker logged `worker started` and then the client's raw
+    `Failed to establish connection to 0.0.0.0:0` errors, one per reconnect. It says what it waits
+    for, as it does for Redis, and `worker started` only once it is ready."""
+    port = free_port()  # nothing listens there
+    config = tmp_path / "w.yaml"
+    config.write_text(yaml.safe_dump({
+        "pulsar": {"service_url": f"pulsar://127.0.0.1:{port}", "operation_timeout_seconds": 3},
+        "redis": {"url": redis_url}, "http": {"port": 0}, "destinations": {"allow_private": True},
+        "log": {"format": "json", "level": "info"},
+        "subscriptions": [{"name": "waiting", "topic": "persistent://p-test/main/waiting",
+                           "deliver": {"mode": "push", "push": {"url": endpoint.url}}}]}))
+    log = tmp_path / "worker.log"
+    proc = spawn_worker(config, log)
+    try:
+        await eventually(lambda: f"waiting for the broker at pulsar://127.0.0.1:{port}" in log.read_text(),
+                         timeout=60, what="the worker saying what it waits for")
+        events = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+        assert not [e for e in events if e["event"] == "worker started"]
+        assert not [e for e in events if e["level"] == "error"], [e for e in events if e["level"] == "error"]
+    finally:
+        assert stop_worker(proc, 30) == 0

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 import urllib.parse
 import urllib.request
@@ -58,9 +58,14 @@ def alert_rules() -> list[dict]:
 
 def test_dashboards_are_well_formed_and_generated_from_their_source():
     assert len(DASHBOARDS) == 2
-    generated = subprocess.run([sys.executable, str(ROOT / "grafana" / "build_dashboards.py")], capture_output=True,
-                               text=True, cwd=ROOT, check=True)
-    assert "wrote" in generated.stdout
+    # The committed files are what the script builds (read, never rewritten: a test that regenerated
+    # them in place could not see them drift, and changed the checkout).
+    spec = importlib.util.spec_from_file_location("build_dashboards", ROOT / "grafana" / "build_dashboards.py")
+    assert spec is not None and spec.loader is not None
+    builder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(builder)
+    for name, text in builder.boards().items():
+        assert (ROOT / "grafana" / "dashboards" / name).read_text() == text, f"{name}: run grafana/build_dashboards.py"
     for path in DASHBOARDS:
         board = json.loads(path.read_text())
         assert board["uid"] and board["panels"]
@@ -85,21 +90,33 @@ def test_promtool_accepts_the_rules():
 
 @needs_prometheus
 async def test_every_panel_query_and_alert_returns_series_against_a_scraped_worker(
-        own_broker, start_worker, endpoint, topic, tmp_path, redis_url):
+        own_broker, start_worker, endpoint, topic, tmp_path, redis_url, own_redis):
     # A broker of its own: on the session broker, after hundreds of topics, pulsar-lite's metrics
     # endpoint was seen (once, in CI) to report no backlog series for new subscriptions.
     broker = own_broker
     client = Client(broker.url)
-    endpoint.behaviour = lambda rec: web.Response(
-        status=500 if rec.headers["Pubsub-Subscription"].startswith("failing") else 204)
+    release = asyncio.Event()
+
+    async def behave(rec):
+        name = rec.headers["Pubsub-Subscription"]
+        if name.startswith("stuck"):
+            await release.wait()  # its backlog grows
+        return web.Response(status=500 if name.startswith("failing") else 204)
+
+    endpoint.behaviour = behave
     good = make_sub(topic, endpoint.url, name="healthy-" + topic[-6:])
+    stuck = make_sub(topic + "-k", endpoint.url, name="stuck-" + topic[-6:], max_ack_pending=1,
+                     ack_deadline_seconds=600)
     bad = make_sub(topic + "-b", endpoint.url, name="failing-" + topic[-6:], max_deliver=2,
                    dead_letter_topic=topic + "-b-dlq", retry=RetryPolicy(0.05, 0.1))
     dropping = make_sub(topic + "-d", endpoint.url, name="failing-nodlq-" + topic[-6:], max_deliver=1)
     paused = make_sub(topic + "-p", endpoint.url, name="paused-" + topic[-6:])
     pulsar = PulsarSettings(service_url=broker.url, metrics_url=broker.metrics_url, backlog_interval_seconds=1)
-    w = await start_worker(good, bad, dropping, paused, broker_url=broker.url, pulsar=pulsar,
+    w = await start_worker(good, bad, dropping, paused, stuck, broker_url=broker.url, pulsar=pulsar,
                            fleet=FleetSettings(error_after_seconds=2))  # failing endpoints: Error after 2 s
+    # A second worker, whose Redis is full: its fleet rounds keep failing (its Redis calls).
+    redis_sync.Redis.from_url(own_redis.url).config_set("maxmemory", "1")
+    starved = await start_worker(broker_url=broker.url, redis=own_redis.url, pulsar=pulsar)
     # Exclusive, and held by another consumer: the broker refuses the worker's subscribe.
     refused = "refused-" + topic[-6:]
     holder = client.client.subscribe(topic + "-x", refused, consumer_type=pulsar_client.ConsumerType.Exclusive)
@@ -124,7 +141,10 @@ async def test_every_panel_query_and_alert_returns_series_against_a_scraped_work
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(RULES)],
         "scrape_configs": [{"job_name": "push-worker",
-                            "static_configs": [{"targets": [f"127.0.0.1:{w.status.port}"]}]}],
+                            # and one that is down (nothing listens there)
+                            "static_configs": [{"targets": [f"127.0.0.1:{w.status.port}",
+                                                            f"127.0.0.1:{starved.status.port}",
+                                                            f"127.0.0.1:{free_port()}"]}]}],
     }))
     prom = subprocess.Popen(["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
                              f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
@@ -158,6 +178,7 @@ async def test_every_panel_query_and_alert_returns_series_against_a_scraped_work
                         and query("sum(pushworker_subscription_backlog)")["data"]["result"]
                         and query('pushworker_subscription_state{state="Error"}')["data"]["result"]
                         and query('pushworker_subscription_state{state="Starting"}')["data"]["result"]
+                        and query("pushworker_subscription_backlog > 1000")["data"]["result"]
                         and history and len(history[0]["values"]) >= 5)
 
         deadline = time.monotonic() + 60
@@ -165,6 +186,7 @@ async def test_every_panel_query_and_alert_returns_series_against_a_scraped_work
             client.publish(good.topic, [b"ok"] * 20)
             client.publish(bad.topic, [b"no"] * 5)
             client.publish(dropping.topic, [b"gone"] * 2)
+            client.publish(stuck.topic, [b"waits"] * 300)
             await asyncio.sleep(1.0)
 
         failures = []
@@ -194,16 +216,31 @@ async def test_every_panel_query_and_alert_returns_series_against_a_scraped_work
         expected = {"PushWorkerDeadLettering": {bad.name}, "PushWorkerEndpointFailing": {bad.name, dropping.name},
                     "PushWorkerMessagesDropped": {dropping.name}, "PushWorkerSubscriptionUnowned": {stranded},
                     "PushWorkerSubscriptionError": {bad.name, dropping.name},
-                    "PushWorkerSubscribeFailing": {refused}}
+                    "PushWorkerSubscribeFailing": {refused}, "PushWorkerBacklogGrowing": {stuck.name}}
         for name, subs in expected.items():
             if firing(name) != subs:
                 failures.append(f"alert {name}: fires for {sorted(firing(name))}, expected {sorted(subs)}")
+        # Per worker: the refused subscribe counts as a failing broker call; the dead target is down.
+        def firing_for(name: str, label: str) -> set[str]:
+            expr = next(r["expr"] for r in alert_rules() if r["alert"] == name)
+            return {r["metric"].get(label, "") for r in query(expr)["data"]["result"]}
+
+        broker_errors = firing_for("PushWorkerBrokerErrors", "operation")
+        down = firing_for("PushWorkerDown", "instance")
+        redis_errors = firing_for("PushWorkerRedisErrors", "instance")
+        if redis_errors != {f"127.0.0.1:{starved.status.port}"}:
+            failures.append(f"alert PushWorkerRedisErrors: fires for {sorted(redis_errors)}, expected the starved one")
+        if broker_errors != {"subscribe"}:
+            failures.append(f"alert PushWorkerBrokerErrors: fires for {sorted(broker_errors)}, expected subscribe")
+        if len(down) != 1 or {f"127.0.0.1:{w.status.port}", f"127.0.0.1:{starved.status.port}"} & down:
+            failures.append(f"alert PushWorkerDown: fires for {sorted(down)}, expected the dead target only")
         # The subscription variable lists the paused one (it has no dispatcher, but a state).
         listed = query(concretely("pushworker_subscription_state{job=~\"$job\", project=~\"$project\"}"))
         if paused.name not in {r["metric"]["subscription"] for r in listed["data"]["result"]}:
             failures.append("the subscription variable does not list the paused subscription")
         assert not failures, "\n".join(failures)
     finally:
+        release.set()
         prom.terminate()
         prom.wait(20)
         holder.close()

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 
 import pytest
 import redis
+import yaml
 from aiohttp import web
 
 from tests.conftest import Client, Endpoint, make_sub
@@ -44,6 +46,18 @@ async def test_pause_stops_delivery_keeps_the_backlog_and_resume_delivers_it(
     assert code == 0 and out.strip() == f"{sub.key}: resumed", err
     await eventually(lambda: paused_ids <= set(endpoint.by_id()), what="backlog delivered after resume")
     assert all(len(endpoint.by_id()[m]) == 1 for m in paused_ids)
+    # Its status says Active within a heartbeat of its serving again, not Starting until the next
+    # periodic refresh (5 s).
+    served_at = time.monotonic()
+
+    async def state() -> str:
+        code, out, err = await cli("subs", "list", *where, "--json")
+        assert code == 0, err
+        rows = json.loads(out)
+        return next(str(r["state"]) for r in rows if (r["project"], r["name"]) == (sub.tenant, sub.name))
+
+    while (current := await state()) != "Active":
+        assert time.monotonic() - served_at < 3.0, f"still {current} 3 s after serving again"
 
     code, _, err = await cli("subs", "pause", "no-such-sub", *where)
     assert code == 3 and "no-such-sub" in err and "no such subscription" in err
@@ -179,18 +193,32 @@ async def test_redrive_that_fails_again_puts_the_message_back_and_ends(
     code, out, _ = await cli("dlq", "list", sub.name, *args)
     [back] = json.loads(out)["messages"]
     assert back["message_id"] == message_id and back["last_status"] == "500"
-    # `subs get` of a subscription a worker serves from its file: its status with that file, and
-    # without it, a hint to pass it (it once said "no such subscription" either way).
+    # A subscription a worker serves from its own file: every command finds it with that file, and
+    # without it from the definition the worker publishes (`subs get`, `dlq list` and `queue --state
+    # dead` said "invalid configuration" without the file); the registry's commands leave it alone.
     code, out, err = await cli("subs", "get", sub.name, *args)
     assert code == 0, err
     assert json.loads(out)["source"] == "config" and json.loads(out)["status"]["name"] == sub.name
-    code, _, err = await cli("subs", "get", sub.name, "--redis-url", redis_url)
-    assert code == 2 and "is not in the registry: pass --config" in err, err
-    # `subs list` without the file lists it all the same, as a worker's own (it once listed nothing).
-    code, out, err = await cli("subs", "list", "--redis-url", redis_url, "--json")
+    bare = ("--redis-url", redis_url, "--json")
+    code, out, err = await cli("subs", "get", sub.name, *bare)
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["source"] == "worker" and got["definition"]["topic"] == topic and got["status"]["name"] == sub.name
+    code, out, err = await cli("dlq", "list", sub.name, *bare, "--service-url", broker.url)
+    assert code == 0, err
+    assert [m["message_id"] for m in json.loads(out)["messages"]] == [message_id]
+    code, out, err = await cli("queue", sub.name, "--state", "dead", *bare, "--service-url", broker.url)
+    assert code == 0, err
+    code, out, err = await cli("subs", "list", *bare)
     assert code == 0, err
     [row] = [r for r in json.loads(out) if r["name"] == sub.name]
-    assert row["source"] == "worker" and row["type"] == "-" and row["owner"] != "-"
+    assert row["source"] == "worker" and row["type"] == "shared" and row["owner"] != "-"
+    (tmp_path / "again.yaml").write_text(yaml.safe_dump({"subscriptions": [
+        push_sub("doomed-push", topic, endpoint.url)]}))
+    code, _, err = await cli("subs", "apply", "-f", str(tmp_path / "again.yaml"), "--redis-url", redis_url)
+    assert code == 2 and "is a subscription of a worker's config file (read-only here)" in err, err
+    code, _, err = await cli("subs", "delete", sub.key, "--redis-url", redis_url)
+    assert code == 2 and "is a subscription of a worker's config file (read-only here)" in err, err
 
 
 async def test_redrive_of_one_message_replays_it_and_leaves_the_others(

@@ -48,6 +48,12 @@ def lease_key(subscription_key: str) -> str:
     return f"{PREFIX}:{tag(subscription_key)}:lease"
 
 
+def config_definition_key(subscription_key: str) -> str:
+    """The definition of a subscription from a worker's config file, as that worker publishes it
+    (JSON, expiring: fleet/published.py)."""
+    return f"{PREFIX}:{tag(subscription_key)}:config-definition"
+
+
 def status_key(subscription_key: str) -> str:
     """The owner's status report for `subs list`: a hash (state, counters), expiring."""
     return f"{PREFIX}:{tag(subscription_key)}:status"

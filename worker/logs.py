@@ -74,6 +74,14 @@ def pulsar_client_log_path() -> str:
         return _client_log_path
 
 
+# Client lines about what the worker handles and says itself, at a lower level than the client's
+# error: a seek succeeds by the broker closing the consumer (the client reports the close as a
+# failed seek); a broker that does not answer is said by the worker (`waiting for the broker at
+# <url>`, readiness), and the client's line per reconnect attempt is the detail under it.
+_HANDLED = ((re.compile(r"Failed to seek: (ResultDisconnected|Disconnected)"), "info"),
+            (re.compile(r"Failed to establish connection|Connection refused|Connection reset"), "info"))
+
+
 def _relay_client_log(read_fd: int) -> None:
     log = get("pulsar")
     with os.fdopen(read_fd, "r", encoding="utf-8", errors="replace") as lines:
@@ -83,6 +91,7 @@ def _relay_client_log(read_fd: int) -> None:
                 log.warning("pulsar client", message=line.rstrip("\n"))
                 continue
             level = _CLIENT_LEVELS.get(found["level"], "warning")
+            level = next((lower for pattern, lower in _HANDLED if pattern.search(found["message"])), level)
             getattr(log, level)("pulsar client", source=found["source"], message=found["message"])
 
 

@@ -28,7 +28,7 @@ from worker.config import Settings
 from worker.deadletter import DeadLetterPublisher
 from worker.delivery import Deliverer
 from worker.dispatcher import CLOSE_TIMEOUT, DeliveryContext, Dispatcher, Fence, Stats
-from worker.errors import PushWorkerError, StartupError
+from worker.errors import PushWorkerError, StartupError, strip_userinfo
 from worker.fleet import Fleet, lifecycle
 from worker.fleet.lifecycle import ExpiryWatch, SeekTarget
 from worker.http_server import StatusServer
@@ -44,6 +44,7 @@ from worker.supervisor import Supervisor, log_task_failure
 # (each scans every object the worker has made since it started: 35-93 ms with 1,000 subscriptions).
 COLLECT_AFTER_RELEASE_SECONDS = 1.0
 COLLECT_INTERVAL_SECONDS = 60.0
+WAIT_LOG_SECONDS = 30.0  # how often a worker that waits for the broker says so
 # Set in many clusters for egress; the worker's HTTP clients do not use them (said at start).
 PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 REDIS_START_PING_SECONDS = 5  # how long a start waits for each PING before it logs and tries again
@@ -188,8 +189,26 @@ class Worker:
         else:
             self.log.warning("no backlog source: set pulsar.admin_url (or pulsar.metrics_url); without it there is "
                              "no pushworker_subscription_backlog, no expiry, and nothing for the HPA to scale on")
-        self.log.info("worker started", fleet=s.fleet.name, members=len(self.fleet.members),
-                      owned=len(self.fleet.leases), http_port=self.status.port, per_message_path=compiled.state())
+        self.supervisor.spawn("start", self._announce_start)
+
+    async def _announce_start(self) -> None:
+        """`worker started` once it is ready (in its fleet, the broker answering); until then, what it
+        waits for, every WAIT_LOG_SECONDS: a broker that does not answer said as Redis is, not as the
+        client's raw connection errors, and not after a `worker started` it contradicts."""
+        assert self.fleet is not None and self.status is not None
+        loop = asyncio.get_running_loop()
+        said_at: float | None = None
+        while not self._stop.is_set():
+            ready, why = await self.readiness()
+            if ready:
+                self.log.info("worker started", fleet=self.settings.fleet.name, members=len(self.fleet.members),
+                              owned=len(self.fleet.leases), http_port=self.status.port,
+                              per_message_path=compiled.state())
+                return
+            if why.startswith("broker unreachable") and (said_at is None or loop.time() - said_at >= WAIT_LOG_SECONDS):
+                self.log.warning(f"waiting for the broker at {strip_userinfo(self.pulsar_url)}", reason=why)
+                said_at = loop.time()
+            await wait_event(self._stop, 0.5)
 
     def _cleanup(self, step: str, close: Callable[[], Awaitable[Any]], limit: float) -> None:
         self._stack.push_async_callback(self._step, step, close, limit)
@@ -305,6 +324,8 @@ class Worker:
         self.dispatchers[sub.key] = dispatcher
         dispatcher.start()
         self._newly_served.set()
+        if self.fleet is not None:
+            self.fleet.status.due()  # `subs list` says Active at the next round
         if self.settings.pulsar.admin_url:
             task = asyncio.create_task(self._evict_stale_consumers(sub), name=f"evict {sub.key}")
             self._orphans.add(task)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import functools
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -92,6 +93,9 @@ class Subscription:
     cloudevents: CloudEvents = field(default_factory=CloudEvents)
     filter: Filter | None = None  # messages it does not match are acked without a request
     oidc: Oidc | None = None  # Authorization: Bearer <a signed JWT>
+    # The definition as written (secrets are references in it, never values): what a worker publishes
+    # of its config file's subscriptions for the operator commands (fleet/published.py).
+    definition: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
 
     @property
     def attempt_limit(self) -> int | None:
@@ -358,6 +362,7 @@ def parse_subscription(data: Any, where: str = "", *, trusted: bool = False, sto
         cloudevents=cloudevents,
         filter=_filter(r, stored),
         oidc=oidc,
+        definition=data,
     )
 
 

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from worker.cli.common import positive_int, positive_number, run_loop
+from worker.devtools import BENCH_SECTIONS
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -47,7 +48,7 @@ def register(cmds: Any) -> None:
     p.add_argument("--messages", type=positive_int, default=20000, help="messages per case (default 20000)")
     p.add_argument("--concurrency", type=positive_int, default=64, help="requests at once (default 64)")
     p.add_argument("--section", action="append",
-                   choices=("dispatcher", "core", "concurrency", "subscriptions", "payload", "idle", "neighbours"),
+                   choices=BENCH_SECTIONS,
                    help="run only this section (repeatable; default: all)")
     p.add_argument("--rounds", type=positive_int, default=3,
                    help="runs of the shared case, each between references of its own; the median is "

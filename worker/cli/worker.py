@@ -135,8 +135,10 @@ def _cmd_publish(args: argparse.Namespace) -> int:
     except ValueError:
         raise UsageError("publish", "TOPIC", f"{TOPIC_RULE} (got {args.topic!r})") from None
     target = locate(args.config, pulsar_url=args.service_url)
+    if args.connect_timeout <= 0:
+        raise UsageError("publish", "--connect-timeout", f"must be more than 0 seconds (got {args.connect_timeout:g})")
     message_id = publish(target.settings.pulsar, target.pulsar("publish"), args.topic, args.data.encode(), attrs,
-                         args.key, min(10, target.settings.pulsar.operation_timeout_seconds))
+                         args.key, min(10, target.settings.pulsar.operation_timeout_seconds), args.connect_timeout)
     print(message_id)
     return 0
 
@@ -154,6 +156,8 @@ def register(cmds: Any) -> None:
     p.add_argument("data", help="the payload (UTF-8 text)")
     p.add_argument("--attr", action="append", metavar="K=V", help="an attribute (repeatable)")
     p.add_argument("--key", help="the ordering key")
+    p.add_argument("--connect-timeout", type=float, default=3.0, metavar="SECONDS",
+                   help="how long the broker may take to accept a connection (default 3)")
     p.add_argument("--service-url", default=None,
                    help="default: $PUSH_WORKER_PULSAR_URL, the config, or a local embedded worker")
     p.add_argument("--config", "-c", help="worker.yaml (for pulsar.service_url)")

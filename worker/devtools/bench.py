@@ -47,7 +47,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from worker import compiled, embedded
 from worker.consumer import CONSUMER_TYPES, PulsarConsumer, to_envelope
 from worker.destinations import DestinationPolicy, GuardedResolver
-from worker.devtools import apache_pulsar, dispatcher_bench, redis_topologies
+from worker.devtools import BENCH_SECTIONS, apache_pulsar, dispatcher_bench, redis_topologies
 from worker.devtools.scratch import scratch_dir
 from worker.http1 import Client
 from worker.messages import Envelope, build_request
@@ -774,7 +774,7 @@ def _metric(ps: psutil.Process, name: str, **labels: str) -> float:
                if s.name == name and labels.items() <= s.labels.items())
 
 
-SECTIONS = ("dispatcher", "core", "concurrency", "subscriptions", "payload", "idle", "neighbours")
+SECTIONS = BENCH_SECTIONS
 KIB = 1024
 
 

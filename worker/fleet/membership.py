@@ -22,6 +22,7 @@ from worker.aio import cancel_within, wait_event
 from worker.config import FleetSettings
 from worker.fleet import lifecycle
 from worker.fleet.leases import ACQUIRE, RELEASE, RENEW, Lease, assign
+from worker.fleet.published import ConfigDefinitions
 from worker.fleet.registry import Admit, Registry, clear_state, safe_text
 from worker.fleet.registry_follower import RegistryFollower
 from worker.fleet.status import StatusReports
@@ -70,6 +71,7 @@ class Fleet:
         self.static = {s.key: s for s in static}
         self.registry = Registry(client, settings.name, self.static, admit, settings.max_subscriptions_per_project)
         self.follower = RegistryFollower(self.registry)
+        self.published = ConfigDefinitions(client, worker.worker_id, self.static)
         self.members_key = keys.fleet_key(settings.name, "members")
         self.leases: dict[str, Lease] = {}
         self.members: list[str] = []
@@ -224,6 +226,7 @@ class Fleet:
             await self._read_registry()
             self._registry_version = version
         await self._reconcile()
+        await self.published.publish_if_due()
 
     def _renewal(self, key: str) -> asyncio.Future[Any]:
         return self.batch.operation(RENEW, (), (self.me, self.ttl_ms), (keys.lease_key(key),), (), key)

@@ -73,6 +73,11 @@ class StatusReports:
                 self._sent.clear()  # what was not written goes again next time, changed or not
                 raise
 
+    def due(self) -> None:
+        """Write at the next round, not STATUS_EVERY later: a subscription started serving (after a
+        resume, a handover), so `subs list` shows it Active within a heartbeat, not Starting for 5 s."""
+        self._at = 0.0
+
     def _fields(self, key: str) -> dict[str, str | int]:
         dispatcher = self.worker.dispatchers.get(key)
         fields: dict[str, str | int] = {"owner": self.worker.worker_id, "state": "Starting"}

@@ -37,11 +37,12 @@ from worker.errors import ConfigError, NotFound, PushWorkerError, UsageError
 from worker.filters import MIXED
 from worker.fleet import leases, lifecycle
 from worker.fleet.lifecycle import SeekTarget
+from worker.fleet.published import published
 from worker.fleet.registry import Registry, clear_state, safe_text
 from worker.messages import rfc3339
 from worker.ops.render import Output, table
 from worker.redis_client import AsyncClient, connect
-from worker.subscriptions import State, Subscription, is_push, valid_key
+from worker.subscriptions import State, Subscription, is_push, parse_subscription, valid_key
 
 
 @dataclass(frozen=True)
@@ -145,9 +146,12 @@ def _status(entry: dict[str, Any]) -> str:
     return str(entry.get("status", entry.get("topic", "")))
 
 
-def _not_in_registry(name: str) -> ConfigError:
-    """For a subscription a worker serves from its own config file, which this command was not given."""
-    return ConfigError("registry", name, "is not in the registry: pass --config with the worker.yaml that defines it")
+def _not_in_registry(name: str) -> NotFound:
+    """For a subscription served but whose definition is nowhere to read: a worker serves it from its
+    own config file and has not published it (it runs an earlier version), and this command was not
+    given that file."""
+    return NotFound(f"{name}: its definition is not in the registry and no worker has published it: pass "
+                    "--config with the worker.yaml that defines it")
 
 
 # A settled message's record is its settled marker: marking it would say "discarded" of a message
@@ -186,7 +190,7 @@ class Admin:
         key = await self.registry.resolve(name, also=set(self.static) | served | paused)
         if key in self.static or key in paused or await self.client.hexists(self.registry.hash, key):
             return key
-        if await self.client.exists(keys.lease_key(key), keys.status_key(key)):
+        if await self.client.exists(keys.lease_key(key), keys.status_key(key), keys.config_definition_key(key)):
             return key
         raise NotFound(f"{name}: no such subscription (not in the registry, the given config, "
                        "or served by a worker)")
@@ -201,14 +205,18 @@ class Admin:
         return served
 
     async def definition(self, name: str) -> Subscription:
-        """A subscription's definition, from the given config or the registry."""
+        """A subscription's definition: from the given config, the registry, or as the worker serving
+        it from its own config file publishes it (fleet/published.py)."""
         key = await self.existing(name)
         sub = self.static.get(key)
         if sub is not None:
             return sub
         definitions = await self.registry.definitions()
         if key not in definitions:
-            raise _not_in_registry(name)
+            own = await published(self.client, key)
+            if own is None:
+                raise _not_in_registry(name)
+            return parse_subscription(own, key, trusted=True, stored=True)
         if not is_push(definitions[key]):
             raise ConfigError("registry", name, "is not a push subscription")
         return self.registry.check(definitions[key], key)
@@ -380,9 +388,23 @@ class Admin:
 
     async def apply(self, path: str) -> Output:
         """Validate everything before writing anything, and write atomically: a bad file changes nothing."""
+        definitions = _load_definitions(path)
+        await self._refuse_workers_own(definitions)
         results = [{"subscription": sub.key, "result": what}
-                   for sub, what in await self.registry.apply_all(_load_definitions(path))]
+                   for sub, what in await self.registry.apply_all(definitions)]
         return Output(results, "\n".join(f"{r['subscription']}: {r['result']}" for r in results))
+
+    async def _refuse_workers_own(self, definitions: list[Any]) -> None:
+        """A subscription a worker serves from its own config file is read-only to the registry's
+        commands: a registry entry would not take its place (workers keep the file's), only confuse."""
+        for data in definitions:
+            try:
+                key = parse_subscription(data).key
+            except ConfigError:
+                continue  # apply_all says what is wrong with it
+            if key not in self.static and await published(self.client, key) is not None:
+                raise ConfigError(f"subscription {key!r}", "name", "is a subscription of a worker's config file "
+                                  "(read-only here): change it in that file")
 
     async def delete(self, name: str | None, topic: str | None = None) -> Output:
         """Delete one subscription, or (`topic`) every subscription of a deleted topic; their owners
@@ -393,6 +415,9 @@ class Admin:
             assert name is not None
             key = await self.registry.resolve(name)
             if not await self.registry.delete(key):
+                if await published(self.client, key) is not None:
+                    raise ConfigError(f"subscription {key!r}", "name", "is a subscription of a worker's config "
+                                      "file (read-only here): remove it from that file")
                 raise NotFound(f"{name}: no such subscription")
             deleted = [key]
         for key in deleted:  # the owner clears it too; this covers subscriptions no worker held
@@ -430,6 +455,10 @@ class Admin:
         registry = await self.registry.entries()
         for key in set(registry) | set(self.static):  # a worker's own is known better now
             entries.pop((key, "worker"), None)
+        for key, source in [k for k in entries if k[1] == "worker"]:  # as its worker publishes it
+            own = await published(self.client, key)
+            if own is not None:
+                entries[(key, source)] = {"type": own.get("type", "shared")}
         entries.update({(k, "config"): {"type": s.type} for k, s in self.static.items()})
         # A registry entry that shadows a config subscription is a row of its own: Invalid, with why.
         entries.update({(k, "registry"): e if isinstance(e, str) else e[0] for k, e in registry.items()})
@@ -454,14 +483,17 @@ class Admin:
         key = await self.existing(name)
         definitions = await self.registry.definitions()
         out: dict[str, Any]
+        own = None if key in definitions or key in self.static else await published(self.client, key)
         if key in definitions:
             definition, out = definitions[key], {"definition": definitions[key]}
         elif key in self.static:
             definition, out = {"type": self.static[key].type}, {"source": "config"}
+        elif own is not None:  # a worker's own, as it publishes it: read-only here
+            definition, out = own, {"definition": own, "source": "worker"}
         else:
             raise _not_in_registry(name)
         out["status"] = await self._row(key, definition, await self._held_back())
-        stored = self.static.get(key) or self._stored_subscription(key, definition)
+        stored = self.static.get(key) or self._stored_subscription(key, definition) if own is None else None
         if stored is not None and stored.filter is not None and stored.filter.mixed_at is not None:
             # Stored before such filters were refused: it keeps its reading, which Google's differs from.
             out["warnings"] = [f"filter: {MIXED.format(stored.filter.mixed_at)} (it reads NOT, then AND, "
