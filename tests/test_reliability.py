@@ -152,7 +152,14 @@ async def test_kill_9_right_after_2xx_answers_never_repeats_an_attempt_number(
     went_back = {mid: n for mid, n in numbering.items() if n != sorted(set(n))}
     assert not went_back, f"attempt numbers repeated or went back: {dict(list(went_back.items())[:5])}"
     assert set(published) <= set(numbering)
-    assert len(set(numbering) - set(published)) <= len(unconfirmed), "delivered ids nobody published"
+    # Every delivered id is one the publisher sent. Beyond the sends that failed, pulsar-lite (no
+    # deduplication: docs/testing.md) stores a send again when the client resends it after a restart
+    # that cut its confirmation short: a second id for a payload that was sent once.
+    extra = set(numbering) - set(published)
+    payloads = {r.headers["Pubsub-Message-Id"]: int(r.body_payload) for r in endpoint.requests}
+    confirmed = {payloads[mid] for mid in published}
+    resent = {mid for mid in extra if lite and payloads[mid] in confirmed}
+    assert len(extra - resent) <= len(unconfirmed), "delivered ids nobody published"
     by_id = endpoint.by_id()
     resent = {mid for mid, rs in by_id.items() if any(r.acked for r in rs[:-1])}
     print(f"\n{len(published)} published over 5 kills; {len(resent)} sent again after an acked attempt "
