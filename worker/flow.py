@@ -118,7 +118,7 @@ class AdaptiveLimit(_Slots):
         self._error_share = 0.0
         self._latency: float | None = None  # typical latency of acked answers
         self._tickets = itertools.count()
-        self._under_way: dict[int, float] = {}  # ticket -> when it started
+        self._under_way: set[int] = set()  # tickets of the requests under way
         self._unjudged: deque[tuple[int, float]] = deque()  # under way (or since released), not yet counted as hung
         super().__init__(self.size)
 
@@ -139,14 +139,13 @@ class AdaptiveLimit(_Slots):
         self._notice_hung(self.clock())
         await self._take()
         ticket = next(self._tickets)
-        started = self.clock()
-        self._under_way[ticket] = started
-        self._unjudged.append((ticket, started))
+        self._under_way.add(ticket)
+        self._unjudged.append((ticket, self.clock()))
         return ticket
 
     def release(self, outcome: Outcome | None, ticket: int | None = None) -> None:
         if ticket is not None:
-            self._under_way.pop(ticket, None)
+            self._under_way.discard(ticket)
         if outcome is not None:
             self._learn(outcome)
             self.limit = self.size

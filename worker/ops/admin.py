@@ -493,7 +493,7 @@ class Admin:
         else:
             raise _not_in_registry(name)
         out["status"] = await self._row(key, definition, await self._held_back())
-        stored = self.static.get(key) or self._stored_subscription(key, definition) if own is None else None
+        stored = None if own is not None else self.static.get(key) or self._stored_subscription(key, definition)
         if stored is not None and stored.filter is not None and stored.filter.mixed_at is not None:
             # Stored before such filters were refused: it keeps its reading, which Google's differs from.
             out["warnings"] = [f"filter: {MIXED.format(stored.filter.mixed_at)} (it reads NOT, then AND, "
