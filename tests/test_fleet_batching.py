@@ -33,7 +33,7 @@ async def test_a_thousand_leases_renew_and_report_in_a_few_commands(redis_target
     subs = tuple(scale_subscription(i) for i in range(COUNT))
     client = redis_client.connect(redis_target.settings, socket_timeout=10)
     sync = redis_target.client()
-    fleet = Fleet(SimulatedWorker("w-batch"), client,  # type: ignore[arg-type]
+    fleet = Fleet(SimulatedWorker("w-batch"), client,
                   FleetSettings(name=f"batch-{time.monotonic_ns()}", lease_seconds=6.0, heartbeat_seconds=1.0), subs)
     try:
         await fleet.tick()  # joins, and (the only member) acquires every lease and reports it
@@ -79,7 +79,7 @@ async def test_a_lease_released_while_its_renewal_was_out_does_not_fail_the_roun
     subs = tuple(scale_subscription(i) for i in range(2))
     client = redis_client.connect(RedisSettings(url=redis_url), socket_timeout=10)
     sync = redis.Redis.from_url(redis_url)
-    fleet = Fleet(SimulatedWorker("w-race"), client,  # type: ignore[arg-type]
+    fleet = Fleet(SimulatedWorker("w-race"), client,
                   FleetSettings(name=f"race-{time.monotonic_ns()}", lease_seconds=6.0, heartbeat_seconds=1.0), subs)
     try:
         await fleet.tick()

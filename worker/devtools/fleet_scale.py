@@ -79,7 +79,7 @@ async def simulated_worker_main(worker_id: str, settings_json: str) -> None:
     subs = tuple(scale_subscription(i) for i in range(spec["count"]))
     client = connect(settings, socket_timeout=10, socket_connect_timeout=5)
     await client.ping()  # as a worker does before joining (and it maps the slots)
-    fleet = Fleet(SimulatedWorker(worker_id), client,  # type: ignore[arg-type]
+    fleet = Fleet(SimulatedWorker(worker_id), client,
                   FleetSettings(name="scale", lease_seconds=spec["lease"], heartbeat_seconds=1.0), subs)
     await fleet.start()
     await asyncio.Event().wait()

@@ -13,7 +13,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from redis.exceptions import ResponseError
 
@@ -26,13 +26,11 @@ from worker.fleet.published import ConfigDefinitions
 from worker.fleet.registry import Admit, Registry, clear_state, safe_text
 from worker.fleet.registry_follower import RegistryFollower
 from worker.fleet.status import StatusReports
+from worker.fleet.worker_protocol import ServingWorker
 from worker.redis_batch import Pipeliner
 from worker.redis_client import REDIS_DOWN, AsyncClient, describe
 from worker.subscriptions import State, Subscription
 from worker.supervisor import log_task_failure
-
-if TYPE_CHECKING:
-    from worker.service import Worker
 
 # Members whose expiry lies further ahead than any heartbeat sets (3 TTLs) are garbage, not workers:
 # left in place they would be assigned subscriptions nobody serves. A members key of the wrong type
@@ -63,7 +61,7 @@ DELETE_GRACE = 1.0  # seconds requests under way get when their subscription is 
 class Fleet:
     """Runs the ownership loop of one worker."""
 
-    def __init__(self, worker: Worker, client: AsyncClient, settings: FleetSettings,
+    def __init__(self, worker: ServingWorker, client: AsyncClient, settings: FleetSettings,
                  static: tuple[Subscription, ...], admit: Admit | None = None) -> None:
         self.worker = worker
         self.client = client

@@ -5,13 +5,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from worker import keys
+from worker.fleet.worker_protocol import ServingWorker
 from worker.redis_batch import BATCH_LIMIT, BatchScript, Pipeliner
-
-if TYPE_CHECKING:
-    from worker.service import Worker
 
 STATUS_EVERY = 5.0  # seconds between status refreshes for `subs list`
 STATUS_REFRESH = 30.0  # an unchanged status is rewritten this often (it expires after 3x this)
@@ -38,7 +36,7 @@ class StatusReports:
     The writes go as batched script calls: as a thousand separate commands they held the event loop
     for about 100 ms every STATUS_EVERY with a thousand busy subscriptions (every delivery waited)."""
 
-    def __init__(self, worker: Worker, batch: Pipeliner, lease_ttl_ms: int) -> None:
+    def __init__(self, worker: ServingWorker, batch: Pipeliner, lease_ttl_ms: int) -> None:
         self.worker, self.batch = worker, batch
         self.expire_ms = int(max(lease_ttl_ms * 3, STATUS_REFRESH * 3000))
         self._held: frozenset[str] = frozenset()

@@ -1,0 +1,62 @@
+"""What the fleet may ask of the worker it serves for: the one interface between them. The fleet
+decides which subscriptions this worker holds; the worker serves them. `service.Worker` implements
+it, and so does the scale benchmark's simulated worker (devtools/fleet_scale.py), which serves
+nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from worker.dispatcher import Fence
+from worker.fleet.lifecycle import SeekTarget
+from worker.metrics import Metrics
+from worker.subscriptions import Subscription
+from worker.supervisor import Supervisor
+
+
+class Served(Protocol):
+    """One subscription as its worker serves it (the dispatcher): what status reports and live edits read."""
+
+    sub: Subscription
+
+    def update(self, sub: Subscription) -> None: ...
+
+    @property
+    def state(self) -> Any: ...
+
+    @property
+    def state_reason(self) -> str: ...
+
+    @property
+    def unsettled(self) -> int: ...
+
+    stats: Any
+
+
+class ServingWorker(Protocol):
+    worker_id: str
+    metrics: Metrics
+    supervisor: Supervisor
+
+    @property
+    def subscribe_failures(self) -> Mapping[str, str]:
+        """Why a subscription's subscribe keeps failing, by key."""
+        ...
+
+    @property
+    def dispatchers(self) -> Mapping[str, Served]:
+        """The subscriptions it serves, by key (each a `Served`)."""
+        ...
+
+    @property
+    def stopping(self) -> bool: ...
+
+    @property
+    def serving(self) -> set[str]: ...
+
+    def add(self, sub: Subscription, lease: Fence | None = None) -> None: ...
+
+    async def remove(self, key: str, grace: float | None = None, unsubscribe: bool = False) -> None: ...
+
+    async def seek(self, key: str, target: SeekTarget) -> int: ...
