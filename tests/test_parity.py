@@ -25,10 +25,9 @@ from worker.config import FleetSettings, PulsarSettings, RedisSettings
 from worker.consumer import quiet_logger
 from worker.devtools import apache_pulsar
 from worker.errors import ConfigError
-from worker.fleet import leases, lifecycle
-from worker.fleet.lifecycle import SeekTarget
+from worker.fleet import leases, seek
 from worker.fleet.registry import Registry
-from worker.ops.admin import SEEK_COMMAND
+from worker.fleet.seek import SEEK_COMMAND, SeekTarget
 from worker.service import Worker
 from worker.subscriptions import RetryPolicy, Subscription
 
@@ -332,7 +331,7 @@ async def test_a_refused_unsubscribe_still_closes_the_consumer_and_is_logged(
                                     consumer_name="someone-else")
     try:
         with capture_logs() as logged:
-            await w.remove(sub.key, grace=0, unsubscribe=True)
+            await w.served.remove(sub.key, grace=0, unsubscribe=True)
         assert any(e["event"].startswith("broker subscription not deleted") for e in logged), logged
         async with aiohttp.ClientSession() as session:
             entry = await broker_admin.subscription_stats(session, brokers.admin_url(broker), sub)
@@ -538,7 +537,7 @@ async def test_a_fleet_round_during_a_purge_starts_no_consumer_before_the_cursor
     backlog = client.publish(topic, [b"backlog-%d" % i for i in range(5)])
     await eventually(lambda: all(len(endpoint.by_id().get(m, [])) >= 2 for m in backlog), what="backlog retrying")
 
-    seek_with_own_consumer = lifecycle.seek_with_own_consumer
+    seek_with_own_consumer = seek.seek_with_own_consumer
     served_while_seeking: list[bool] = []
 
     async def seek_after_a_fleet_round(pulsar_client, seek_sub, target):
@@ -546,10 +545,10 @@ async def test_a_fleet_round_during_a_purge_starts_no_consumer_before_the_cursor
         # before the cursor moves (the round once started a consumer there, which kept the backlog).
         assert w.fleet is not None
         await w.fleet.tick()
-        served_while_seeking.append(await w.started(sub.key) is not None)
+        served_while_seeking.append(await w.served.started(sub.key) is not None)
         await seek_with_own_consumer(pulsar_client, seek_sub, target)
 
-    monkeypatch.setattr(lifecycle, "seek_with_own_consumer", seek_after_a_fleet_round)
+    monkeypatch.setattr(seek, "seek_with_own_consumer", seek_after_a_fleet_round)
     code, out, err = await cli("purge", sub.name, "--yes", "--config", config)
     assert code == 0 and "purged" in out, err
     assert served_while_seeking == [False]
@@ -562,16 +561,16 @@ async def test_a_subscription_paused_during_its_seek_is_not_served_when_the_seek
         start_worker, endpoint: Endpoint, topic, redis_url, broker, tmp_path, monkeypatch):
     config, sub = retrying_without_end(tmp_path, broker.url, redis_url, "pause-mid-seek", topic, endpoint)
     w = await start_worker(sub)
-    seek_with_own_consumer = lifecycle.seek_with_own_consumer
+    seek_with_own_consumer = seek.seek_with_own_consumer
 
     async def seek_while_an_operator_pauses(pulsar_client, seek_sub, target):
         code, _, err = await cli("subs", "pause", sub.name, "--config", config)  # returns once the lease is released
         assert code == 0, err
         await seek_with_own_consumer(pulsar_client, seek_sub, target)
 
-    monkeypatch.setattr(lifecycle, "seek_with_own_consumer", seek_while_an_operator_pauses)
-    await w.seek(sub.key, SeekTarget("latest"))  # what the owner runs for `subs seek` and `purge`
-    assert sub.key not in w.serving  # it ran on after the pause until a fleet round stopped it
+    monkeypatch.setattr(seek, "seek_with_own_consumer", seek_while_an_operator_pauses)
+    await w.served.seek(sub.key, SeekTarget("latest"))  # what the owner runs for `subs seek` and `purge`
+    assert sub.key not in w.served.serving  # it ran on after the pause until a fleet round stopped it
 
 
 async def test_a_command_seeking_alone_holds_the_lease_so_no_worker_starts_meanwhile(redis_url):

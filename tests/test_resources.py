@@ -14,7 +14,7 @@ from aiohttp import web
 
 from tests.conftest import Endpoint, make_sub
 from tests.helpers import eventually, spawn_worker, stop_worker
-from worker.cli.worker import GC_THRESHOLD
+from worker.collector import GC_THRESHOLD
 
 
 async def test_a_released_subscription_is_freed_under_the_workers_collector_settings(
@@ -33,7 +33,7 @@ async def test_a_released_subscription_is_freed_under_the_workers_collector_sett
         # Its consumer is in the cycle; the dispatcher itself, compiled, takes no weak reference.
         released = weakref.ref(w.dispatchers[sub.key].consumer)
         gc.collect()  # old now: from here only a full collection reaches it
-        await w.remove(sub.key)
+        await w.served.remove(sub.key)
         await eventually(lambda: released() is None, timeout=5, what="the released dispatcher freed")
     finally:
         gc.set_threshold(*previous)

@@ -7,13 +7,18 @@ Two sources, whichever is configured: the Pulsar admin REST API (topic stats, `m
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from worker.aio import wait_event
 from worker.broker_admin import BODY_CAP, AdminError, read_capped, refusal, subscription_stats
+from worker.fleet.expiry import ExpiryWatch
+from worker.metrics import Metrics
 from worker.subscriptions import Subscription, topic_parts
 
 _METRIC = "pulsar_subscription_back_log"
@@ -88,3 +93,42 @@ class BacklogReader:
         assert self.admin_url is not None
         entry = await subscription_stats(self.session, self.admin_url, sub)
         return None if entry is None else float(entry.get("msgBacklog", 0))
+
+
+class BacklogReport:
+    """Reads the backlog of every served subscription every `interval`, for the metric and for expiry;
+    a subscription newly served (`newly_served` set) is read within a second, not only at the next
+    interval, so it has a figure from its start. Its failures never stop delivery."""
+
+    def __init__(self, reader: BacklogReader, expiry: ExpiryWatch, served: Mapping[str, Any], metrics: Metrics,
+                 expire: Callable[[str], Awaitable[Any]], interval: float, log: Any) -> None:
+        self.reader = reader
+        self.expiry = expiry
+        self.served = served  # key -> its dispatcher (with `.sub`)
+        self.metrics = metrics
+        self.expire = expire
+        self.interval = interval
+        self.log = log
+        self.newly_served = asyncio.Event()
+
+    async def run(self) -> None:
+        while True:
+            self.newly_served.clear()
+            try:
+                await self.read_once()
+            except Exception as e:  # the backlog is a report: its failure never stops delivery
+                self.metrics.broker_errors.labels("backlog").inc()
+                self.log.warning("backlog read failed", error=type(e).__name__,
+                                 **({"detail": str(e)} if isinstance(e, AdminError) else {}))
+            if await wait_event(self.newly_served, self.interval):
+                await asyncio.sleep(1.0)  # starts come in bursts (a fleet change): one read for the burst
+
+    async def read_once(self) -> None:
+        backlogs = await self.reader.read([d.sub for d in self.served.values()])
+        for key, value in backlogs.items():
+            served = self.served.get(key)
+            if served is not None:
+                self.metrics.backlog.labels(served.sub.tenant, served.sub.name).set(value)
+        for key in await self.expiry.observe(backlogs):
+            self.log.warning("subscription expired", subscription=key, backlog=backlogs[key])
+            await self.expire(key)

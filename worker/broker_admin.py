@@ -155,3 +155,19 @@ async def unload(session: aiohttp.ClientSession, admin_url: str, topic: str) -> 
     status, body = await _call(session, "PUT", f"{topic_path(admin_url, topic)}/unload", 30)
     if status >= 300:
         raise AdminError(f"unloading {topic} answered HTTP {status}: {_reason(body)}")
+
+
+async def evict_stale_consumers(session: aiohttp.ClientSession, admin_url: str, sub: Subscription,
+                                worker_id: str, log: Any, metrics: Any) -> None:
+    """Once this worker serves `sub`: a consumer of another worker still on it is a frozen one (see
+    above); unload the topic so its messages come back now, not when the broker's keepalive drops
+    it. Best effort: a failure is logged and delivery goes on."""
+    try:
+        stale = await stale_consumers(session, admin_url, sub, worker_id)
+        if stale:
+            log.warning("stale consumers on the broker; unloading the topic to reclaim their messages",
+                        subscription=sub.key, consumers=stale)
+            await unload(session, admin_url, sub.topic)
+    except (aiohttp.ClientError, TimeoutError, AdminError, ValueError) as e:
+        metrics.broker_errors.labels("admin").inc()
+        log.warning("stale consumer check failed", subscription=sub.key, error=f"{type(e).__name__}: {e}")

@@ -47,7 +47,7 @@ def _cmd_subs(args: argparse.Namespace) -> int:
 
 
 def _seek_target(args: argparse.Namespace) -> Any:
-    from worker.fleet.lifecycle import SeekTarget
+    from worker.fleet.seek import SeekTarget
 
     if args.to_earliest:
         return SeekTarget("earliest")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import os
 import signal
 import sys
@@ -13,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from worker import logs
+from worker import collector, logs
 from worker.cli.common import KEEP_UNTIL_EXIT, run_loop
 from worker.config import load_settings
 from worker.errors import UsageError
@@ -42,7 +41,7 @@ async def _serve(config_path: str) -> int:
     loop.add_signal_handler(signal.SIGINT, _interrupted, worker)
     loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)  # what a stuck worker is waiting on
     async with worker:
-        _tune_gc()
+        collector.tune_for_serving()
         await worker.run_until_stopped()
         logs.get().info("stop requested; draining", grace_seconds=settings.shutdown_grace_seconds)
     return 0
@@ -73,19 +72,6 @@ def _interrupted(worker: Worker) -> None:
     logs.get().warning(f"stopping now: {in_flight} request(s) under way abandoned; their messages go back "
                        "to the broker")
     os._exit(130)  # 128 + SIGINT, as a shell reports an interrupted program
-
-
-# Young objects collected per this many new ones (CPython's default is 700): a delivery allocates
-# dozens of short-lived objects, and the collector's passes cost about a fifth of a delivery's CPU
-# at the default (measured A/B in `make bench`).
-GC_THRESHOLD = (20_000, 50, 100)
-
-
-def _tune_gc() -> None:
-    """Once started: what exists now (modules, config, clients) lives as long as the process, so the
-    collector stops rescanning it (gc.freeze), and young collections run less often."""
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLD)
 
 
 def _dump_tasks() -> None:

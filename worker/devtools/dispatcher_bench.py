@@ -20,7 +20,7 @@ import uvloop
 
 from worker import logs
 from worker.attempts import AttemptRecord
-from worker.cli.worker import GC_THRESHOLD
+from worker.collector import GC_THRESHOLD
 from worker.deadletter import DeadLetterPublisher
 from worker.delivery import Outcome, Result
 from worker.dispatcher import DeliveryContext, Dispatcher

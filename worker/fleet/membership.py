@@ -20,7 +20,7 @@ from redis.exceptions import ResponseError
 from worker import keys, logs
 from worker.aio import cancel_within, wait_event
 from worker.config import FleetSettings
-from worker.fleet import lifecycle
+from worker.fleet import seek
 from worker.fleet.leases import ACQUIRE, RELEASE, RENEW, Lease, assign
 from worker.fleet.published import ConfigDefinitions
 from worker.fleet.registry import Admit, Registry, clear_state, safe_text
@@ -379,8 +379,8 @@ class Fleet:
 
     async def _seek(self, key: str) -> None:
         try:
-            await lifecycle.run_seek_request(self.client, key, self.me, self.worker.seek, self.log)
-        except lifecycle.UnreadableSeekRequest as e:
+            await seek.run_seek_request(self.client, key, self.me, self.worker.seek, self.log)
+        except seek.UnreadableSeekRequest as e:
             self._ignore("seek request", f"{key}: {e}")
 
     async def leave(self) -> None:

@@ -1,5 +1,5 @@
 """What the fleet may ask of the worker it serves for: the one interface between them. The fleet
-decides which subscriptions this worker holds; the worker serves them. `service.Worker` implements
+decides which subscriptions this worker holds; the worker serves them. `serving.Serving` implements
 it, and so does the scale benchmark's simulated worker (devtools/fleet_scale.py), which serves
 nothing."""
 
@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from worker.dispatcher import Fence
-from worker.fleet.lifecycle import SeekTarget
+from worker.fleet.seek import SeekTarget
 from worker.metrics import Metrics
 from worker.subscriptions import Subscription
 from worker.supervisor import Supervisor

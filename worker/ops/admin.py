@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,10 +34,9 @@ from worker.config import (
 from worker.embedded import recorded_endpoints
 from worker.errors import ConfigError, NotFound, PushWorkerError, UsageError
 from worker.filters import MIXED
-from worker.fleet import leases, lifecycle
-from worker.fleet.lifecycle import SeekTarget
 from worker.fleet.published import published
 from worker.fleet.registry import Registry, clear_state, safe_text
+from worker.fleet.seek import SeekTarget, seek_by_command
 from worker.messages import rfc3339
 from worker.ops.render import Output, table
 from worker.redis_client import AsyncClient, connect
@@ -165,9 +163,6 @@ redis.call('EXPIRE', KEYS[1], ARGV[1])
 return 1
 """
 
-SEEK_COMMAND = "seek-command-"  # how a lease held by a seek or purge command (not a worker) starts
-
-
 class Admin:
     """The `subs` and `show` commands; each returns the text to print."""
 
@@ -226,28 +221,8 @@ class Admin:
         and reset its attempt counts."""
         key = await self.existing(name)
         await self.registry.refuse_if_expired(key, "seek")
-        request_id = uuid.uuid4().hex
-        deadline = time.monotonic() + wait
-        result: dict[str, Any] | None = None
-        while result is None:
-            lease = await self.client.get(keys.lease_key(key))
-            owner = safe_text(lease) if lease else ""
-            if not owner:
-                # The command holds the lease while it seeks: a worker starting meanwhile would attach a
-                # consumer before the cursor moved and deliver what it took from the old position.
-                holder = SEEK_COMMAND + request_id[:8]
-                async with leases.hold(self.client, key, holder, self.lease_seconds) as held:
-                    if held:
-                        await self._seek_directly(await self.definition(name), target, pulsar)
-                        result = {"status": "done", "worker": "this command (no worker serves it)",
-                                  "forgotten_attempts": await lifecycle.forget_attempts(self.client, key)}
-            elif not owner.startswith(SEEK_COMMAND):
-                result = await self._seek_by_worker(key, target, request_id, owner, deadline, wait)
-            elif time.monotonic() > deadline:
-                raise PushWorkerError(f"{key}: another seek or purge of it ({owner}) did not end "
-                                      f"within {wait:g}s; run the command again once it has")
-            else:  # another seek or purge command is moving the cursor: this one goes after it
-                await asyncio.sleep(0.2)
+        result = await seek_by_command(self.client, self.registry.channel, key, target,
+                                       lambda: self.definition(name), pulsar, self.lease_seconds, wait)
         if result.get("status") != "done":
             tries = result.get("tries", 1)
             raise PushWorkerError(f"{key}: the seek failed on worker {result.get('worker')} after {tries} tries: "
@@ -257,23 +232,6 @@ class Admin:
                "attempt_counters_reset": result.get("forgotten_attempts", 0)}
         return Output(out, f"{key}: sought to {target.describe()} by {out['by']}; "
                            f"{out['attempt_counters_reset']} attempt counter(s) reset")
-
-    async def _seek_by_worker(self, key: str, target: SeekTarget, request_id: str, owner: str,
-                              deadline: float, wait: float) -> dict[str, Any]:
-        await lifecycle.request_seek(self.client, self.registry.channel, key, target, request_id)
-        while (result := await lifecycle.seek_result(self.client, key, request_id)) is None:
-            if time.monotonic() > deadline:
-                raise PushWorkerError(f"{key}: worker {owner} did not answer the seek within {wait:g}s (the request "
-                                      f"stays for {lifecycle.SEEK_TTL_SECONDS}s)")
-            await asyncio.sleep(0.2)
-        return result
-
-    @staticmethod
-    async def _seek_directly(sub: Subscription, target: SeekTarget, settings: PulsarSettings) -> None:
-        from worker.consumer import open_client
-
-        async with open_client(settings) as client:
-            await lifecycle.seek_with_own_consumer(client, sub, target)
 
     async def queue(self, name: str, state: str, limit: int) -> Output:
         """Messages of one subscription in flight (first attempt under way) or retrying (failed at

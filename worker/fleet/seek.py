@@ -1,16 +1,10 @@
-"""Subscription lifecycle beyond delivery: rewinding (Seeking) and expiry (Expired), as the platform
-docs describe them.
+"""Seek (state Seeking), both halves: the operator's command and the worker holding the subscription.
 
-Seek: an operator writes a request (`pw:{sub}:seek`) and announces it on the fleet channel; the
+An operator writes a request (`pw:{sub}:seek`) and announces it on the fleet channel; the
 worker holding the subscription's lease closes its consumer, moves the cursor, forgets the attempt
 counts (the messages come again as new), subscribes again and writes the result
 (`pw:{sub}:seek-result`). When no worker
 holds the lease (paused, unowned), the operator's command does the same with a consumer of its own.
-
-Expiry: the owner watches the broker's backlog; once it has stayed at or above `expire_backlog`
-for `expire_after_seconds` (the docs: 10,000 messages for an hour), the subscription becomes
-Expired: it is in the fleet's `...:expired` set, nobody serves it, its broker subscription and
-Redis state are deleted, and only deletion is allowed.
 """
 
 from __future__ import annotations
@@ -18,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,13 +21,17 @@ import orjson
 import pulsar.asyncio as pulsar_async
 
 from worker import keys
-from worker.fleet.registry import delete_matching
+from worker.config import PulsarSettings
+from worker.errors import PushWorkerError
+from worker.fleet import leases
+from worker.fleet.registry import delete_matching, safe_text
 from worker.redis_client import AsyncClient
 from worker.subscriptions import Subscription
 
 SEEK_TTL_SECONDS = 300
 SEEK_TRIES = 3
 DRAIN_QUIET_SECONDS = 1.0  # no message for this long: the backlog is drained
+SEEK_COMMAND = "seek-command-"  # how a lease held by a seek or purge command (not a worker) starts
 
 
 @dataclass(frozen=True)
@@ -174,26 +173,48 @@ async def seek_result(client: AsyncClient, sub_key: str, request_id: str) -> dic
     return data if data.get("id") == request_id else None
 
 
-class ExpiryWatch:
-    """Turns backlog readings into the Expired decision, with the clock kept in Redis so the hour
-    survives ownership changes."""
+# -- the operator's half ------------------------------------------------------------------------
 
-    def __init__(self, client: AsyncClient, expire_backlog: int, expire_after_seconds: float) -> None:
-        self.client = client
-        self.expire_backlog = expire_backlog
-        self.expire_after_ms = int(expire_after_seconds * 1000)
+async def seek_by_command(client: AsyncClient, channel: str, key: str, target: SeekTarget,
+                          definition: Callable[[], Awaitable[Subscription]], pulsar: PulsarSettings,
+                          lease_seconds: float, wait: float) -> dict[str, Any]:
+    """Have the cursor moved and the attempt counts forgotten: by the worker holding the lease, or,
+    when none does, by this command under the lease. Returns the result (`status` `done` or not)."""
+    request_id = uuid.uuid4().hex
+    deadline = time.monotonic() + wait
+    while True:
+        lease = await client.get(keys.lease_key(key))
+        owner = safe_text(lease) if lease else ""
+        if not owner:
+            # The command holds the lease while it seeks: a worker starting meanwhile would attach a
+            # consumer before the cursor moved and deliver what it took from the old position.
+            async with leases.hold(client, key, SEEK_COMMAND + request_id[:8], lease_seconds) as held:
+                if held:
+                    await _seek_directly(await definition(), target, pulsar)
+                    return {"status": "done", "worker": "this command (no worker serves it)",
+                            "forgotten_attempts": await forget_attempts(client, key)}
+        elif not owner.startswith(SEEK_COMMAND):
+            return await _seek_by_worker(client, channel, key, target, request_id, owner, deadline, wait)
+        elif time.monotonic() > deadline:
+            raise PushWorkerError(f"{key}: another seek or purge of it ({owner}) did not end "
+                                  f"within {wait:g}s; run the command again once it has")
+        else:  # another seek or purge command is moving the cursor: this one goes after it
+            await asyncio.sleep(0.2)
 
-    async def observe(self, backlogs: dict[str, float]) -> list[str]:
-        """Record one reading per subscription (one round trip for all); returns those that expired."""
-        now = int(time.time() * 1000)
-        over = [k for k, v in backlogs.items() if v >= self.expire_backlog]
-        async with self.client.pipeline(transaction=False) as pipe:
-            for key, value in backlogs.items():
-                if value < self.expire_backlog:
-                    pipe.delete(keys.over_since_key(key))
-            for key in over:
-                pipe.set(keys.over_since_key(key), now, nx=True, ex=max(60, self.expire_after_ms // 1000 * 2))
-                pipe.get(keys.over_since_key(key))
-            results = await pipe.execute()
-        since = results[len(backlogs) - len(over):][1::2]
-        return [k for k, s in zip(over, since, strict=True) if now - int(s or now) >= self.expire_after_ms]
+
+async def _seek_by_worker(client: AsyncClient, channel: str, key: str, target: SeekTarget, request_id: str,
+                          owner: str, deadline: float, wait: float) -> dict[str, Any]:
+    await request_seek(client, channel, key, target, request_id)
+    while (result := await seek_result(client, key, request_id)) is None:
+        if time.monotonic() > deadline:
+            raise PushWorkerError(f"{key}: worker {owner} did not answer the seek within {wait:g}s (the request "
+                                  f"stays for {SEEK_TTL_SECONDS}s)")
+        await asyncio.sleep(0.2)
+    return result
+
+
+async def _seek_directly(sub: Subscription, target: SeekTarget, settings: PulsarSettings) -> None:
+    from worker.consumer import open_client
+
+    async with open_client(settings) as client:
+        await seek_with_own_consumer(client, sub, target)
