@@ -14,7 +14,7 @@ messages that is one round trip per message instead of two.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,7 @@ from worker import keys, logs
 from worker.config import RedisSettings
 from worker.failing import Failing
 from worker.redis_batch import BatchScript, Pipeliner
-from worker.redis_client import REDIS_DOWN, describe
+from worker.redis_client import REDIS_DOWN, AsyncClient, describe
 
 # Corrupt state (a key of the wrong type, a counter that is not an integer) must not fail the whole
 # batch: every message of the subscription would wait on it forever. `call` replaces such a key and
@@ -218,3 +218,78 @@ class AttemptStore:
         raw = await self._call(subscription_key, lambda: self.pipeliner.submit(
             "LRANGE", keys.history_key(subscription_key, message_id), 0, -1))
         return [orjson.loads(entry) for entry in raw]
+
+
+# -- the attempt record as operators' commands read and mark it -------------------------------------
+
+DISCARD_MARK_SECONDS = 7 * 24 * 3600  # a discard mark on a message that never comes back goes after a week
+
+# A settled message's record is its settled marker: marking it would say "discarded" of a message
+# that was delivered, and keep the marker for a week. Else mark it; a message that never comes back
+# leaves nothing behind after the week.
+_MARK_DISCARD = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+if redis.call('HEXISTS', KEYS[1], 'settled') == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'discard', 1)
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+
+
+def counter(value: str | bytes | None) -> int:
+    """A counter read from Redis (written by a worker, but Redis may hold anything)."""
+    try:
+        return int(value or 0)
+    except ValueError:
+        return 0
+
+
+@dataclass(frozen=True)
+class StoredRecord:
+    """One message's attempt record (`keys.message_key`), as the scripts above keep it."""
+
+    attempts: int  # `n`: attempts counted so far
+    last_status: str  # `last`: the last failed attempt's status ("" before any failed)
+    settled: bool  # `settled`: a settled marker (acked, dead-lettered or discarded)
+    discard: bool  # `discard`: an operator asked to discard it
+
+    @classmethod
+    def parse(cls, raw: Mapping[Any, Any]) -> StoredRecord:
+        fields = {_text(k): _text(v) for k, v in raw.items()}
+        return cls(counter(fields.get("n")), fields.get("last", ""), "settled" in fields, "discard" in fields)
+
+    @property
+    def retrying(self) -> bool:
+        return bool(self.last_status)
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+async def records(client: AsyncClient, sub_key: str) -> AsyncIterator[tuple[str, StoredRecord]]:
+    """Every attempt record of a subscription: (message id, record); a key of another type is skipped
+    (the worker starts such a record over)."""
+    from redis.exceptions import ResponseError
+
+    async for record_key in client.scan_iter(match=keys.message_pattern(sub_key), count=1000):
+        try:
+            raw = await client.hgetall(record_key)
+        except ResponseError:
+            continue
+        yield keys.message_id_of(_text(record_key)), StoredRecord.parse(raw)
+
+
+async def pending_attempts(client: AsyncClient, sub_key: str, message_id: str) -> int | None:
+    """Attempts counted for a message not yet settled; None if it is settled or unknown."""
+    counted, settled = await client.hmget(keys.message_key(sub_key, message_id), ["n", "settled"])
+    return None if settled is not None or counted is None else counter(counted)
+
+
+async def mark_discard(client: AsyncClient, sub_key: str, message_id: str) -> int:
+    """Mark a message to be discarded at its next attempt: 1 marked, 0 already settled, -1 unknown."""
+    return int(await client.eval(_MARK_DISCARD, 1, keys.message_key(sub_key, message_id), DISCARD_MARK_SECONDS))
+
+
+async def is_settled(client: AsyncClient, sub_key: str, message_id: str) -> bool:
+    return (await client.hget(keys.message_key(sub_key, message_id), "settled")) is not None

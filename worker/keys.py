@@ -23,6 +23,18 @@ def history_key(subscription_key: str, message_id: str) -> str:
     return f"{PREFIX}:{tag(subscription_key)}:h:{message_id}"
 
 
+def subscription_of(key: str) -> str:
+    """The subscription key in a key of its own (`pw:{tenant/name}:...`); "" if there is none."""
+    _, brace, rest = key.partition("{")
+    inside, close, _ = rest.rpartition("}")
+    return inside if brace and close else ""
+
+
+def message_id_of(record_key: str) -> str:
+    """The message id in an attempt record's key (`message_key`)."""
+    return record_key.split("}:m:", 1)[1]
+
+
 def escape_glob(text: str) -> str:
     """`text` matched literally in a SCAN/KEYS pattern: a name is data, never a wildcard."""
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)

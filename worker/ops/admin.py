@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 from redis.exceptions import ResponseError
 
-from worker import keys
+from worker import attempts, keys
 from worker.admission import admit_for
 from worker.config import (
     PULSAR_SCHEMES,
@@ -103,14 +103,6 @@ def _load_definitions(path: str) -> list[Any]:
     return data if isinstance(data, list) else [data]
 
 
-def _count(value: str | bytes | None) -> int:
-    """A counter read from Redis (written by a worker, but Redis may hold anything)."""
-    try:
-        return int(value or 0)
-    except ValueError:
-        return 0
-
-
 def _time(entry: dict[str, Any]) -> str:
     try:
         return rfc3339(int(entry.get("at_ms", 0)))
@@ -152,17 +144,6 @@ def _not_in_registry(name: str) -> NotFound:
                     "--config with the worker.yaml that defines it")
 
 
-# A settled message's record is its settled marker: marking it would say "discarded" of a message
-# that was delivered, and keep the marker for a week. Else mark it; a message that never comes back
-# leaves nothing behind after the week.
-_MARK_DISCARD = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-if redis.call('HEXISTS', KEYS[1], 'settled') == 1 then return 0 end
-redis.call('HSET', KEYS[1], 'discard', 1)
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-return 1
-"""
-
 class Admin:
     """The `subs` and `show` commands; each returns the text to print."""
 
@@ -194,7 +175,7 @@ class Admin:
         """The keys of the subscriptions some worker (or seek command) holds a lease on."""
         served: set[str] = set()
         async for lease in self.client.scan_iter(match=keys.lease_key("*"), count=1000):
-            key = safe_text(lease).split("{", 1)[1].rsplit("}", 1)[0]
+            key = keys.subscription_of(safe_text(lease))
             if valid_key(key):  # anything else is garbage, not a subscription
                 served.add(key)
         return served
@@ -238,16 +219,10 @@ class Admin:
         least once, waiting or being retried), from their attempt records. (`dead`: see dlq.)"""
         key = await self.existing(name)
         rows: list[dict[str, Any]] = []
-        async for record_key in self.client.scan_iter(match=keys.message_key(key, "*"), count=1000):
-            try:
-                record = {safe_text(k): safe_text(v) for k, v in (await self.client.hgetall(record_key)).items()}
-            except ResponseError:  # not a hash: no attempt record (the worker starts such a record over)
+        async for message_id, record in attempts.records(self.client, key):
+            if record.discard or record.settled or record.retrying != (state == "retrying"):
                 continue
-            retrying = bool(record.get("last"))
-            if "discard" in record or "settled" in record or retrying != (state == "retrying"):
-                continue
-            rows.append({"message_id": safe_text(record_key).split(":m:", 1)[1],
-                         "attempts": _count(record.get("n")), "last_status": record.get("last", "")})
+            rows.append({"message_id": message_id, "attempts": record.attempts, "last_status": record.last_status})
             if len(rows) >= limit:
                 break
         rows.sort(key=lambda r: r["message_id"])
@@ -276,8 +251,7 @@ class Admin:
         message that may never come, and leave a record behind for a week."""
         key = await self.existing(name)
         await self.registry.refuse_if_expired(key, "discard")
-        record = keys.message_key(key, message_id)
-        marked = await self.client.eval(_MARK_DISCARD, 1, record, 7 * 24 * 3600)
+        marked = await attempts.mark_discard(self.client, key, message_id)
         if marked == -1:
             raise NotFound(f"{key}: no message {message_id} known (never tried, or settled longer ago than "
                            "redis.settled_ttl_seconds): nothing to discard; `purge` or `subs seek` skip "
@@ -290,7 +264,7 @@ class Admin:
         done = False
         while not done and time.monotonic() < deadline:
             # Once settled, the worker turns the record into a settled marker (it expires later).
-            done = (await self.client.hget(record, "settled")) is not None
+            done = await attempts.is_settled(self.client, key, message_id)
             if not done:
                 await asyncio.sleep(0.2)
         result = {"subscription": key, "message_id": message_id, "result": "discarded" if done else "pending"}
@@ -325,20 +299,19 @@ class Admin:
         """A message's delivery attempts in one subscription, oldest first."""
         key = await self.existing(name)
         raw = await self.client.lrange(keys.history_key(key, message_id), 0, -1)
-        counted, settled = await self.client.hmget(keys.message_key(key, message_id), ["n", "settled"])
-        pending = None if settled is not None else counted
+        pending = await attempts.pending_attempts(self.client, key, message_id)
         entries = _entries(raw)
         if not entries and pending is None:
             raise NotFound(f"no attempt history for message {message_id} in {key} (kept for "
                            "redis.history_ttl_seconds; ids look like ledger:entry:partition:batch)")
         data = {"subscription": key, "message_id": message_id, "history": entries,
-                "attempts_in_progress": _count(pending) if pending is not None else None}
+                "attempts_in_progress": pending}
         rows = [{"time": _time(e), "attempt": e.get("attempt", ""), "result": _what(e),
                  "status": _status(e), "latency_ms": e.get("latency_ms", ""), "worker": e.get("worker", ""),
                  "detail": e.get("detail", "")} for e in entries]
         out = f"message {message_id} in {key}\n" + table(rows, list(rows[0]) if rows else ["time"])
         if pending is not None:
-            out += f"\nnot settled yet: {_count(pending)} attempt(s) counted so far"
+            out += f"\nnot settled yet: {pending} attempt(s) counted so far"
         return Output(data, out)
 
     async def close(self) -> None:
@@ -395,7 +368,8 @@ class Admin:
             "project": project, "name": name, "type": definition.get("type", "shared"),
             "owner": safe_text(owner) if owner else "-",
             "state": state, "reason": status.get("reason", "") if key not in held_back else "",
-            **{field: _count(status.get(field)) for field in ("acked", "retried", "dead_lettered", "unsettled")},
+            **{field: attempts.counter(status.get(field))
+               for field in ("acked", "retried", "dead_lettered", "unsettled")},
         }
 
     async def _held_back(self) -> dict[str, str]:
