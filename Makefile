@@ -18,12 +18,16 @@ $(STAMP): pyproject.toml requirements.lock tests/cloudevents-sdk2.txt
 
 install: $(STAMP)
 
+# The development tools (devtools/: the demo, benchmarks, soak) are not in the shipped package; the
+# editable install puts them on the path: `$(DEV) <command> --help` lists their options.
+DEV := $(BIN)/python -m devtools
+
 demo: $(STAMP)
-	$(BIN)/push-worker demo
+	$(DEV) demo
 
 # The per-message path compiled with mypyc beside its sources (as the image ships it); `uncompile`
 # removes it again. Compiled modules older than any source refuse to import.
-COMPILE   := $(BIN)/python -m worker.devtools.compile
+COMPILE   := $(BIN)/python -m devtools.compile
 UNCOMPILE := $(COMPILE) --clean >/dev/null
 
 compile: $(STAMP)
@@ -33,7 +37,7 @@ uncompile: $(STAMP)
 	$(COMPILE) --clean
 
 lint: $(STAMP)
-	$(BIN)/ruff check worker tests
+	$(BIN)/ruff check worker devtools tests
 	$(BIN)/mypy
 
 # The quick loop: lint, types and every test that needs no broker and starts no worker process
@@ -51,7 +55,7 @@ test: lint
 # the background on 127.0.0.1:$(PULSAR_PORT) with its admin API on $(PULSAR_HTTP_PORT); fresh data each start.
 PULSAR_PORT      ?= 6650
 PULSAR_HTTP_PORT ?= 8080
-APACHE_PULSAR    := $(BIN)/python -m worker.devtools.apache_pulsar --dir .apache-pulsar
+APACHE_PULSAR    := $(BIN)/python -m devtools.apache_pulsar --dir .apache-pulsar
 
 apache-pulsar: $(STAMP)
 	$(APACHE_PULSAR) start --port $(PULSAR_PORT) --http-port $(PULSAR_HTTP_PORT)
@@ -69,10 +73,10 @@ test-apache-pulsar: $(STAMP)
 
 bench: $(STAMP)
 	$(COMPILE)
-	$(BIN)/push-worker bench; rc=$$?; $(UNCOMPILE); exit $$rc
+	$(DEV) bench $(BENCH_ARGS); rc=$$?; $(UNCOMPILE); exit $$rc
 
 soak: $(STAMP)
-	$(BIN)/push-worker soak --seconds $(or $(SOAK_SECONDS),60)
+	$(DEV) soak --seconds $(or $(SOAK_SECONDS),60)
 
 # The image's locks with hashes: deploy/requirements.txt (the runtime dependencies at the versions of
 # requirements.lock, plus pip and setuptools: deploy/build-tools.in) and deploy/compile-requirements.txt

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from devtools import apache_pulsar
 from worker import embedded
-from worker.devtools import apache_pulsar
 
 EXTERNAL_URL = os.environ.get("PUSH_WORKER_TEST_PULSAR_URL", "")
 EXTERNAL_ADMIN_URL = os.environ.get("PUSH_WORKER_TEST_PULSAR_ADMIN_URL", "")

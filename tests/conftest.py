@@ -22,13 +22,13 @@ import pytest
 import redis
 from aiohttp import web
 
+from devtools import redis_topologies
 from tests import brokers
 from tests.helpers import eventually, self_signed
 from tests.redis_targets import RedisTarget
 from worker import embedded
 from worker.config import HttpSettings, PulsarSettings, RedisSettings, Settings
 from worker.destinations import DestinationPolicy
-from worker.devtools import redis_topologies
 from worker.messages import format_message_id
 from worker.service import Worker
 from worker.subscriptions import RetryPolicy, Subscription

@@ -105,9 +105,10 @@ def stop_worker(proc: subprocess.Popen[bytes], timeout: float = 30) -> int:
 
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 120,
-            environment: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """`push-worker ARGS` as a separate process, to its end (no standard input)."""
-    return subprocess.run([sys.executable, "-m", "worker.cli", *args], capture_output=True, text=True, cwd=cwd,
+            environment: dict[str, str] | None = None, module: str = "worker.cli") -> subprocess.CompletedProcess[str]:
+    """`push-worker ARGS` (or, with module="devtools", a development tool) as a separate process, to
+    its end (no standard input)."""
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=cwd,
                           timeout=timeout, env=environment or env(), stdin=subprocess.DEVNULL)
 
 

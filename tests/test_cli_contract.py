@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from devtools.cli import build_parser as build_devtools_parser
 from tests.helpers import env, run_cli
 from worker.cli import build_parser
 
@@ -30,10 +31,21 @@ def test_every_option_of_every_command_has_help():
                 for name, sub in action.choices.items():
                     yield from parsers(sub, f"{path} {name}")
 
-    missing = [f"{path} {'/'.join(a.option_strings) or a.dest}" for path, p in parsers(build_parser(), "push-worker")
+    every = [*parsers(build_parser(), "push-worker"), *parsers(build_devtools_parser(), "python -m devtools")]
+    missing = [f"{path} {'/'.join(a.option_strings) or a.dest}" for path, p in every
                for a in p._actions if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))
                and not a.help]
     assert missing == []
+
+
+def test_the_development_tools_are_not_push_worker_commands_and_say_usage_errors_alike():
+    result = run_cli("demo")
+    assert result.returncode == 2 and "invalid choice" in result.stderr
+    # an infinite number was taken: a soak that never ends
+    result = run_cli("soak", "--seconds", "inf", module="devtools")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("push-worker: invalid argument: ") and "--seconds: must be a finite number" in lines[0]
 
 
 @pytest.mark.parametrize(("args", "says"), [
@@ -53,7 +65,6 @@ def test_every_option_of_every_command_has_help():
     (["subs", "pause", "orders", "--wait", "nan"], "--wait: must be a finite number"),
     # an infinite number was taken: a soak that never ends, a redrive without pacing
     (["dlq", "redrive", "orders", "--rate", "inf"], "--rate: must be a finite number"),
-    (["soak", "--seconds", "inf"], "--seconds: must be a finite number"),
     (["subs", "list", "--redis-url", "http://redis"], "subs list: --redis-url: must be a URL with scheme redis"),
     (["publish", "persistent://p-x/main/t", "x", "--service-url", "garbage"], "--service-url: must be a URL"),
 ])

@@ -1,4 +1,4 @@
-"""The per-message path compiled with mypyc (`worker.devtools.compile`): what runs, and stale builds."""
+"""The per-message path compiled with mypyc (`devtools.compile`): what runs, and stale builds."""
 
 from __future__ import annotations
 

@@ -19,14 +19,14 @@ pytestmark = pytest.mark.broker_independent
 def test_demo_delivers_retries_and_dead_letters_and_loses_nothing(tmp_path: Path):
     environment = {**os.environ, "PYTHONPATH": str(Path.cwd())}
     started = time.monotonic()
-    demo = subprocess.Popen([sys.executable, "-m", "worker.cli", "demo"], cwd=tmp_path, stdout=subprocess.PIPE,
+    demo = subprocess.Popen([sys.executable, "-m", "devtools", "demo"], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=environment)
     try:
         # A second demo in the same directory is refused in one line; it once wiped the running
         # one's broker and Redis data (63 of its 300 messages lost).
         record = tmp_path / ".push-worker" / "demo" / "endpoints.json"
         wait_sync(record.exists, timeout=60, what="the first demo's services started")
-        second = subprocess.run([sys.executable, "-m", "worker.cli", "demo", "--messages", "5"], cwd=tmp_path,
+        second = subprocess.run([sys.executable, "-m", "devtools", "demo", "--messages", "5"], cwd=tmp_path,
                                 capture_output=True, text=True, timeout=120, env=environment)
         assert second.returncode == 1 and second.stderr.count("\n") == 1, second.stdout + second.stderr
         assert f"is in use by a running worker (pid {demo.pid})" in second.stderr

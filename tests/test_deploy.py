@@ -156,20 +156,24 @@ def test_the_image_build_steps_install_from_the_hashed_lock(tmp_path):
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     assert "--require-hashes --no-deps -r deploy/requirements.txt" in dockerfile
     assert "-r deploy/requirements.txt -r deploy/compile-requirements.txt" in dockerfile
-    assert "/opt/compile/bin/python -m worker.devtools.compile \\" in dockerfile
-    assert "/opt/push-worker/bin/python -m worker.devtools.compile --check" in dockerfile
+    assert "COPY devtools /opt/devtools/devtools" in dockerfile
+    assert "PYTHONPATH=/opt/devtools /opt/compile/bin/python -m devtools.compile \\" in dockerfile
+    assert "PYTHONPATH=/opt/devtools /opt/push-worker/bin/python -m devtools.compile --check" in dockerfile
     assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11-slim@sha256:[0-9a-f]{64}$", dockerfile, re.M)
     src = tmp_path / "src"  # what the Dockerfile copies
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
     shutil.copytree(ROOT / "worker", src / "worker", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    tools = tmp_path / "opt-devtools"  # COPY devtools /opt/devtools/devtools: beside, never in, the package
+    shutil.copytree(ROOT / "devtools", tools / "devtools", ignore=shutil.ignore_patterns("__pycache__"))
     venv, build = tmp_path / "image", tmp_path / "compile"
     for where in (venv, build):
         subprocess.run([sys.executable, "-m", "venv", str(where)], check=True)
     python, build_python = str(venv / "bin" / "python"), str(build / "bin" / "python")
     site_packages = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
     env = {**os.environ, "PIP_FIND_LINKS": "", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    env.pop("PYTHONPATH", None)
     steps = [[python, "-m", "pip", "install", "--quiet", "--no-cache-dir", "--require-hashes", "--no-deps",
               "-r", str(DEPLOY / "requirements.txt")],
              [python, "-m", "pip", "install", "--quiet", "--no-cache-dir", "--no-deps", "--no-build-isolation",
@@ -177,10 +181,16 @@ def test_the_image_build_steps_install_from_the_hashed_lock(tmp_path):
              [python, "-m", "pip", "check"],
              [build_python, "-m", "pip", "install", "--quiet", "--no-cache-dir", "--require-hashes", "--no-deps",
               "-r", str(DEPLOY / "requirements.txt"), "-r", str(DEPLOY / "compile-requirements.txt")],
-             [build_python, "-m", "worker.devtools.compile"],
-             [python, "-m", "worker.devtools.compile", "--check"],  # exit 1 unless every module is compiled
+             [build_python, "-m", "devtools.compile"],
+             [python, "-m", "devtools.compile", "--check"],  # exit 1 unless every module is compiled
              [str(venv / "bin" / "push-worker"), "--version"]]
     for step in steps:
-        cwd = site_packages if step[0] == build_python and "worker.devtools.compile" in step else tmp_path
-        done = subprocess.run(step, capture_output=True, text=True, env=env, timeout=600, cwd=cwd)
+        cwd = site_packages if step[0] == build_python and "devtools.compile" in step else tmp_path
+        step_env = {**env, "PYTHONPATH": str(tools)} if "devtools.compile" in step else env
+        done = subprocess.run(step, capture_output=True, text=True, env=step_env, timeout=600, cwd=cwd)
         assert done.returncode == 0, (step, done.stdout[-2000:], done.stderr[-2000:])
+    # What ships is the product: no development tools in the package, none on its command line.
+    assert not (site_packages / "devtools").exists() and not (site_packages / "worker" / "devtools").exists()
+    offered = subprocess.run([str(venv / "bin" / "push-worker"), "--help"], capture_output=True, text=True,
+                             env=env, timeout=60, cwd=tmp_path).stdout
+    assert "subs" in offered and not any(tool in offered for tool in ("demo", "bench", "soak"))

@@ -136,3 +136,11 @@ def test_every_metric_on_the_observability_page_is_exported_and_every_exported_o
         exported.add(family.name + ("_total" if family.type == "counter" else ""))
     assert sorted(documented - exported) == [], "documented but not exported"
     assert sorted(exported - documented) == [], "exported but not documented"
+
+
+def test_the_design_page_names_every_module():
+    """docs/design.md is the map of the code: a module it does not name is one a reader cannot find."""
+    design = (ROOT / "docs" / "design.md").read_text()
+    modules = [p for package in ("worker", "devtools") for p in sorted((ROOT / package).rglob("*.py"))
+               if p.name != "__init__.py"]
+    assert [str(p.relative_to(ROOT)) for p in modules if p.name not in design] == []

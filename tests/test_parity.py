@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from aiohttp import web
 from structlog.testing import capture_logs
 
+from devtools import apache_pulsar
 from tests import brokers
 from tests.conftest import Client, Endpoint, make_settings, make_sub, serve
 from tests.helpers import cli, eventually, push_sub, worker_yaml
@@ -23,7 +24,6 @@ from worker import broker_admin, keys
 from worker.backlog import BacklogReader
 from worker.config import FleetSettings, PulsarSettings, RedisSettings
 from worker.consumer import quiet_logger
-from worker.devtools import apache_pulsar
 from worker.errors import ConfigError
 from worker.fleet import leases, seek
 from worker.fleet.registry import Registry

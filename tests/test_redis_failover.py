@@ -26,12 +26,12 @@ from aiohttp import web
 from redis.crc import key_slot
 from structlog.testing import capture_logs
 
+from devtools import redis_topologies
 from tests.conftest import Client, Endpoint, make_sub
 from tests.fleet_harness import FleetHarness, delivered, fleet_sub, settled_ownership, topics
 from tests.helpers import cli, eventually, http_get, push_sub, spawn_worker, stop_worker
 from tests.redis_targets import RedisTarget
 from worker import keys
-from worker.devtools import redis_topologies
 from worker.embedded import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis_topology]

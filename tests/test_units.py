@@ -13,6 +13,7 @@ import pulsar
 import pytest
 from structlog.testing import capture_logs
 
+from devtools.dispatcher_bench import _Attempts, _Backlog, _Endpoint
 from worker import dispatcher as dispatcher_module
 from worker.backoff import retry_delay
 from worker.budgets import ByteBudget
@@ -20,7 +21,6 @@ from worker.consumer import to_envelope
 from worker.deadletter import DeadLetterPublisher
 from worker.delivery import is_ack_status, parse_retry_after
 from worker.destinations import DestinationPolicy
-from worker.devtools.dispatcher_bench import _Attempts, _Backlog, _Endpoint
 from worker.dispatcher import DeliveryContext, Dispatcher, lane_of
 from worker.messages import Envelope, build_request, format_message_id, header_safe, rfc3339
 from worker.metrics import Metrics

@@ -14,7 +14,7 @@ messages that is one round trip per message instead of two.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -267,17 +267,24 @@ def _text(value: Any) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
-async def records(client: AsyncClient, sub_key: str) -> AsyncIterator[tuple[str, StoredRecord]]:
-    """Every attempt record of a subscription: (message id, record); a key of another type is skipped
-    (the worker starts such a record over)."""
+async def records(client: AsyncClient, sub_key: str, keep: Callable[[StoredRecord], bool],
+                  limit: int) -> list[tuple[str, StoredRecord]]:
+    """Up to `limit` attempt records of a subscription that `keep` keeps: (message id, record). A key
+    of another type is skipped (the worker starts such a record over). Not an async generator: this
+    module is compiled, and mypyc compiles none."""
     from redis.exceptions import ResponseError
 
+    found: list[tuple[str, StoredRecord]] = []
     async for record_key in client.scan_iter(match=keys.message_pattern(sub_key), count=1000):
         try:
-            raw = await client.hgetall(record_key)
+            record = StoredRecord.parse(await client.hgetall(record_key))
         except ResponseError:
             continue
-        yield keys.message_id_of(_text(record_key)), StoredRecord.parse(raw)
+        if keep(record):
+            found.append((keys.message_id_of(_text(record_key)), record))
+            if len(found) >= limit:
+                break
+    return found
 
 
 async def pending_attempts(client: AsyncClient, sub_key: str, message_id: str) -> int | None:

@@ -1,4 +1,4 @@
-"""Which modules are compiled with mypyc (`worker.devtools.compile`), and a guard against stale ones.
+"""Which modules are compiled with mypyc (`devtools.compile`), and a guard against stale ones.
 
 Python imports an extension module before the source beside it, so an extension built before a
 source was edited would silently run the old code. The package refuses to import then.
@@ -40,7 +40,7 @@ def fresh() -> bool:
 
 
 def check_fresh() -> None:
-    if "worker.devtools.compile" in sys.orig_argv:  # the tool that rebuilds or removes them
+    if "devtools.compile" in sys.orig_argv:  # the tool that rebuilds or removes them
         return
     newer = newer_sources()
     if newer:

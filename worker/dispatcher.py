@@ -255,15 +255,13 @@ class Dispatcher:
         reasons = (self.health.reason, self.attempts.failing_reason(self.sub.key), self.dead_letter_failures.reason)
         return "; ".join(reason for reason in reasons if reason)
 
-    async def _fenced(self) -> bool:
-        """True while this worker may deliver. While it may not (its lease could not be renewed in
-        time: Redis slow or failing over), wait: a renewal lets the message go on; a lost lease stops
-        the dispatcher (False). Waiting for the stop alone stranded the message for good when the
-        renewal came through after all (seen in a Redis Cluster failover: unacked, never redelivered).
-        Every fenced message of the dispatcher shares one wait, woken by the renewal: a poll each (a
-        thousand subscriptions holding messages) woke the loop so often that the lease renewals starved
-        and a worker never recovered from a 7 s Redis pause; a poll a subscription still cost a worker
-        of a thousand fenced subscriptions a fifth of a core."""
+    async def _wait_until_may_deliver(self) -> bool:
+        """True once this worker may deliver. While it may not (its lease could not be renewed in
+        time: Redis slow or failing over), wait: a renewal lets the message go on, a lost lease stops
+        the dispatcher (False). Waiting for the stop alone would strand the message when the renewal
+        comes through after all. Every fenced message of the dispatcher shares one wait, woken by the
+        renewal, not a poll: polls by many fenced subscriptions starve the lease renewals
+        (docs/measurements/reliability.md#fenced-messages)."""
         while not self.may_deliver():
             if self._stopping.is_set():
                 return False
@@ -425,14 +423,14 @@ class Dispatcher:
     async def _deliver_until_settled(self, message: Any, env: Envelope) -> Awaitable[None] | None:
         """Deliver until acked, dead-lettered or dropped; returns the settled record still to write."""
         if env.defect is not None:  # no request could carry it faithfully: dead-letter it with the reason
-            if self.may_deliver() or await self._fenced():
+            if self.may_deliver() or await self._wait_until_may_deliver():
                 self.failure_log.error("undeliverable message", message_id=env.message_id, defect=env.defect)
                 return await self._give_up(message, env, self.sub, 0, env.defect_status,
                                            [event_entry("unreadable", self.ctx.worker_id, detail=env.defect)])
             return None
         if self.sub.filter is not None and not self.sub.filter.matches(env.attributes):
             # Not for this subscription (filters are immutable): acked without a request, recorded.
-            if not (self.may_deliver() or await self._fenced()):
+            if not (self.may_deliver() or await self._wait_until_may_deliver()):
                 return None
             self.m.filtered.inc()
             self.stats.filtered += 1
@@ -441,7 +439,7 @@ class Dispatcher:
                                    acked_first_time=True)
         while not self._stopping.is_set():
             sub = self.sub  # an edit applies from the next attempt on
-            if not (self.may_deliver() or await self._fenced()):
+            if not (self.may_deliver() or await self._wait_until_may_deliver()):
                 return None
             record = await self.attempts.begin(sub.key, env.message_id)
             if record.corrupt:
@@ -461,7 +459,7 @@ class Dispatcher:
                 return await self._give_up(message, env, sub, record.number - 1, record.last_status or "unknown", [])
             outcome = await self._attempt(sub, env, record.number)
             if outcome is None:  # the lease could not be vouched for right before sending: no request
-                continue  # `_fenced` waits for a renewal (next number) or the stop (the next owner's)
+                continue  # `_wait_until_may_deliver` waits for a renewal (next number) or the stop (the next owner's)
             entry = attempt_entry(record.number, outcome, self.ctx.worker_id)
             if outcome.acked:
                 settled = await self._ack(message, env, sub, [entry], acked_first_time=record.number == 1)
@@ -587,7 +585,7 @@ class Dispatcher:
         self.failure_log.error("handling a message failed; it is settled alone", message_id=env.message_id,
                                error=reason, traceback="".join(traceback.format_exception(error))[-2000:])
         try:
-            if self.sub.dead_letter_topic and (self.may_deliver() or await self._fenced()):
+            if self.sub.dead_letter_topic and (self.may_deliver() or await self._wait_until_may_deliver()):
                 failed_env = dataclasses.replace(env, defect=reason)
                 return await self._give_up(message, failed_env, self.sub, 0, "worker_error",
                                            [event_entry("worker-error", self.ctx.worker_id, detail=reason)])

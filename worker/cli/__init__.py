@@ -1,4 +1,4 @@
-"""`push-worker` command line: run a worker, the demo, the benchmark, and small operator helpers.
+"""`push-worker` command line: run a worker, check its config, publish, and the operator commands.
 
 Exit codes: 0 ok, 1 runtime failure, 2 bad configuration or usage, 3 not found (each with a one-line
 reason, no traceback).
@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from worker.cli import devtools, dlq, messages, subs
+from worker.cli import dlq, messages, subs
 from worker.cli import worker as worker_commands
 from worker.cli.common import Parser
 from worker.errors import ConfigError, NotFound, PushWorkerError, UsageError, strip_userinfo
@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="push-worker", description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--version", action="version", version=f"push-worker {version('push-worker')}")
     cmds = parser.add_subparsers(dest="command", required=True)
-    for group in (worker_commands, devtools, subs, messages, dlq):
+    for group in (worker_commands, subs, messages, dlq):
         group.register(cmds)
     return parser
 
@@ -40,7 +40,12 @@ def _exit_now(code: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run(build_parser(), argv)
+
+
+def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:
+    """Parse and run one command (also the development tools': `python -m devtools`)."""
+    args = parser.parse_args(argv)
     code = _dispatch(args)
     if argv is None:  # a real process, not a call from tests
         _exit_now(code)

@@ -219,12 +219,11 @@ class Admin:
         least once, waiting or being retried), from their attempt records. (`dead`: see dlq.)"""
         key = await self.existing(name)
         rows: list[dict[str, Any]] = []
-        async for message_id, record in attempts.records(self.client, key):
-            if record.discard or record.settled or record.retrying != (state == "retrying"):
-                continue
+        def wanted(record: attempts.StoredRecord) -> bool:
+            return not (record.discard or record.settled) and record.retrying == (state == "retrying")
+
+        for message_id, record in await attempts.records(self.client, key, wanted, limit):
             rows.append({"message_id": message_id, "attempts": record.attempts, "last_status": record.last_status})
-            if len(rows) >= limit:
-                break
         rows.sort(key=lambda r: r["message_id"])
         data = {"subscription": key, "state": state, "messages": rows}
         if not rows:

@@ -18,10 +18,10 @@ from aiohttp import web
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
+from devtools.endpoints import serve_local
 from worker import embedded, logs
 from worker.config import HttpSettings, Settings
 from worker.destinations import DestinationPolicy
-from worker.devtools.endpoints import serve_local
 from worker.messages import format_message_id
 from worker.service import Worker
 from worker.subscriptions import RetryPolicy, Subscription
@@ -76,7 +76,7 @@ async def run_demo(messages: int = 300) -> int:
                         destinations=DestinationPolicy(allow_private=True), subscriptions=(sub,),
                         shutdown_grace_seconds=5)
     started = time.monotonic()
-    print(f"push-worker demo: embedded broker + Redis under {state_dir}, endpoint on port {port}")
+    print(f"demo: embedded broker + Redis under {state_dir}, endpoint on port {port}")
     async with Worker(settings, worker_id="demo") as worker:
         assert worker.status is not None
         print(f"metrics: http://127.0.0.1:{worker.status.port}/metrics")

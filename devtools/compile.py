@@ -1,4 +1,4 @@
-"""Compile the per-message path with mypyc, in place: `python -m worker.devtools.compile [--clean]`.
+"""Compile the per-message path with mypyc, in place: `python -m devtools.compile [--clean]`.
 
 The modules every message passes through are compiled from their own typed source (no second
 implementation of anything): a delivery in a burst or backlog costs about a sixth less CPU
@@ -59,7 +59,7 @@ def compile_in_place() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m worker.devtools.compile", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m devtools.compile", description=__doc__.split("\n")[0])
     parser.add_argument("--clean", action="store_true", help="remove the compiled modules instead")
     parser.add_argument("--force", action="store_true", help="build even when the compiled modules are up to date")
     parser.add_argument("--check", action="store_true", help="exit 1 unless every module runs compiled")

@@ -1,4 +1,4 @@
-"""`push-worker soak`: a bounded run under mixed failures that counts what happened to every message.
+"""`python -m devtools soak`: a bounded run under mixed failures that counts what happened to every message.
 
 A fleet of worker processes (embedded broker and Redis, or the ones configured) serves two push
 subscriptions on one topic, one of them signed, while a publisher sends numbered messages at a
@@ -37,9 +37,9 @@ import pulsar
 import yaml
 from aiohttp import web
 
+from devtools import apache_pulsar
+from devtools.endpoints import serve_local
 from worker import embedded
-from worker.devtools import apache_pulsar
-from worker.devtools.endpoints import serve_local
 from worker.embedded import free_port, terminate
 from worker.ops.render import table
 

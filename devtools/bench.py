@@ -1,4 +1,4 @@
-"""`push-worker bench` / `make bench`: delivery speed measured against references in the same run.
+"""`python -m devtools bench` / `make bench`: delivery speed measured against references in the same run.
 
 Everything runs on this machine: the embedded broker and Redis, a sink endpoint answering 204 (in
 its own process), the references and one `push-worker run` process per case. References: a bare
@@ -44,11 +44,11 @@ import yarl
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from devtools import BENCH_SECTIONS, apache_pulsar, dispatcher_bench, redis_topologies
+from devtools.scratch import scratch_dir
 from worker import compiled, embedded
 from worker.consumer import CONSUMER_TYPES, PulsarConsumer, to_envelope
 from worker.destinations import DestinationPolicy, GuardedResolver
-from worker.devtools import BENCH_SECTIONS, apache_pulsar, dispatcher_bench, redis_topologies
-from worker.devtools.scratch import scratch_dir
 from worker.http1 import Client
 from worker.messages import Envelope, build_request
 from worker.ops.render import table
@@ -278,9 +278,9 @@ def _print_figures(requests: int, elapsed: float, cpu: float) -> None:
 
 
 def _measured_process(args: list[str]) -> Reference:
-    """Run `python -m worker.devtools.bench *args` (a reference or the floor) and read the figures it
+    """Run `python -m devtools.bench *args` (a reference or the floor) and read the figures it
     prints last (requests, elapsed time, CPU): its rate and CPU per request."""
-    out = subprocess.run([sys.executable, "-m", "worker.devtools.bench", *args], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "devtools.bench", *args], capture_output=True, text=True,
                          check=True, timeout=600)
     figures = json.loads(out.stdout.splitlines()[-1])
     requests = int(figures["requests"])
@@ -443,7 +443,7 @@ class Bench:
 
     def sink(self, fail_rate: float = 0.0) -> str:
         port = embedded.free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "worker.devtools.bench", "sink", str(port), str(fail_rate)])
+        proc = subprocess.Popen([sys.executable, "-m", "devtools.bench", "sink", str(port), str(fail_rate)])
         self.sinks.append(proc)
         embedded.wait_for_port(port, proc, "sink")
         return f"http://127.0.0.1:{port}"
@@ -525,7 +525,7 @@ class Bench:
                                 stderr=open(self.dir / "worker.log", "ab"))
 
     def start_bare_consumer(self, topic: str, count: int) -> subprocess.Popen[str]:
-        proc = subprocess.Popen([sys.executable, "-m", "worker.devtools.bench", "bare-consumer", self.broker.url,
+        proc = subprocess.Popen([sys.executable, "-m", "devtools.bench", "bare-consumer", self.broker.url,
                                  topic, "bare", str(count)], stdout=subprocess.PIPE, text=True)
         assert proc.stdout is not None
         if proc.stdout.readline().strip() != "ready":
@@ -623,7 +623,7 @@ class Bench:
 
     def misbehaving_endpoint(self) -> str:
         port = embedded.free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "worker.devtools.bench", "misbehaving", str(port)])
+        proc = subprocess.Popen([sys.executable, "-m", "devtools.bench", "misbehaving", str(port)])
         self.sinks.append(proc)
         embedded.wait_for_port(port, proc, "misbehaving endpoint")
         return f"http://127.0.0.1:{port}"
@@ -934,7 +934,7 @@ class Run:
 async def run_bench(messages: int = 20000, concurrency: int = 64, sections: tuple[str, ...] = SECTIONS,
                     steady_rate: float = 1000.0, rounds: int = 3) -> int:
     def work() -> int:
-        print(f"push-worker bench: {', '.join(sections)}; {os.cpu_count()} cores; "
+        print(f"devtools bench: {', '.join(sections)}; {os.cpu_count()} cores; "
               f"per-message path {compiled.state()}\n")
         if "dispatcher" in sections:  # in-process: needs no broker, Redis or sink
             print(dispatcher_bench.report(window=concurrency))

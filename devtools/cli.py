@@ -1,22 +1,23 @@
-"""`demo`, `bench`, `bench-fleet`, `soak`: development tools."""
+"""`python -m devtools demo|bench|bench-fleet|soak`: the development tools' command line (the
+Makefile's `demo`, `bench` and `soak` targets run it). Not part of the shipped package."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from worker.cli.common import positive_int, positive_number, run_loop
-from worker.devtools import BENCH_SECTIONS
+from devtools import BENCH_SECTIONS
+from worker.cli.common import Parser, positive_int, positive_number, run_loop
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from worker.devtools.demo import run_demo
+    from devtools.demo import run_demo
 
     return run_loop(run_demo(messages=args.messages))
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from worker.devtools.bench import SECTIONS, run_bench
+    from devtools.bench import SECTIONS, run_bench
 
     return run_loop(run_bench(messages=args.messages, concurrency=args.concurrency,
                               sections=tuple(args.section or SECTIONS), steady_rate=args.steady_rate,
@@ -25,18 +26,24 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _cmd_bench_fleet(args: argparse.Namespace) -> int:
     if args.simulated:
-        from worker.devtools.fleet_scale import run_scale
+        from devtools.fleet_scale import run_scale
 
         return run_loop(run_scale(tuple(args.sizes), args.workers or 10, args.lease_seconds or 10.0))
-    from worker.devtools.fleet_bench import run
+    from devtools.fleet_bench import run
 
     return run_loop(run(args.subscriptions, args.workers or 3, args.lease_seconds or 5.0))
 
 
 def _cmd_soak(args: argparse.Namespace) -> int:
-    from worker.devtools.soak import run_soak
+    from devtools.soak import run_soak
 
     return run_loop(run_soak(args.seconds, args.workers, args.rate, args.hard_kills))
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="python -m devtools", description="push-worker's development tools")
+    register(parser.add_subparsers(dest="command", required=True))
+    return parser
 
 
 def register(cmds: Any) -> None:

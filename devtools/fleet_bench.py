@@ -1,4 +1,4 @@
-"""`push-worker bench-fleet`: ownership convergence after a kill and movement on a join, measured
+"""`python -m devtools bench-fleet`: ownership convergence after a kill and movement on a join, measured
 with real worker processes on the embedded broker and Redis (a benchmark, not a test)."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 import redis
 import yaml
 
+from devtools.scratch import scratch_dir
 from worker import embedded
-from worker.devtools.scratch import scratch_dir
 from worker.fleet import assign
 from worker.fleet.registry import safe_text
 from worker.keys import lease_key
@@ -65,7 +65,7 @@ def _run_in(tmp: Path, subscriptions: int, workers: int, lease_seconds: float) -
         return set(counts) == ids and max(counts.values()) - min(counts.values()) <= 1
 
     try:
-        print(f"push-worker bench-fleet: {subscriptions} subscriptions, {workers} workers, "
+        print(f"devtools bench-fleet: {subscriptions} subscriptions, {workers} workers, "
               f"lease {lease_seconds:g}s, heartbeat 0.5s\n")
         for i in range(workers):
             start(f"w{i}")

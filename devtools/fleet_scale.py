@@ -1,4 +1,4 @@
-"""`push-worker bench-fleet --simulated`: the fleet's Redis traffic at scale, on a real Redis Cluster.
+"""`python -m devtools bench-fleet --simulated`: the fleet's Redis traffic at scale, on a real Redis Cluster.
 
 Simulated workers, one process each as in a fleet, run the real ownership code (`worker.fleet.Fleet`:
 membership heartbeats, the assignment, lease acquire/renew/release, status reports, registry
@@ -17,12 +17,12 @@ import sys
 import time
 from typing import Any
 
+from devtools import redis_topologies
+from devtools.bench import _wait
+from devtools.scratch import scratch_dir
 from worker import keys, logs
 from worker.attempts import AttemptStore
 from worker.config import FleetSettings, RedisSettings
-from worker.devtools import redis_topologies
-from worker.devtools.bench import _wait
-from worker.devtools.scratch import scratch_dir
 from worker.dispatcher import Fence
 from worker.fleet import Fleet
 from worker.metrics import Metrics
@@ -73,7 +73,7 @@ def _memory(client: Any) -> int:
 
 async def simulated_worker_main(worker_id: str, settings_json: str) -> None:
     """One simulated worker in a process of its own, as in a real fleet: `python -m
-    worker.devtools.fleet_scale <id> <json>`; runs until killed."""
+    devtools.fleet_scale <id> <json>`; runs until killed."""
     spec = json.loads(settings_json)
     settings = RedisSettings(mode="cluster", nodes=tuple(spec["nodes"]))
     subs = tuple(scale_subscription(i) for i in range(spec["count"]))
@@ -97,7 +97,7 @@ def _measure(settings: RedisSettings, sync: Any, count: int, workers: int, lease
     sync.flushall(target_nodes="primaries")
     base_memory = _memory(sync)
     spec = json.dumps({"nodes": list(settings.nodes), "count": count, "lease": lease})
-    procs = [subprocess.Popen([sys.executable, "-m", "worker.devtools.fleet_scale", f"sim-{i}", spec],
+    procs = [subprocess.Popen([sys.executable, "-m", "devtools.fleet_scale", f"sim-{i}", spec],
                               stderr=subprocess.DEVNULL) for i in range(workers)]
     try:
         owned_after = _wait(lambda: all(_owners(sync, count)), 300, "every subscription owned")
@@ -148,7 +148,7 @@ async def run_scale(sizes: tuple[int, ...] = (1_000, 10_000), workers: int = 10,
         settings = topology.settings()
         sync = connect_sync(settings)
         try:
-            print(f"push-worker bench-fleet --simulated: Redis Cluster of 3 masters + 3 replicas, {workers} simulated "
+            print(f"devtools bench-fleet --simulated: Redis Cluster of 3 masters + 3 replicas, {workers} simulated "
                   f"workers (the real ownership code, no delivery), lease {lease:g}s, heartbeat 1s\n")
             rows = []
             for n in sizes:

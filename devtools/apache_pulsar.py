@@ -6,8 +6,8 @@ configuration, starts `org.apache.pulsar.PulsarStandaloneStarter` in a JVM of it
 the admin API serves `public/default` and the broker's health check passes, and creates the
 tenants and namespaces Apache Pulsar (unlike pulsar-lite) does not create by itself.
 
-    python -m worker.devtools.apache_pulsar start [--dir D] [--port P] [--http-port H]
-    python -m worker.devtools.apache_pulsar stop [--dir D]
+    python -m devtools.apache_pulsar start [--dir D] [--port P] [--http-port H]
+    python -m devtools.apache_pulsar stop [--dir D]
 """
 
 from __future__ import annotations
@@ -335,7 +335,7 @@ def start(state_dir: Path, port: int | None = None, http_port: int | None = None
 # -- make apache-pulsar / apache-pulsar-stop -------------------------------------------------------
 
 def _main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m worker.devtools.apache_pulsar",
+    parser = argparse.ArgumentParser(prog="python -m devtools.apache_pulsar",
                                      description="Start or stop an Apache Pulsar standalone broker in the background.")
     parser.add_argument("action", choices=["start", "stop"])
     parser.add_argument("--dir", type=Path, default=Path(".apache-pulsar"),
