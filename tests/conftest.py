@@ -1,4 +1,4 @@
-"""Shared fixtures: real brokers (pulsar-lite, or Apache Pulsar: tests/brokers.py) and redis-server
+"""Shared fixtures: real brokers (pulsar-lite, or Apache Pulsar: tests/support/brokers.py) and redis-server
 processes on free ports, real HTTP endpoints.
 
 Nothing here is a mock: the broker, Redis and endpoints are the programs a user would run.
@@ -13,25 +13,24 @@ import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pulsar
 import pytest
 import redis
 from aiohttp import web
 
 from devtools import redis_topologies
-from tests import brokers
-from tests.helpers import eventually, self_signed
-from tests.redis_targets import RedisTarget
+from tests.support import brokers
+from tests.support.builders import make_settings
+from tests.support.endpoints import Endpoint, Received, serve
+from tests.support.helpers import eventually, self_signed
+from tests.support.pulsar_client import Client
+from tests.support.redis_targets import RedisTarget
 from worker import embedded
-from worker.config import HttpSettings, PulsarSettings, RedisSettings, Settings
-from worker.destinations import DestinationPolicy
-from worker.messages import format_message_id
+from worker.config import RedisSettings
 from worker.service import Worker
-from worker.subscriptions import RetryPolicy, Subscription
+from worker.subscriptions import Subscription
 
 # -- CI: nothing may skip -------------------------------------------------------------------
 
@@ -94,7 +93,7 @@ def _collect_garbage_between_tests() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """pulsar-lite, or the Apache Pulsar that PUSH_WORKER_TEST_PULSAR_URL names (tests/brokers.py)."""
+    """pulsar-lite, or the Apache Pulsar that PUSH_WORKER_TEST_PULSAR_URL names (tests/support/brokers.py)."""
     service = brokers.session_broker(tmp_path_factory.mktemp("pulsar"))
     yield service
     service.stop()
@@ -159,7 +158,7 @@ def redis_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[redis_t
 
 @pytest.fixture
 def redis_target(request: pytest.FixtureRequest) -> RedisTarget:
-    """Standalone unless the test is parametrised over MODES (tests/redis_targets.py). The cluster
+    """Standalone unless the test is parametrised over MODES (tests/support/redis_targets.py). The cluster
     and Sentinel setups are shared by the session: a test that kills a node starts its own."""
     mode = getattr(request, "param", "standalone")
     if mode == "standalone":
@@ -181,8 +180,8 @@ def own_redis(tmp_path: Path) -> Iterator[embedded.Service]:
 
 @pytest.fixture(scope="session")
 def previous_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A directory holding the previous release's `worker` package (tests/previous_release.py)."""
-    from tests import previous_release as release
+    """A directory holding the previous release's `worker` package (tests/support/previous_release.py)."""
+    from tests.support import previous_release as release
 
     return release.extract(tmp_path_factory.mktemp("previous-release"))
 
@@ -193,76 +192,6 @@ def topic() -> str:
 
 
 # -- endpoints --------------------------------------------------------------------------------
-
-@dataclass
-class Received:
-    """One request as the endpoint saw it."""
-
-    headers: dict[str, str]
-    body: bytes
-    at: float
-    status: int | None = None  # what the endpoint answered, once it has
-    path: str = ""  # the request's path
-
-    @property
-    def acked(self) -> bool:
-        return self.status is not None and (self.status == 102 or 200 <= self.status < 300)
-
-    @property
-    def body_payload(self) -> bytes:
-        """The message payload, whichever content mode carried it."""
-        if self.headers.get("Content-Type") == "application/json":
-            import base64
-            import json
-
-            return base64.b64decode(json.loads(self.body)["message"]["data"])
-        return self.body
-
-
-@dataclass
-class Endpoint:
-    """A real aiohttp server. `behaviour(request_record) -> web.Response` decides each answer."""
-
-    url: str = ""
-    requests: list[Received] = field(default_factory=list)
-    behaviour: Callable[[Received], Awaitable[web.StreamResponse] | web.StreamResponse] | None = None
-
-    def by_id(self) -> dict[str, list[Received]]:
-        out: dict[str, list[Received]] = {}
-        for r in self.requests:
-            out.setdefault(r.headers["Pubsub-Message-Id"], []).append(r)
-        return out
-
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-async def serve(path: str, handler: Handler, method: str = "POST",
-                host: str = "127.0.0.1") -> tuple[web.AppRunner, str]:
-    """A real aiohttp server on a free loopback port (of `host`) answering `method` (`*`: any) on
-    `path`; returns (runner, url)."""
-    app = web.Application(client_max_size=64 * 1024 * 1024)
-    app.router.add_route(method, path, handler)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://{host}:{port}{path.replace('{tail:.*}', 'push')}"
-
-
-async def catcher(host: str) -> tuple[web.AppRunner, str, list[Received]]:
-    """A listener on `host` (any loopback address) that records whatever reaches it: a leak, in a
-    test where nothing should; returns (runner, url, what it received)."""
-    got: list[Received] = []
-
-    async def handle(request: web.Request) -> web.Response:
-        got.append(Received(dict(request.headers), await request.read(), time.monotonic(), 204))
-        return web.Response(status=204)
-
-    runner, url = await serve("/{tail:.*}", handle, "*", host)
-    return runner, url, got
-
 
 @pytest.fixture
 async def endpoint() -> AsyncIterator[Endpoint]:
@@ -287,26 +216,6 @@ async def endpoint() -> AsyncIterator[Endpoint]:
 
 # -- worker and clients -----------------------------------------------------------------------
 
-def make_sub(topic: str, url: str, **overrides: Any) -> Subscription:
-    values: dict[str, Any] = {
-        "name": "sub-" + uuid.uuid4().hex[:8], "topic": topic, "url": url, "ack_deadline_seconds": 5,
-        "max_deliver": 3, "retry": RetryPolicy(0.05, 0.2),
-    }
-    values.update(overrides)
-    return Subscription(**values)
-
-
-def make_settings(broker_url: str, redis: str | RedisSettings, subs: tuple[Subscription, ...], **kw: Any) -> Settings:
-    values: dict[str, Any] = {
-        "pulsar": PulsarSettings(service_url=broker_url),
-        "redis": redis if isinstance(redis, RedisSettings) else RedisSettings(url=redis),
-        "http": HttpSettings(port=0), "destinations": DestinationPolicy(allow_private=True),
-        "subscriptions": subs, "shutdown_grace_seconds": 5.0,
-    }
-    values.update(kw)
-    return Settings(**values)
-
-
 @pytest.fixture
 async def start_worker(broker: Any, redis_target: RedisTarget) -> AsyncIterator[Callable[..., Awaitable[Worker]]]:
     workers: list[Worker] = []
@@ -323,68 +232,6 @@ async def start_worker(broker: Any, redis_target: RedisTarget) -> AsyncIterator[
     yield start
     for w in workers:
         await w.close()
-
-
-def quiet_logger() -> Any:
-    return pulsar.ConsoleLogger(pulsar.LoggerLevel.Error)
-
-
-class Client:
-    """A plain synchronous Pulsar client for tests: publish and read topics."""
-
-    def __init__(self, url: str) -> None:
-        self.client = pulsar.Client(url, logger=quiet_logger(), operation_timeout_seconds=10)
-
-    def publish(self, topic: str, payloads: list[bytes], properties: dict[str, str] | None = None,
-                key: str | None = None) -> list[str]:
-        producer = self.client.create_producer(topic, batching_enabled=False)
-        ids = []
-        for p in payloads:
-            kwargs: dict[str, Any] = {"properties": properties or {}}
-            if key is not None:
-                kwargs["partition_key"] = key
-            mid = producer.send(p, **kwargs)
-            ids.append(format_message_id(mid))
-        producer.close()
-        return ids
-
-    def watch(self, topic: str) -> pulsar.Consumer:
-        """Subscribe before anything is published there, so nothing is missed."""
-        return self.client.subscribe(topic, "inspector-" + uuid.uuid4().hex[:6],
-                                     initial_position=pulsar.InitialPosition.Earliest)
-
-    @staticmethod
-    def drain(consumer: pulsar.Consumer, expected: int, timeout: float = 30.0) -> list[pulsar.Message]:
-        out: list[pulsar.Message] = []
-        deadline = time.monotonic() + timeout
-        while len(out) < expected and time.monotonic() < deadline:
-            try:
-                msg = consumer.receive(timeout_millis=200)
-            except pulsar.Timeout:
-                continue
-            consumer.acknowledge(msg)
-            out.append(msg)
-        return out
-
-    @staticmethod
-    def drain_originals(consumer: pulsar.Consumer, ids: set[str], timeout: float = 60.0) -> list[pulsar.Message]:
-        """Read a dead-letter topic until every original id in `ids` was seen (duplicates allowed:
-        a crash between the confirmed dead-letter publish and the ack republishes once more)."""
-        out: list[pulsar.Message] = []
-        seen: set[str] = set()
-        deadline = time.monotonic() + timeout
-        while not ids <= seen and time.monotonic() < deadline:
-            try:
-                msg = consumer.receive(timeout_millis=200)
-            except pulsar.Timeout:
-                continue
-            consumer.acknowledge(msg)
-            out.append(msg)
-            seen.add(msg.properties().get("pubsub.original_message_id", ""))
-        return out
-
-    def close(self) -> None:
-        self.client.close()
 
 
 @pytest.fixture

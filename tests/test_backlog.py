@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 from aiohttp import web
 
-from tests import brokers
-from tests.conftest import Client, make_sub
-from tests.helpers import eventually
+from tests.support import brokers
+from tests.support.builders import make_sub
+from tests.support.helpers import eventually
+from tests.support.pulsar_client import Client
 from worker.backlog import BacklogReader, parse_backlog_metrics
 from worker.broker_admin import AdminError, make_session
 from worker.config import PulsarSettings

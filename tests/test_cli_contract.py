@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from devtools.cli import build_parser as build_devtools_parser
-from tests.helpers import env, run_cli
+from tests.support.helpers import env, run_cli
 from worker.cli import build_parser
 
 pytestmark = pytest.mark.broker_independent

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.helpers import spawn_worker, stop_worker, wait_sync
+from tests.support.helpers import spawn_worker, stop_worker, wait_sync
 from worker import compiled
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,7 +9,8 @@ import threading
 import pulsar.asyncio as pulsar_async
 import pytest
 
-from tests.conftest import Client, make_sub
+from tests.support.builders import make_sub
+from tests.support.pulsar_client import Client
 from worker import consumer as consumer_module
 from worker.config import PulsarSettings
 from worker.consumer import make_client, subscribe, to_envelope

@@ -15,9 +15,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from tests.conftest import Client, Endpoint, make_sub
-from tests.helpers import assert_stays, cli, eventually, push_sub, worker_yaml
-from tests.redis_targets import ALL_REDIS
+from tests.support.builders import make_sub, push_sub, worker_yaml
+from tests.support.endpoints import Endpoint
+from tests.support.helpers import assert_stays, cli, eventually
+from tests.support.pulsar_client import Client
+from tests.support.redis_targets import ALL_REDIS
 
 CONTRACT_HEADERS = ("Pubsub-Subscription", "Pubsub-Topic", "Pubsub-Message-Id", "Pubsub-Delivery-Attempt",
                     "Pubsub-Publish-Time")

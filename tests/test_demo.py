@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import wait_sync
+from tests.support.helpers import wait_sync
 
 pytestmark = pytest.mark.broker_independent
 

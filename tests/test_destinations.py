@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import catcher
+from tests.support.endpoints import catcher
 from worker.admission import admit
 from worker.delivery import Deliverer, Result
 from worker.destinations import DestinationPolicy, endpoint_host, literal_address

@@ -13,8 +13,8 @@ import pytest
 import yaml
 from aiohttp import web
 
-from tests.conftest import Endpoint
-from tests.helpers import (
+from tests.support.endpoints import Endpoint
+from tests.support.helpers import (
     assert_numbering_never_repeats,
     cli,
     eventually,

@@ -8,8 +8,9 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from tests.conftest import Endpoint, make_sub
-from tests.helpers import assert_stays, eventually
+from tests.support.builders import make_sub
+from tests.support.endpoints import Endpoint
+from tests.support.helpers import assert_stays, eventually
 from worker.attempts import AttemptStore
 from worker.config import RedisSettings
 from worker.deadletter import DeadLetterPublisher

@@ -11,8 +11,10 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import Client, Endpoint
-from tests.helpers import cli, eventually, push_sub, worker_yaml
+from tests.support.builders import push_sub, worker_yaml
+from tests.support.endpoints import Endpoint
+from tests.support.helpers import cli, eventually
+from tests.support.pulsar_client import Client
 from worker.errors import ConfigError
 from worker.filters import FilterError, parse_filter
 from worker.subscriptions import parse_subscription

@@ -13,12 +13,13 @@ from datetime import datetime
 import pytest
 from aiohttp import web
 
-from tests import brokers
-from tests.brokers import is_pulsar_lite
-from tests.conftest import Client, Endpoint, serve
-from tests.fleet_harness import FleetHarness, delivered, fleet_sub, settled_ownership, topics
-from tests.helpers import assert_stays, eventually, stays_sync, wait_sync
-from tests.redis_targets import ALL_REDIS
+from tests.support import brokers
+from tests.support.brokers import is_pulsar_lite
+from tests.support.endpoints import Endpoint, serve
+from tests.support.fleet_harness import FleetHarness, delivered, fleet_sub, settled_ownership, topics
+from tests.support.helpers import assert_stays, eventually, stays_sync, wait_sync
+from tests.support.pulsar_client import Client
+from tests.support.redis_targets import ALL_REDIS
 from worker.fleet import assign
 
 pytestmark = pytest.mark.slow

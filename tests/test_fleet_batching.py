@@ -12,8 +12,8 @@ from typing import Any
 import redis
 
 from devtools.fleet_scale import SimulatedWorker, scale_subscription
-from tests.helpers import eventually
-from tests.redis_targets import ALL_REDIS, RedisTarget
+from tests.support.helpers import eventually
+from tests.support.redis_targets import ALL_REDIS, RedisTarget
 from worker import keys, redis_client
 from worker.config import FleetSettings, RedisSettings
 from worker.fleet import Fleet

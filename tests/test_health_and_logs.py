@@ -12,9 +12,10 @@ import yaml
 from aiohttp import web
 from structlog.testing import capture_logs
 
-from tests.conftest import Client, make_sub
-from tests.helpers import eventually, http_get, spawn_worker, stop_worker
-from tests.redis_targets import ALL_REDIS
+from tests.support.builders import make_sub
+from tests.support.helpers import eventually, http_get, spawn_worker, stop_worker
+from tests.support.pulsar_client import Client
+from tests.support.redis_targets import ALL_REDIS
 from worker.config import FleetSettings
 from worker.embedded import free_port, start_redis
 
@@ -62,7 +63,7 @@ async def test_readiness_judges_the_worker_not_a_subscription_that_cannot_subscr
         broker, redis_url, endpoint, client: Client, topic):
     """A rolling update must not wait forever on one subscription the broker keeps refusing (here:
     an exclusive subscription another consumer holds); the broker answered, so the worker is ready."""
-    from tests.conftest import make_settings, make_sub
+    from tests.support.builders import make_settings, make_sub
     from worker.config import PulsarSettings
     from worker.service import Worker
 
@@ -138,20 +139,17 @@ async def test_a_full_redis_turns_readiness_red_with_why_and_delivery_resumes_wh
             red[:] = [await asyncio.to_thread(http_get, url)]
             return red[0][0] == 503 and "fleet round failing" in red[0][1]["reason"]
 
-        deadline = asyncio.get_running_loop().time() + 15
-        while not await reported_full():
-            assert asyncio.get_running_loop().time() < deadline, f"readiness stayed {red}"
-            await asyncio.sleep(0.1)
+        await eventually(reported_full, timeout=15, what="readiness to report the full Redis", interval=0.1)
         assert "OOM" in red[0][1]["reason"], red
     finally:
         admin.config_set("maxmemory", 0)
         admin.close()
     [mid] = client.publish(topic, [b"after"])
     await eventually(lambda: mid in endpoint.by_id(), timeout=20, what="delivery once Redis has room")
-    deadline = asyncio.get_running_loop().time() + 10
-    while (await asyncio.to_thread(http_get, url))[0] != 200:
-        assert asyncio.get_running_loop().time() < deadline, "never ready again"
-        await asyncio.sleep(0.1)
+    async def ready() -> bool:
+        return (await asyncio.to_thread(http_get, url))[0] == 200
+
+    await eventually(ready, timeout=10, what="ready again", interval=0.1)
 
 
 async def test_proxy_settings_are_said_to_be_unused_and_their_values_never_logged(

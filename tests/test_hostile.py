@@ -17,8 +17,10 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import Client, Endpoint, make_sub
-from tests.helpers import assert_numbering_never_repeats, eventually
+from tests.support.builders import make_sub
+from tests.support.endpoints import Endpoint
+from tests.support.helpers import assert_numbering_never_repeats, eventually
+from tests.support.pulsar_client import Client
 from worker.config import parse_settings
 from worker.delivery import RESPONSE_BODY_CAP, Deliverer, Result
 from worker.destinations import DestinationPolicy

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from yarl import URL
 
-from tests.helpers import eventually, self_signed
+from tests.support.helpers import eventually, self_signed
 from worker import http1
 from worker.delivery import Deliverer, Result
 from worker.destinations import DestinationPolicy, GuardedResolver

@@ -15,8 +15,10 @@ import orjson
 import pytest
 from cloudevents.http import from_http
 
-from tests.conftest import Client, Endpoint, make_sub
-from tests.helpers import eventually
+from tests.support.builders import make_sub
+from tests.support.endpoints import Endpoint
+from tests.support.helpers import eventually
+from tests.support.pulsar_client import Client
 from worker.embedded import free_port, terminate, wait_for_port
 from worker.errors import ConfigError
 from worker.messages import Envelope, build_request, rfc3339

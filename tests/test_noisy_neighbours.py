@@ -20,9 +20,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from tests.conftest import Client, Endpoint, make_sub
-from tests.helpers import cli, eventually, push_sub, worker_yaml
-from tests.redis_targets import ALL_REDIS, RedisTarget
+from tests.support.builders import make_sub, push_sub, worker_yaml
+from tests.support.endpoints import Endpoint
+from tests.support.helpers import cli, eventually
+from tests.support.pulsar_client import Client
+from tests.support.redis_targets import ALL_REDIS, RedisTarget
 from worker import keys, redis_client
 from worker.attempts import AttemptStore
 from worker.backoff import MIN_BACKOFF_SECONDS, retry_delay
@@ -284,7 +286,7 @@ async def test_one_project_holding_large_messages_cannot_take_the_worker_over_it
     message is delivered, and each subscription gets its turn."""
     from aiohttp import web as aioweb
 
-    from tests.conftest import serve
+    from tests.support.endpoints import serve
 
     got: dict[str, int] = {}
 
@@ -324,7 +326,7 @@ async def test_a_hung_endpoint_cannot_take_another_projects_connections(start_wo
     p-hang holds at most what it may borrow (three quarters of 32)."""
     from aiohttp import web as aioweb
 
-    from tests.conftest import serve
+    from tests.support.endpoints import serve
 
     answered, hanging = 0, 0
     forever = asyncio.Event()

@@ -20,8 +20,9 @@ import redis as redis_sync
 import yaml
 from aiohttp import web
 
-from tests.conftest import Client, make_sub
-from tests.helpers import cli, push_sub, wait_sync
+from tests.support.builders import make_sub, push_sub
+from tests.support.helpers import cli, wait_sync
+from tests.support.pulsar_client import Client
 from worker.config import FleetSettings, PulsarSettings
 from worker.embedded import free_port, wait_for_port
 from worker.keys import lease_key

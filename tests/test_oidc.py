@@ -14,8 +14,10 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
-from tests.conftest import Client, Endpoint, make_sub
-from tests.helpers import eventually
+from tests.support.builders import make_sub
+from tests.support.endpoints import Endpoint
+from tests.support.helpers import eventually
+from tests.support.pulsar_client import Client
 from worker.admission import preflight
 from worker.config import HttpSettings, parse_settings
 from worker.embedded import free_port

@@ -12,9 +12,11 @@ import redis
 import yaml
 from aiohttp import web
 
-from tests.conftest import Client, Endpoint, make_sub
-from tests.helpers import cli, eventually, push_sub, worker_yaml
-from tests.redis_targets import ALL_REDIS, RedisTarget
+from tests.support.builders import make_sub, push_sub, worker_yaml
+from tests.support.endpoints import Endpoint
+from tests.support.helpers import cli, eventually
+from tests.support.pulsar_client import Client
+from tests.support.redis_targets import ALL_REDIS, RedisTarget
 from worker import keys
 from worker.config import RedisSettings
 from worker.subscriptions import RetryPolicy
@@ -126,7 +128,7 @@ async def test_dead_letters_are_listed_shown_and_redriven_to_their_subscription_
         other.requests.append(request.headers.get("Pubsub-Message-Id"))  # type: ignore[arg-type]
         return web.Response(status=204)
 
-    from tests.conftest import serve
+    from tests.support.endpoints import serve
 
     runner, other.url = await serve("/push", other_handler)
     config, settings = worker_yaml(tmp_path, broker.url, redis_target.config,

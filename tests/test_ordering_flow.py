@@ -10,8 +10,10 @@ from collections import defaultdict
 import pytest
 from aiohttp import web
 
-from tests.conftest import Client, Endpoint, make_sub, serve
-from tests.helpers import assert_stays, eventually
+from tests.support.builders import make_sub
+from tests.support.endpoints import Endpoint, serve
+from tests.support.helpers import assert_stays, eventually
+from tests.support.pulsar_client import Client
 from worker.delivery import Outcome, Result
 from worker.flow import AdaptiveLimit
 from worker.subscriptions import RetryPolicy

@@ -10,9 +10,11 @@ import pytest
 import yaml
 from aiohttp import web
 
-from tests.conftest import Client, Endpoint, make_sub
-from tests.helpers import assert_numbering_never_repeats, assert_stays, eventually, spawn_worker
-from tests.redis_targets import ALL_REDIS, RedisTarget
+from tests.support.builders import make_sub
+from tests.support.endpoints import Endpoint
+from tests.support.helpers import assert_numbering_never_repeats, assert_stays, eventually, spawn_worker
+from tests.support.pulsar_client import Client
+from tests.support.redis_targets import ALL_REDIS, RedisTarget
 from worker.destinations import DestinationPolicy
 from worker.subscriptions import RetryPolicy
 

@@ -27,10 +27,12 @@ from redis.crc import key_slot
 from structlog.testing import capture_logs
 
 from devtools import redis_topologies
-from tests.conftest import Client, Endpoint, make_sub
-from tests.fleet_harness import FleetHarness, delivered, fleet_sub, settled_ownership, topics
-from tests.helpers import cli, eventually, http_get, push_sub, spawn_worker, stop_worker
-from tests.redis_targets import RedisTarget
+from tests.support.builders import make_sub, push_sub
+from tests.support.endpoints import Endpoint
+from tests.support.fleet_harness import FleetHarness, delivered, fleet_sub, settled_ownership, topics
+from tests.support.helpers import cli, eventually, http_get, spawn_worker, stop_worker
+from tests.support.pulsar_client import Client
+from tests.support.redis_targets import RedisTarget
 from worker import keys
 from worker.embedded import free_port
 

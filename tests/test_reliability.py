@@ -20,9 +20,10 @@ import psutil
 import yaml
 from aiohttp import web
 
-from tests import brokers
-from tests.conftest import Client, Endpoint
-from tests.helpers import eventually, http_get, spawn_worker, stop_worker
+from tests.support import brokers
+from tests.support.endpoints import Endpoint
+from tests.support.helpers import eventually, http_get, spawn_worker, stop_worker
+from tests.support.pulsar_client import Client
 from worker import embedded
 from worker.embedded import free_port
 from worker.messages import format_message_id
@@ -206,7 +207,7 @@ def _drain_dead_letters(url: str, dlq: str, ids: set[str], timeout: float = 60.0
     reads until all of `ids` were seen and then 3 quiet seconds."""
     import pulsar
 
-    from tests.conftest import quiet_logger
+    from tests.support.pulsar_client import quiet_logger
 
     client = pulsar.Client(url, logger=quiet_logger(), operation_timeout_seconds=10)
     out: list[str] = []

@@ -12,8 +12,9 @@ from pathlib import Path
 import yaml
 from aiohttp import web
 
-from tests.conftest import Endpoint, make_sub
-from tests.helpers import eventually, spawn_worker, stop_worker
+from tests.support.builders import make_sub
+from tests.support.endpoints import Endpoint
+from tests.support.helpers import eventually, spawn_worker, stop_worker
 from worker.collector import GC_THRESHOLD
 
 

@@ -10,8 +10,10 @@ import time
 
 import redis
 
-from tests.conftest import Client, Endpoint, make_sub
-from tests.helpers import TlsTerminator, cli, eventually
+from tests.support.builders import make_sub
+from tests.support.endpoints import Endpoint
+from tests.support.helpers import TlsTerminator, cli, eventually
+from tests.support.pulsar_client import Client
 from worker.destinations import DestinationPolicy
 from worker.signing import SecretRef, verify
 

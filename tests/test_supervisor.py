@@ -8,8 +8,8 @@ import asyncio
 import pytest
 from structlog.testing import capture_logs
 
-from tests.conftest import make_sub
-from tests.helpers import eventually, http_get, metrics_text
+from tests.support.builders import make_sub
+from tests.support.helpers import eventually, http_get, metrics_text
 from worker.supervisor import Supervisor
 
 pytestmark = pytest.mark.broker_independent

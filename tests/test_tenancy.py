@@ -21,8 +21,10 @@ import redis
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from tests.conftest import Client, Endpoint, Received, catcher, make_sub
-from tests.helpers import cli, eventually, push_sub
+from tests.support.builders import make_sub, push_sub
+from tests.support.endpoints import Endpoint, Received, catcher
+from tests.support.helpers import cli, eventually
+from tests.support.pulsar_client import Client
 from worker import keys
 from worker.config import FleetSettings
 from worker.destinations import DestinationPolicy
@@ -289,7 +291,7 @@ def test_the_endpoints_file_holds_no_credentials_and_is_private(tmp_path):
 
 
 def test_errors_that_quote_a_url_strip_its_credentials():
-    from tests.helpers import run_cli
+    from tests.support.helpers import run_cli
     from worker.errors import strip_userinfo
 
     result = run_cli("publish", "persistent://p-a/main/t", "x", "--service-url", "pulsar://user:hunter2@127.0.0.1:1")

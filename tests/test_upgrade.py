@@ -1,5 +1,5 @@
 """A rolling upgrade: workers of the previous release and of this one in one fleet, each version's
-CLI changing the registry (tests/previous_release.py). What changes in Redis between the two is
+CLI changing the registry (tests/support/previous_release.py). What changes in Redis between the two is
 said in CHANGELOG.md under "Rolling upgrade"."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ import json
 import time
 from pathlib import Path
 
-from tests.conftest import Client, Endpoint
-from tests.fleet_harness import FleetHarness, WorkerProcess, fleet_sub
-from tests.helpers import eventually
+from tests.support.endpoints import Endpoint
+from tests.support.fleet_harness import FleetHarness, WorkerProcess, fleet_sub
+from tests.support.helpers import eventually
+from tests.support.pulsar_client import Client
 
 
 def updates(worker: WorkerProcess) -> dict[str, int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import os
 import signal
@@ -15,29 +16,30 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import yaml
+from tests.support.endpoints import Endpoint
 
-from worker.config import Settings, load_settings
-
-if TYPE_CHECKING:  # conftest imports this module
-    from tests.conftest import Endpoint
-
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # -- waiting ----------------------------------------------------------------------------------
 
-async def eventually(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
-    """Poll with a deadline (no sleeps as synchronisation)."""
+async def eventually(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 20.0,
+                     what: str = "condition", interval: float = 0.02) -> None:
+    """Poll `predicate` (plain or async) until it holds, with a deadline (no sleeps as synchronisation)."""
     deadline = time.monotonic() + timeout
-    while not predicate():
+    while True:
+        held = predicate()
+        if inspect.isawaitable(held):
+            held = await held
+        if held:
+            return
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(interval)
 
 
 def wait_sync(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
@@ -159,24 +161,6 @@ def assert_numbering_never_repeats(endpoint: Endpoint) -> None:
 
 
 # -- definitions ------------------------------------------------------------------------------
-
-def push_sub(name: str, topic: str, url: str, **extra: Any) -> dict[str, Any]:
-    """A push subscription definition as a user writes it (YAML/JSON); `extra` overrides."""
-    return {"name": name, "topic": topic, "ack_deadline_seconds": 5, "max_deliver": 2,
-            "retry": {"min_backoff_seconds": 0.05, "max_backoff_seconds": 0.05},
-            "deliver": {"mode": "push", "push": {"url": url}}, **extra}
-
-
-def worker_yaml(tmp_path: Path, broker_url: str, redis: str | dict[str, Any], *subs: dict[str, Any]
-                ) -> tuple[str, Settings]:
-    """A worker.yaml an operator would pass with --config, and the settings a worker loads from it;
-    `redis` is a URL or the whole `redis:` block (a cluster, Sentinels)."""
-    doc = {"pulsar": {"service_url": broker_url}, "redis": {"url": redis} if isinstance(redis, str) else redis,
-           "destinations": {"allow_private": True}, "subscriptions": list(subs)}
-    path = tmp_path / "worker.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return str(path), load_settings(path)
-
 
 def self_signed(where: Path, subject_alt_name: str) -> tuple[Path, Path]:
     """A self-signed certificate for `subject_alt_name` (`IP:...` or `DNS:...`) and its key."""

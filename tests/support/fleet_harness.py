@@ -15,9 +15,10 @@ from typing import Any
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import Endpoint
-from tests.helpers import http_get, push_sub, spawn_worker, stays_sync, stop_worker, wait_sync
-from tests.redis_targets import RedisTarget
+from tests.support.builders import push_sub
+from tests.support.endpoints import Endpoint
+from tests.support.helpers import http_get, spawn_worker, stays_sync, stop_worker, wait_sync
+from tests.support.redis_targets import RedisTarget
 from worker.config import RedisSettings
 from worker.embedded import free_port
 from worker.keys import lease_key

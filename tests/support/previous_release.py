@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 PREVIOUS_RELEASE = "82f66859a0604e0ccf78c2d20b2fd4d3a7013c2d"  # main before the change log of registry changes
-REPOSITORY = Path(__file__).resolve().parent.parent
+REPOSITORY = Path(__file__).resolve().parents[2]
 
 
 def extract(where: Path) -> Path:
