@@ -20,7 +20,7 @@ import os
 import re
 import sys
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from worker.destinations import DEFAULT_MAX_REQUEST_BYTES, DestinationPolicy
+from worker.endpoint_health import ERROR_AFTER_SECONDS
 from worker.errors import ConfigError
 from worker.oidc import OidcIssuer, OidcKey
 from worker.signing import SecretRef
@@ -40,20 +41,53 @@ REDIS_MODES = ("standalone", "cluster", "sentinel")
 DEFAULT_MAX_MESSAGE_BYTES = 5 * 1024 * 1024  # Apache Pulsar's default maxMessageSize
 
 
+def setting(default: Any, low: float | None = None, high: float | None = None, *, read_by_hand: bool = False) -> Any:
+    """A field of worker.yaml, declared once: its default and its bounds. `declared` reads it from the
+    file by that declaration; a field `read_by_hand` (URLs, words, environment overrides, fields that
+    depend on others) is only named here, so that the file may hold it."""
+    return field(default=default, metadata={"low": low, "high": high, "by_hand": read_by_hand})
+
+
+def yaml_fields(section: type) -> set[str]:
+    """The names a section of worker.yaml may hold: its declared settings."""
+    return {f.name for f in fields(section) if "by_hand" in f.metadata}
+
+
+def declared(section: type, r: FieldReader, extra: frozenset[str] = frozenset(), **by_hand: Any) -> Any:
+    """A settings section read from `r` by its declarations: every `setting` field by its default and
+    bounds, the others from `by_hand`; a name neither declared nor in `extra` is refused."""
+    r.reject_unknown(yaml_fields(section) | extra)
+    values = dict(by_hand)
+    for f in fields(section):
+        meta, default = f.metadata, f.default
+        if f.name in values or "by_hand" not in meta or meta["by_hand"]:
+            continue
+        if isinstance(default, int):
+            values[f.name] = r.integer(f.name, default, int(meta["low"]), int(meta["high"]))
+        else:
+            assert isinstance(default, float), f.name  # a declared setting is an integer or a number
+            values[f.name] = r.number(f.name, default, meta["low"], meta["high"])
+    return section(**values)
+
+
+DEFAULT_STATE_DIR = Path(".push-worker")
+_SECTION = {"by_hand": True}  # a field of worker.yaml read by hand (a section, read by its own declarations)
+
+
 @dataclass(frozen=True)
 class PulsarSettings:
     """Broker connection. `service_url` None means: start an embedded pulsar-lite under state_dir."""
 
-    service_url: str | None = None
-    tls_trust_certs_file: str | None = None
-    auth_token: str | None = field(default=None, repr=False)
-    operation_timeout_seconds: int = 30
-    admin_url: str | None = None  # Pulsar admin REST API, for backlog (topic stats msgBacklog)
-    metrics_url: str | None = None  # or the broker's Prometheus endpoint (pulsar_subscription_back_log)
-    backlog_interval_seconds: float = 15.0
+    service_url: str | None = setting(None, read_by_hand=True)
+    tls_trust_certs_file: str | None = setting(None, read_by_hand=True)
+    auth_token: str | None = field(default=None, repr=False)  # environment only
+    operation_timeout_seconds: int = setting(30, 1, 600)
+    admin_url: str | None = setting(None, read_by_hand=True)  # Pulsar admin REST API: backlog (msgBacklog)
+    metrics_url: str | None = setting(None, read_by_hand=True)  # or the broker's Prometheus endpoint
+    backlog_interval_seconds: float = setting(15.0, 1.0, 3600.0)
     # The broker's largest message (its maxMessageSize): a consumer prefetches no more of these than
     # fit in its share of max_held_bytes_per_subscription (prefetch.py).
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_message_bytes: int = setting(DEFAULT_MAX_MESSAGE_BYTES, 1024, 2**31 - 1)
 
 
 @dataclass(frozen=True)
@@ -61,45 +95,45 @@ class RedisSettings:
     """Redis connection. `url` None in standalone mode means: start an embedded redis-server under
     state_dir. Cluster: `url` or `nodes` name seed nodes. Sentinel: `sentinels` and `master_name`."""
 
-    url: str | None = field(default=None, repr=False)
-    mode: str = "standalone"
-    nodes: tuple[str, ...] = ()  # cluster seeds, host:port
-    sentinels: tuple[str, ...] = ()  # host:port
-    master_name: str | None = None
-    username: str | None = None
+    url: str | None = field(default=None, repr=False, metadata={"by_hand": True})
+    mode: str = setting("standalone", read_by_hand=True)  # REDIS_MODES; what the other fields mean depends on it
+    nodes: tuple[str, ...] = setting((), read_by_hand=True)  # cluster seeds, host:port
+    sentinels: tuple[str, ...] = setting((), read_by_hand=True)  # host:port
+    master_name: str | None = setting(None, read_by_hand=True)
+    username: str | None = setting(None, read_by_hand=True)
     password: str | None = field(default=None, repr=False)  # cluster/sentinel data nodes (environment only)
     sentinel_password: str | None = field(default=None, repr=False)  # environment only
-    tls: bool = False  # cluster nodes / sentinel mode (standalone: a rediss:// URL)
-    tls_ca_file: str | None = None
-    attempts_ttl_seconds: int = 7 * 24 * 3600
-    history_ttl_seconds: int = 3 * 24 * 3600  # how long `push-worker show` can see a message's attempts
+    tls: bool = setting(False, read_by_hand=True)  # cluster nodes / sentinel mode (standalone: a rediss:// URL)
+    tls_ca_file: str | None = setting(None, read_by_hand=True)
+    attempts_ttl_seconds: int = setting(7 * 24 * 3600, 60, 10**8)
+    history_ttl_seconds: int = setting(3 * 24 * 3600, 60, 10**8)  # how long `push-worker show` sees a message
     # The same for a message acked at its first attempt: most messages, with nothing to investigate,
     # so kept briefly (0: not kept). Redis holds about 350 bytes per message for this long.
-    acked_history_ttl_seconds: int = 3600
+    acked_history_ttl_seconds: int = setting(3600, 0, 10**8)
     # How long a settled message's counter stays as a marker: a copy the broker redelivers within
     # this (its ack was lost to a crash or a broker outage) is acked without a request.
-    settled_ttl_seconds: int = 600
+    settled_ttl_seconds: int = setting(600, 60, 10**8)
 
 
 @dataclass(frozen=True)
 class HttpSettings:
     """The worker's own HTTP listener for /metrics, /healthz and /readyz."""
 
-    host: str = "127.0.0.1"
-    port: int = 9464
+    host: str = setting("127.0.0.1", read_by_hand=True)
+    port: int = setting(9464, 0, 65535, read_by_hand=True)  # PUSH_WORKER_HTTP_PORT overrides it
 
 
 @dataclass(frozen=True)
 class FleetSettings:
     """Membership and lease timing. Takeover after a crash happens within about `lease_seconds`."""
 
-    name: str = "default"
-    lease_seconds: float = 10.0
-    heartbeat_seconds: float = 1.0
-    error_after_seconds: float = 300.0  # endpoint failing every attempt this long: state Error
-    expire_backlog: int = 10_000  # backlog at or above this...
-    expire_after_seconds: float = 3600.0  # ...for this long: state Expired (the platform docs' policy)
-    max_subscriptions_per_project: int = 1000  # registry entries of one project beyond this are Invalid
+    name: str = setting("default", read_by_hand=True)  # PUSH_WORKER_FLEET overrides it
+    lease_seconds: float = setting(10.0, 2.0, 300.0)
+    heartbeat_seconds: float = setting(1.0, 0.1, 60.0)  # at most half of lease_seconds
+    error_after_seconds: float = setting(ERROR_AFTER_SECONDS, 0.0, 86400.0)  # failing every attempt this long: Error
+    expire_backlog: int = setting(10_000, 1, 10**12)  # backlog at or above this...
+    expire_after_seconds: float = setting(3600.0, 1.0, 30 * 86400.0)  # ...this long: Expired (the platform's policy)
+    max_subscriptions_per_project: int = setting(1000, 1, 100_000)  # a project's registry entries beyond this: Invalid
 
 
 # Payload bytes of the messages one subscription holds at once (taken from the broker, not settled):
@@ -112,18 +146,19 @@ DEFAULT_MAX_HELD_BYTES = 64 * 1024 * 1024
 class Settings:
     """Everything a worker process needs, validated."""
 
-    pulsar: PulsarSettings = field(default_factory=PulsarSettings)
-    redis: RedisSettings = field(default_factory=RedisSettings)
-    state_dir: Path = Path(".push-worker")
-    http: HttpSettings = field(default_factory=HttpSettings)
-    destinations: DestinationPolicy = field(default_factory=DestinationPolicy)
-    subscriptions: tuple[Subscription, ...] = ()
-    fleet: FleetSettings = field(default_factory=FleetSettings)
-    shutdown_grace_seconds: float = 30.0
-    max_held_bytes_per_subscription: int = DEFAULT_MAX_HELD_BYTES
-    max_held_bytes: int | None = None  # every subscription's together; None: half the container's memory limit
+    pulsar: PulsarSettings = field(default_factory=PulsarSettings, metadata=_SECTION)
+    redis: RedisSettings = field(default_factory=RedisSettings, metadata=_SECTION)
+    state_dir: Path = field(default=DEFAULT_STATE_DIR, metadata=_SECTION)  # PUSH_WORKER_STATE_DIR overrides it
+    http: HttpSettings = field(default_factory=HttpSettings, metadata=_SECTION)
+    destinations: DestinationPolicy = field(default_factory=DestinationPolicy, metadata=_SECTION)
+    subscriptions: tuple[Subscription, ...] = setting((), read_by_hand=True)
+    fleet: FleetSettings = field(default_factory=FleetSettings, metadata=_SECTION)
+    shutdown_grace_seconds: float = setting(30.0, 0.0, 3600.0)
+    max_held_bytes_per_subscription: int = setting(DEFAULT_MAX_HELD_BYTES, 1 << 20, 64 << 30)
+    # Every subscription's together; None: half the container's memory limit.
+    max_held_bytes: int | None = setting(None, 16 << 20, 1 << 40, read_by_hand=True)
     secrets_dir: Path | None = None  # project secrets: <dir>/<project>/<name> (`secrets.dir`)
-    oidc: OidcIssuer | None = None  # the fleet's OIDC issuer and signing keys
+    oidc: OidcIssuer | None = field(default=None, metadata=_SECTION)  # the fleet's OIDC issuer and signing keys
     log_format: str = "auto"
     log_level: str = "info"
 
@@ -261,6 +296,9 @@ def _oidc(o: FieldReader) -> OidcIssuer | None:
     return OidcIssuer(issuer, tuple(keys))
 
 
+TOP_LEVEL_SECTIONS = frozenset({"log", "secrets"})  # worker.yaml's sections that are not a settings field
+
+
 def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
     """Validate a parsed config document (plus environment overrides) into `Settings`."""
     env = os.environ if env is None else env
@@ -270,39 +308,27 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError("", "config", f"must be a mapping of settings (pulsar, redis, subscriptions, ...), "
                                         f"not a {type(data).__name__}")
     r = FieldReader("config", data)
-    r.reject_unknown({"pulsar", "redis", "state_dir", "http", "destinations", "subscriptions",
-                      "shutdown_grace_seconds", "max_held_bytes_per_subscription", "max_held_bytes", "log", "fleet",
-                      "secrets", "oidc"})
+    r.reject_unknown(yaml_fields(Settings) | TOP_LEVEL_SECTIONS)
 
     p = r.sub("pulsar")
-    p.reject_unknown({"service_url", "tls_trust_certs_file", "operation_timeout_seconds", "admin_url",
-                      "metrics_url", "backlog_interval_seconds", "max_message_bytes"})
-    pulsar_url = _url(p, "service_url", PULSAR_SCHEMES, "PUSH_WORKER_PULSAR_URL", env)
-    pulsar = PulsarSettings(
-        service_url=pulsar_url,
+    p.reject_unknown(yaml_fields(PulsarSettings))  # before a field read by hand is judged
+    pulsar = declared(
+        PulsarSettings, p,
+        service_url=_url(p, "service_url", PULSAR_SCHEMES, "PUSH_WORKER_PULSAR_URL", env),
         tls_trust_certs_file=p.text("tls_trust_certs_file") if p.has("tls_trust_certs_file") else None,
         auth_token=env.get("PUSH_WORKER_PULSAR_TOKEN") or None,
-        operation_timeout_seconds=p.integer("operation_timeout_seconds", 30, 1, 600),
         admin_url=_url(p, "admin_url", ("http", "https"), "PUSH_WORKER_PULSAR_ADMIN_URL", env),
         metrics_url=_url(p, "metrics_url", ("http", "https")),
-        backlog_interval_seconds=p.number("backlog_interval_seconds", 15.0, 1.0, 3600.0),
-        max_message_bytes=p.integer("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES, 1024, 2**31 - 1),
     )
 
     rd = r.sub("redis")
-    rd.reject_unknown({"url", "attempts_ttl_seconds", "history_ttl_seconds", "acked_history_ttl_seconds",
-                       "settled_ttl_seconds", "mode", "nodes", "sentinels", "master_name", "username", "tls",
-                       "tls_ca_file"})
+    rd.reject_unknown(yaml_fields(RedisSettings))  # before the topology's rules name a field
     redis_url = _url(rd, "url", REDIS_SCHEMES, "PUSH_WORKER_REDIS_URL", env)
-    redis = RedisSettings(url=redis_url, **_redis_topology(rd, redis_url, env),
-                          attempts_ttl_seconds=rd.integer("attempts_ttl_seconds", 7 * 24 * 3600, 60, 10**8),
-                          history_ttl_seconds=rd.integer("history_ttl_seconds", 3 * 24 * 3600, 60, 10**8),
-                          acked_history_ttl_seconds=rd.integer("acked_history_ttl_seconds", 3600, 0, 10**8),
-                          settled_ttl_seconds=rd.integer("settled_ttl_seconds", 600, 60, 10**8))
+    redis = declared(RedisSettings, rd, url=redis_url, **_redis_topology(rd, redis_url, env))
 
     h = r.sub("http")
-    h.reject_unknown({"host", "port"})
-    port = h.integer("port", 9464, 0, 65535)
+    h.reject_unknown(yaml_fields(HttpSettings))
+    port = h.integer("port", HttpSettings.port, 0, 65535)
     if env.get("PUSH_WORKER_HTTP_PORT"):
         try:
             port = int(env["PUSH_WORKER_HTTP_PORT"])
@@ -310,14 +336,13 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
             raise ConfigError("environment", "PUSH_WORKER_HTTP_PORT", "must be an integer") from None
         if not 0 <= port <= 65535:
             raise ConfigError("environment", "PUSH_WORKER_HTTP_PORT", f"must be in 0..65535 (got {port})")
-    http = HttpSettings(host=h.text("host", "127.0.0.1"), port=port)
+    http = HttpSettings(host=h.text("host", HttpSettings.host), port=port)
 
     destinations = _destinations(r.sub("destinations"))
 
     f = r.sub("fleet")
-    f.reject_unknown({"name", "lease_seconds", "heartbeat_seconds", "error_after_seconds", "expire_backlog",
-                      "expire_after_seconds", "max_subscriptions_per_project"})
-    fleet_name = env.get("PUSH_WORKER_FLEET") or f.text("name", "default")
+    f.reject_unknown(yaml_fields(FleetSettings))
+    fleet_name = env.get("PUSH_WORKER_FLEET") or f.text("name", FleetSettings.name)
     if not NAME_PATTERN.match(fleet_name):
         if env.get("PUSH_WORKER_FLEET"):
             raise ConfigError("environment", "PUSH_WORKER_FLEET", NAME_RULE)
@@ -326,15 +351,9 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
     # would garble them (a pod name, the default in deploy/, is at most 253 such characters).
     if env.get("PUSH_WORKER_ID") and not re.fullmatch(r"[\x21-\x7e]{1,253}", env["PUSH_WORKER_ID"]):
         raise ConfigError("environment", "PUSH_WORKER_ID", "must be 1-253 visible ASCII characters (the pod name)")
-    lease = f.number("lease_seconds", 10.0, 2.0, 300.0)
-    heartbeat = f.number("heartbeat_seconds", 1.0, 0.1, 60.0)
-    if heartbeat * 2 > lease:
-        raise f.fail("heartbeat_seconds", f"must be at most half of lease_seconds ({lease:g})")
-    fleet = FleetSettings(fleet_name, lease, heartbeat,
-                          error_after_seconds=f.number("error_after_seconds", 300.0, 0.0, 86400.0),
-                          expire_backlog=f.integer("expire_backlog", 10_000, 1, 10**12),
-                          expire_after_seconds=f.number("expire_after_seconds", 3600.0, 1.0, 30 * 86400.0),
-                          max_subscriptions_per_project=f.integer("max_subscriptions_per_project", 1000, 1, 100_000))
+    fleet = declared(FleetSettings, f, name=fleet_name)
+    if fleet.heartbeat_seconds * 2 > fleet.lease_seconds:
+        raise f.fail("heartbeat_seconds", f"must be at most half of lease_seconds ({fleet.lease_seconds:g})")
 
     log = r.sub("log")
     log.reject_unknown({"format", "level"})
@@ -358,24 +377,23 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
         seen.add(sub.key)
         subs.append(sub)
 
-    return Settings(
+    settings: Settings = declared(
+        Settings, r, TOP_LEVEL_SECTIONS,
         pulsar=pulsar,
         redis=redis,
         # Absolute at load: the embedded broker runs with the state dir as its working directory.
-        state_dir=Path(env.get("PUSH_WORKER_STATE_DIR") or r.text("state_dir", ".push-worker")).absolute(),
+        state_dir=Path(env.get("PUSH_WORKER_STATE_DIR") or r.text("state_dir", str(DEFAULT_STATE_DIR))).absolute(),
         http=http,
         destinations=destinations,
         subscriptions=tuple(subs),
         fleet=fleet,
-        shutdown_grace_seconds=r.number("shutdown_grace_seconds", 30.0, 0.0, 3600.0),
-        max_held_bytes_per_subscription=r.integer("max_held_bytes_per_subscription", DEFAULT_MAX_HELD_BYTES,
-                                                  1 << 20, 64 << 30),
         max_held_bytes=r.integer("max_held_bytes", 0, 16 << 20, 1 << 40) if r.has("max_held_bytes") else None,
         secrets_dir=secrets_dir,
         oidc=oidc,
         log_format=log.choice("format", ("auto", "json", "console"), "auto"),
         log_level=log.choice("level", ("debug", "info", "warning", "error"), "info"),
     )
+    return settings
 
 
 def load_settings(path: str | Path, env: Mapping[str, str] | None = None) -> Settings:

@@ -27,7 +27,7 @@ from worker.budgets import ByteBudget, SharedBudget
 from worker.config import DEFAULT_MAX_HELD_BYTES
 from worker.deadletter import DeadLetterPublisher, dead_letter_properties, failing_publishes
 from worker.delivery import Outcome, Result
-from worker.endpoint_health import EndpointHealth
+from worker.endpoint_health import ERROR_AFTER_SECONDS, EndpointHealth
 from worker.flow import AdaptiveLimit, Window
 from worker.history import attempt_entry, event_entry
 from worker.messages import Envelope, PushRequest, build_request, format_message_id, memory_per_payload_byte
@@ -157,12 +157,14 @@ class Dispatcher:
         lease: Fence | None = None,
         prefetch: int = MAX_PREFETCH,
         on_large_message: Callable[[int], None] | None = None,
+        stats: Stats | None = None,
+        error_after: float = ERROR_AFTER_SECONDS,
     ) -> None:
         self.sub = sub
         self.ctx = ctx
         self.lease = lease  # None: not fenced (a worker without a fleet)
         self.may_deliver: Callable[[], bool] = lease.valid if lease is not None else (lambda: True)
-        self.health = EndpointHealth()
+        self.health = EndpointHealth(error_after)
         self._reported_state = State.ACTIVE
         self.consumer = consumer
         self.to_envelope = to_envelope
@@ -171,7 +173,7 @@ class Dispatcher:
         self.dead_letters = ctx.dead_letters
         self.metrics = ctx.metrics
         self.m = ctx.metrics.for_subscription(sub.tenant, sub.name)
-        self.stats = Stats()
+        self.stats = stats or Stats()  # a replaced dispatcher's counters go on in its replacement
         self.window = Window(sub.max_ack_pending)
         self.held = ByteBudget(ctx.max_held_bytes, ctx.memory)  # its own bound, and its share of the worker's
         # Memory a message costs per payload byte; fixed for this dispatcher, so what a message gives

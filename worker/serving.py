@@ -102,9 +102,9 @@ class Serving:
                           message_bytes=self._largest[sub.key], prefetch=prefetch)
         consumer = await self._subscribe(sub, prefetch)
         dispatcher = Dispatcher(sub, consumer, self.to_envelope, self.delivery, lease, prefetch,
-                                functools.partial(self._large_messages, sub.key))
-        dispatcher.stats = self._carried_stats.pop(sub.key, dispatcher.stats)  # counted on by the same worker
-        dispatcher.health.error_after = self.settings.fleet.error_after_seconds
+                                functools.partial(self._large_messages, sub.key),
+                                stats=self._carried_stats.pop(sub.key, None),  # counted on by the same worker
+                                error_after=self.settings.fleet.error_after_seconds)
         self.dispatchers[sub.key] = dispatcher
         dispatcher.start()
         self.on_served()
