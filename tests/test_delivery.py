@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from tests.support.builders import make_sub, push_sub, worker_yaml
-from tests.support.endpoints import Endpoint
+from tests.support.endpoints import ConcurrencyProbe, Endpoint
 from tests.support.helpers import assert_stays, cli, eventually
 from tests.support.pulsar_client import Client
 from tests.support.redis_targets import ALL_REDIS
@@ -265,23 +265,13 @@ async def test_retry_after_is_honoured_up_to_the_max(start_worker, endpoint, cli
 
 
 async def test_max_ack_pending_bounds_concurrent_requests(start_worker, endpoint, client, topic):
-    current = 0
-    peak = 0
-
-    async def slow(rec):
-        nonlocal current, peak
-        current += 1
-        peak = max(peak, current)
-        await asyncio.sleep(0.05)
-        current -= 1
-        return web.Response(status=204)
-
-    endpoint.behaviour = slow
+    probe = ConcurrencyProbe()
+    endpoint.behaviour = probe
     sub = make_sub(topic, endpoint.url, max_ack_pending=7)
     w = await start_worker(sub)
     client.publish(topic, [b"m%d" % i for i in range(60)])
     await eventually(lambda: w.dispatchers[sub.key].stats.acked == 60, what="all acked")
-    assert peak == 7
+    assert probe.peak == 7
 
 
 async def test_held_bytes_bound_a_subscription_of_large_messages(start_worker, endpoint, client, topic):

@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from tests.support.builders import make_sub
-from tests.support.endpoints import Endpoint
+from tests.support.endpoints import ConcurrencyProbe, Endpoint
 from tests.support.helpers import cli, eventually
 from tests.support.pulsar_client import Client
 from worker.fleet.registry import Registry
@@ -50,22 +50,13 @@ async def test_max_deliver_zero_dead_letters_the_first_failure_without_retry(
 
 async def test_max_concurrency_caps_requests_in_flight_below_max_ack_pending(
         start_worker, endpoint: Endpoint, client: Client, topic):
-    in_flight, peak = 0, 0
-
-    async def slow(rec):
-        nonlocal in_flight, peak
-        in_flight += 1
-        peak = max(peak, in_flight)
-        await asyncio.sleep(0.05)
-        in_flight -= 1
-        return web.Response(status=204)
-
-    endpoint.behaviour = slow
+    probe = ConcurrencyProbe()
+    endpoint.behaviour = probe
     sub = make_sub(topic, endpoint.url, max_ack_pending=100, max_concurrency=3)
     w = await start_worker(sub)
     client.publish(topic, [b"%d" % i for i in range(60)])
     await eventually(lambda: w.dispatchers[sub.key].stats.acked == 60, what="all delivered")
-    assert peak == 3  # reached, never passed
+    assert probe.peak == 3  # reached, never passed
 
 
 async def test_topic_deletion_stops_delivery_within_two_seconds_and_clears_state(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -77,3 +78,21 @@ async def catcher(host: str) -> tuple[web.AppRunner, str, list[Received]]:
 
     runner, url = await serve("/{tail:.*}", handle, "*", host)
     return runner, url, got
+
+
+class ConcurrencyProbe:
+    """An endpoint behaviour that answers 204 after `seconds` and records the most requests it held at once."""
+
+    def __init__(self, seconds: float = 0.05) -> None:
+        self.seconds = seconds
+        self.current = 0
+        self.peak = 0
+
+    async def __call__(self, received: Received) -> web.Response:
+        self.current += 1
+        self.peak = max(self.peak, self.current)
+        try:
+            await asyncio.sleep(self.seconds)
+        finally:
+            self.current -= 1
+        return web.Response(status=204)

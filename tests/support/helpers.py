@@ -50,26 +50,25 @@ def wait_sync(predicate: Callable[[], bool], timeout: float = 20.0, what: str = 
         time.sleep(0.02)
 
 
+def _still_holds(predicate: Callable[[], bool], deadline: float, what: str) -> bool:
+    """Whether the window goes on; raises as soon as `predicate` stops holding."""
+    if not predicate():
+        raise AssertionError(f"{what} stopped holding")
+    return time.monotonic() < deadline
+
+
 async def assert_stays(predicate: Callable[[], bool], seconds: float, what: str = "condition") -> None:
     """For "nothing happens" windows: `predicate` holds now and through `seconds` (checked as it
     goes, so a violation fails at once instead of after the window)."""
     deadline = time.monotonic() + seconds
-    while True:
-        if not predicate():
-            raise AssertionError(f"{what} stopped holding")
-        if time.monotonic() >= deadline:
-            return
+    while _still_holds(predicate, deadline, what):
         await asyncio.sleep(0.02)
 
 
 def stays_sync(predicate: Callable[[], bool], seconds: float, what: str = "condition") -> None:
     """`assert_stays` for blocking code (threads, harness helpers)."""
     deadline = time.monotonic() + seconds
-    while True:
-        if not predicate():
-            raise AssertionError(f"{what} stopped holding")
-        if time.monotonic() >= deadline:
-            return
+    while _still_holds(predicate, deadline, what):
         time.sleep(0.05)
 
 

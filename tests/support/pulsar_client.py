@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import pulsar
@@ -41,32 +42,34 @@ class Client:
 
     @staticmethod
     def drain(consumer: pulsar.Consumer, expected: int, timeout: float = 30.0) -> list[pulsar.Message]:
-        out: list[pulsar.Message] = []
-        deadline = time.monotonic() + timeout
-        while len(out) < expected and time.monotonic() < deadline:
-            try:
-                msg = consumer.receive(timeout_millis=200)
-            except pulsar.Timeout:
-                continue
-            consumer.acknowledge(msg)
-            out.append(msg)
-        return out
+        return Client._read_until(consumer, lambda out: len(out) >= expected, timeout)
 
     @staticmethod
     def drain_originals(consumer: pulsar.Consumer, ids: set[str], timeout: float = 60.0) -> list[pulsar.Message]:
         """Read a dead-letter topic until every original id in `ids` was seen (duplicates allowed:
         a crash between the confirmed dead-letter publish and the ack republishes once more)."""
-        out: list[pulsar.Message] = []
         seen: set[str] = set()
+
+        def every_one(out: list[pulsar.Message]) -> bool:
+            if out:
+                seen.add(out[-1].properties().get("pubsub.original_message_id", ""))
+            return ids <= seen
+
+        return Client._read_until(consumer, every_one, timeout)
+
+    @staticmethod
+    def _read_until(consumer: pulsar.Consumer, enough: Callable[[list[pulsar.Message]], bool],
+                    timeout: float) -> list[pulsar.Message]:
+        """Receive and acknowledge until `enough` of what was read, or `timeout`."""
+        out: list[pulsar.Message] = []
         deadline = time.monotonic() + timeout
-        while not ids <= seen and time.monotonic() < deadline:
+        while not enough(out) and time.monotonic() < deadline:
             try:
                 msg = consumer.receive(timeout_millis=200)
             except pulsar.Timeout:
                 continue
             consumer.acknowledge(msg)
             out.append(msg)
-            seen.add(msg.properties().get("pubsub.original_message_id", ""))
         return out
 
     def close(self) -> None:
