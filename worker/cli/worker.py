@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import yaml
 
@@ -18,8 +18,16 @@ from worker.config import load_settings
 from worker.errors import UsageError
 from worker.subscriptions import TOPIC_RULE, topic_parts
 
-if TYPE_CHECKING:
-    from worker.service import Worker
+
+class Draining(Protocol):
+    """What Ctrl-C asks of the running worker (`service.Worker`, imported only when a worker runs)."""
+
+    @property
+    def stopping(self) -> bool: ...
+
+    def requests_under_way(self) -> int: ...
+
+    def request_stop(self) -> None: ...
 
 
 async def _serve(config_path: str) -> int:
@@ -60,7 +68,7 @@ def empty_config(path: str) -> bool:
         return False  # load_settings has said what is wrong with it
 
 
-def _interrupted(worker: Worker) -> None:
+def _interrupted(worker: Draining) -> None:
     """Ctrl-C: the first drains (as SIGTERM does) and says how to stop at once; the second stops at
     once. Requests under way are abandoned then: their messages go back to the broker (redelivered,
     attempt counts kept) and the leases lapse after fleet.lease_seconds, as after a crash."""
