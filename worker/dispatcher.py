@@ -28,7 +28,7 @@ from worker.config import DEFAULT_MAX_HELD_BYTES
 from worker.deadletter import DeadLetterPublisher, dead_letter_properties, failing_publishes
 from worker.delivery import Outcome, Result
 from worker.endpoint_health import ERROR_AFTER_SECONDS, EndpointHealth
-from worker.flow import AdaptiveLimit, Window
+from worker.flow import AdaptiveLimit, RateLimit, Window
 from worker.history import attempt_entry, event_entry
 from worker.messages import Envelope, PushRequest, build_request, format_message_id, memory_per_payload_byte
 from worker.metrics import Metrics
@@ -130,6 +130,12 @@ class DeliveryContext:
             self.tokens = Tokens(self.secrets)
 
 
+def _rate_of(sub: Subscription) -> tuple[float, float]:
+    """The subscription's rate limit as (per second, burst); 0 per second: none."""
+    limit = sub.rate_limit
+    return (0.0, 1.0) if limit is None else (limit.messages_per_second, limit.burst)
+
+
 def _raw_id(message: Any) -> str:
     try:
         mid = message.message_id()
@@ -187,6 +193,7 @@ class Dispatcher:
         self._too_large = too_large(prefetch, prefetch_bytes(ctx.max_held_bytes)) if shrinkable else 1 << 62
         self._reserved = 0  # 1 while the receive loop holds a slot for a message not yet received
         self.endpoint_limit = AdaptiveLimit(sub.concurrency)
+        self.rate = RateLimit(*_rate_of(sub))
         self._lanes: dict[str, deque[tuple[Any, Envelope]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._active: set[str] = set()  # message ids taken and not yet settled
@@ -217,6 +224,7 @@ class Dispatcher:
         self.sub = sub
         self.window.resize(sub.max_ack_pending)
         self.endpoint_limit.set_ceiling(sub.concurrency)
+        self.rate.set(*_rate_of(sub))
 
     async def stop(self, grace: float, unsubscribe: bool = False) -> None:
         """Stop intake; let requests under way finish within `grace`; release the rest to the broker
@@ -492,6 +500,10 @@ class Dispatcher:
         request = build_request(sub, env, attempt)
         if request.omitted_attributes:
             self.m.attributes_omitted.inc(request.omitted_attributes)
+        # The rate limit before a concurrency slot: a request waiting for its turn holds no slot.
+        waited = await self.rate.take()
+        if waited:
+            self.m.rate_limited_seconds.inc(waited)
         ticket = await self.endpoint_limit.acquire()
         if not self.may_deliver():  # checked again right before the request: Redis may have been slow
             self.endpoint_limit.release(None, ticket)

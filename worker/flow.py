@@ -1,5 +1,5 @@
-"""Flow control: the `max_ack_pending` window and the adaptive per-endpoint concurrency limit (the
-budgets of held bytes and connections are in `budgets`)."""
+"""Flow control: the `max_ack_pending` window, the adaptive per-endpoint concurrency limit and a
+subscription's rate limit (the budgets of held bytes and connections are in `budgets`)."""
 
 from __future__ import annotations
 
@@ -193,3 +193,44 @@ class AdaptiveLimit(_Slots):
         self.window = self.threshold
         self._last_cut = now
         return True
+
+
+class RateLimit:
+    """A token bucket (`deliver.push.rate_limit`): `burst` requests at once, then `per_second`; the
+    requests started over any `t` seconds stay within `per_second * t + burst`. Waiters are served
+    in turn. `per_second` 0: no limit."""
+
+    def __init__(self, per_second: float = 0.0, burst: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.per_second = per_second
+        self.burst = burst
+        self.tokens = burst
+        self.updated = clock()
+        self._turn = asyncio.Lock()
+
+    def set(self, per_second: float, burst: float) -> None:
+        """A live edit: what was earned at the old rate is kept, up to the new burst."""
+        self._refill(self.clock())
+        self.per_second, self.burst = per_second, burst
+        self.tokens = min(self.tokens, burst)
+
+    def _refill(self, now: float) -> None:
+        if self.per_second > 0:
+            self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.per_second)
+        self.updated = now
+
+    async def take(self) -> float:
+        """Wait for the next request's turn; returns the seconds waited (0.0: none)."""
+        if self.per_second <= 0:
+            return 0.0
+        started, waited = self.clock(), False
+        async with self._turn:
+            while self.per_second > 0:  # an edit may lift the limit meanwhile
+                self._refill(self.clock())
+                if self.tokens >= 1.0:
+                    self.tokens -= 1.0
+                    break
+                waited = True
+                await asyncio.sleep((1.0 - self.tokens) / self.per_second)
+        return self.clock() - started if waited else 0.0

@@ -36,6 +36,9 @@ class Metrics:
             "pushworker_settled_redeliveries", "Redelivered copies of messages already settled (their ack was "
             "lost to a crash or a broker outage), acked without a request", SUB, registry=r)
         self.retries = Counter("pushworker_retries", "Failed attempts scheduled for a retry", SUB, registry=r)
+        self.rate_limited_seconds = Counter("pushworker_rate_limited_seconds", "Time requests waited on the "
+                                            "subscription's rate limit (deliver.push.rate_limit), summed",
+                                            SUB, registry=r)
         self.in_flight = Gauge("pushworker_in_flight", "HTTP requests under way", SUB, registry=r)
         self.held_for_retry = Gauge("pushworker_held_for_retry", "Messages waiting for their retry backoff",
                                     SUB, registry=r)
@@ -112,7 +115,8 @@ class Metrics:
         self.set_state(project, subscription, None)
         for metric in (self.in_flight, self.held_for_retry, self.unsettled, self.held_bytes, self.owned,
                        self.endpoint_window, self.backlog, self.delivery_seconds, self.acked, self.dead_lettered,
-                       self.dropped, self.filtered, self.settled_redeliveries, self.retries, self.attributes_omitted,
+                       self.dropped, self.filtered, self.settled_redeliveries, self.retries, self.rate_limited_seconds,
+                       self.attributes_omitted,
                        self.message_failures, self.log_lines_suppressed):
             with contextlib.suppress(KeyError):
                 metric.remove(project, subscription)
@@ -136,6 +140,7 @@ class SubscriptionMetrics:
         self.dropped = m.dropped.labels(*labels)
         self.filtered = m.filtered.labels(*labels)
         self.retries = m.retries.labels(*labels)
+        self.rate_limited_seconds = m.rate_limited_seconds.labels(*labels)
         self.settled_redeliveries = m.settled_redeliveries.labels(*labels)
         self.in_flight = m.in_flight.labels(*labels)
         self.held_for_retry = m.held_for_retry.labels(*labels)

@@ -63,6 +63,15 @@ class RetryPolicy:
 
 
 @dataclass(frozen=True)
+class RateLimit:
+    """`deliver.push.rate_limit`: requests to the endpoint over any `t` seconds stay within
+    `messages_per_second * t + burst`."""
+
+    messages_per_second: float
+    burst: float
+
+
+@dataclass(frozen=True)
 class CloudEvents:
     """`deliver.push.cloudevents`: how `content: cloudevents` requests are made (CloudEvents 1.0, HTTP
     binding). `source` None: `//pulsar/<topic>`."""
@@ -93,6 +102,7 @@ class Subscription:
     cloudevents: CloudEvents = field(default_factory=CloudEvents)
     filter: Filter | None = None  # messages it does not match are acked without a request
     oidc: Oidc | None = None  # Authorization: Bearer <a signed JWT>
+    rate_limit: RateLimit | None = None
     # The definition as written (secrets are references in it, never values): what a worker publishes
     # of its config file's subscriptions for the operator commands (fleet/published.py).
     definition: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
@@ -310,7 +320,7 @@ def parse_subscription(data: Any, where: str = "", *, trusted: bool = False, sto
     if deliver.choice("mode", MODES, "pull") != "push":
         raise deliver.fail("mode", "must be push for this fleet (pull subscriptions are ignored)")
     push = deliver.sub("push")
-    push.reject_unknown({"url", "content", "signing_secrets", "bearer_token", "cloudevents", "oidc"})
+    push.reject_unknown({"url", "content", "signing_secrets", "bearer_token", "cloudevents", "oidc", "rate_limit"})
     url = _check_url(push, push.text("url"))
     content = push.choice("content", CONTENT_MODES, "wrapped")
     cloudevents = _cloudevents(push, content)
@@ -362,8 +372,27 @@ def parse_subscription(data: Any, where: str = "", *, trusted: bool = False, sto
         cloudevents=cloudevents,
         filter=_filter(r, stored),
         oidc=oidc,
+        rate_limit=_rate_limit(push),
         definition=data,
     )
+
+
+MAX_RATE = 100_000.0  # requests a second: a bound on what one subscription may ask for, not a target
+
+
+def _rate_limit(push: FieldReader) -> RateLimit | None:
+    """`rate_limit: {messages_per_second: R, burst: B}` (B defaults to R, at least 1)."""
+    if not push.has("rate_limit"):
+        return None
+    rl = push.sub("rate_limit")
+    rl.reject_unknown({"messages_per_second", "burst"})
+    if not rl.has("messages_per_second"):
+        raise rl.fail("messages_per_second", "is required (requests a second to the endpoint)")
+    rate = rl.number("messages_per_second", 0.0, 0.001, MAX_RATE)
+    if rate <= 0:
+        raise rl.fail("messages_per_second", f"must be in 0.001..{MAX_RATE:g} (got {rate:g})")
+    burst = rl.number("burst", max(1.0, rate), 1.0, MAX_RATE)
+    return RateLimit(rate, burst)
 
 
 def _oidc(push: FieldReader) -> Oidc | None:

@@ -423,8 +423,12 @@ class Admin:
             definition, out = own, {"definition": own, "source": "worker"}
         else:
             raise _not_in_registry(name)
+        stored = self.static.get(key) or self._stored_subscription(key, definition)
+        if stored is not None and stored.rate_limit is not None:  # as applied: the burst's default included
+            out["rate_limit"] = {"messages_per_second": stored.rate_limit.messages_per_second,
+                                 "burst": stored.rate_limit.burst}
         out["status"] = await self._row(key, definition, await self._held_back())
-        stored = None if own is not None else self.static.get(key) or self._stored_subscription(key, definition)
+        stored = None if own is not None else stored
         if stored is not None and stored.filter is not None and stored.filter.mixed_at is not None:
             # Stored before such filters were refused: it keeps its reading, which Google's differs from.
             out["warnings"] = [f"filter: {MIXED.format(stored.filter.mixed_at)} (it reads NOT, then AND, "
