@@ -244,3 +244,48 @@ async def test_redrive_of_one_message_replays_it_and_leaves_the_others(
     assert sorted(m["message_id"] for m in json.loads(out)["messages"]) == sorted([ids[0], ids[2]])
     code, _, err = await cli("dlq", "redrive", sub.name, "--message-id", "9:9:-1:-1", *args)
     assert code == 3 and "no dead letter 9:9:-1:-1" in err
+
+
+async def test_dead_letters_are_selected_by_when_they_failed_and_how_and_a_dry_run_moves_nothing(
+        broker, start_worker, endpoint: Endpoint, client: Client, topic, redis_url, tmp_path):
+    """Recovery by time and status, as Svix and Hermes offer: an outage's 503s and a later batch of
+    404s; `--since`/`--until` select by when each was dead-lettered, `--status` by its last status
+    (a class or a code); `--dry-run` counts and moves nothing; a redrive takes only what it selects."""
+    healthy = False
+
+    def answer(rec):
+        if healthy:
+            return web.Response(status=204)
+        return web.Response(status=503 if rec.body_payload.startswith(b"outage") else 404)
+
+    endpoint.behaviour = answer
+    config, settings = worker_yaml(tmp_path, broker.url, redis_url,
+                                   push_sub("recover", topic, endpoint.url, dead_letter={"topic": topic + "-dlq"}))
+    [sub] = settings.subscriptions
+    w = await start_worker(sub)
+    outage = client.publish(topic, [b"outage-%d" % i for i in range(3)])
+    await eventually(lambda: w.dispatchers[sub.key].stats.dead_lettered == 3, what="the outage's dead letters")
+    between = int(time.time() * 1000)
+    later = client.publish(topic, [b"refused-%d" % i for i in range(2)])
+    await eventually(lambda: w.dispatchers[sub.key].stats.dead_lettered == 5, what="the later dead letters")
+    args = ("--config", config, "--json")
+
+    async def listed(*selection: str) -> list[str]:
+        code, out, err = await cli("dlq", "list", sub.name, *args, *selection)
+        assert code == 0, err
+        return sorted(m["message_id"] for m in json.loads(out)["messages"])
+
+    assert await listed("--status", "5xx") == sorted(outage)
+    assert await listed("--status", "404") == sorted(later)
+    assert await listed("--since", str(between)) == sorted(later)
+    assert await listed("--until", str(between), "--status", "4xx", "--status", "5xx") == sorted(outage)
+    code, out, err = await cli("dlq", "redrive", sub.name, *args, "--status", "5xx", "--dry-run")
+    assert code == 0 and json.loads(out)["would_redrive"] == 3, (out, err)
+    assert await listed() == sorted(outage + later)  # the dry run moved nothing
+
+    healthy = True
+    code, out, err = await cli("dlq", "redrive", sub.name, *args, "--status", "5xx", "--rate", "50")
+    assert code == 0 and json.loads(out)["redriven"] == 3, (out, err)
+    assert await listed() == sorted(later)  # the 404s stay for another decision
+    code, _, err = await cli("dlq", "list", sub.name, "--config", config, "--since", "yesterday")
+    assert code == 2 and "--since: must be an RFC 3339 time" in err, err

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import re
 from collections.abc import Coroutine
+from datetime import datetime
 from typing import Any, NoReturn, TypeVar
 
 T = TypeVar("T")
@@ -53,6 +55,30 @@ def seconds(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more seconds (got {text})")
     return value
+
+
+def parse_moment(value: str) -> int:
+    """An RFC 3339 time with its zone, or ms since the epoch, as ms since the epoch; ValueError says why not."""
+    if re.fullmatch(r"[0-9]{1,15}", value):  # ms since the epoch, up to the year 33658 (`isdigit` takes '²')
+        return int(value)
+    try:
+        when = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"must be an RFC 3339 time or ms since the epoch (got {value!r})") from None
+    if when.tzinfo is None:
+        raise ValueError("must carry a time zone, e.g. 2026-11-30T08:00:00Z")
+    ms = int(when.timestamp() * 1000)
+    if ms < 0:
+        raise ValueError(f"must not be before 1970-01-01T00:00:00Z (got {value!r})")
+    return ms
+
+
+def moment(text: str) -> int:
+    """An argument that must be a time (`parse_moment`)."""
+    try:
+        return parse_moment(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 # Objects holding Pulsar clients stay referenced until the process exits through os._exit: their

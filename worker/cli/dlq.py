@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any
 
-from worker.cli.common import connection_args, positive_int, positive_number, run_loop
+from worker.cli.common import connection_args, moment, positive_int, positive_number, run_loop
 from worker.errors import UsageError
 from worker.ops.render import render
 
@@ -16,12 +17,35 @@ def dlq_command(args: argparse.Namespace) -> int:
 
     if args.action == "redrive" and not (args.rate > 0):
         raise UsageError("dlq redrive", "--rate", "must be > 0 messages a second")
+    since, until = getattr(args, "since", None), getattr(args, "until", None)
+    if since is not None and until is not None and until < since:
+        raise UsageError(f"dlq {args.action}", "--until", "must not be before --since")
     target = locate(args.config, redis_url=args.redis_url, pulsar_url=args.service_url)
     options = {"limit": getattr(args, "limit", 1000), "message_id": getattr(args, "message_id", None),
                "rate": getattr(args, "rate", 10.0), "max_messages": getattr(args, "max_messages", None),
-               "concurrency": getattr(args, "concurrency", 8)}
+               "concurrency": getattr(args, "concurrency", 8), "since": since, "until": until,
+               "status": getattr(args, "status", None), "dry_run": getattr(args, "dry_run", False)}
     print(render(run_loop(dlq.run(target, args.action, args.subscription, **options)), args.json))
     return 0
+
+
+STATUS_RULE = re.compile(r"[1-5]xx|[1-5][0-9][0-9]|[a-z_]{1,40}")
+
+
+def status(text: str) -> str:
+    """A last status to select: a class (5xx), a code (503) or a result (timeout, connection_error)."""
+    if not STATUS_RULE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"must be a class like 5xx, a code like 503, or a result like timeout "
+                                         f"(got {text!r})")
+    return text
+
+
+def selection_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--since", type=moment, help="only those dead-lettered at or after this time (RFC 3339 or ms)")
+    p.add_argument("--until", type=moment, help="only those dead-lettered at or before this time")
+    p.add_argument("--status", type=status, action="append",
+                   help="only those whose last attempt ended so: 4xx, 5xx, 503, timeout, connection_error, ... "
+                        "(repeatable)")
 
 
 def register(cmds: Any) -> None:
@@ -29,6 +53,7 @@ def register(cmds: Any) -> None:
     p = dlq.add_parser("list", help="dead letters waiting (nothing is moved)")
     p.add_argument("subscription", help="NAME or PROJECT/NAME")
     p.add_argument("--limit", type=positive_int, default=100, help="at most this many (default 100)")
+    selection_args(p)
     connection_args(p, broker=True)
     p.set_defaults(func=dlq_command)
     p = dlq.add_parser("show", help="one dead letter: payload, attributes, attempt history")
@@ -44,5 +69,7 @@ def register(cmds: Any) -> None:
     p.add_argument("--max-messages", type=positive_int, default=None, help="stop after this many")
     p.add_argument("--message-id", default=None,
                    help="redrive only this dead letter (its own id or its original id); the others stay")
+    selection_args(p)
+    p.add_argument("--dry-run", action="store_true", help="count what would be redriven; move nothing")
     connection_args(p, broker=True)
     p.set_defaults(func=dlq_command)

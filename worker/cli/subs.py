@@ -5,11 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import re
-from datetime import datetime
 from typing import Any
 
-from worker.cli.common import connection_args, seconds
+from worker.cli.common import connection_args, parse_moment, seconds
 from worker.errors import UsageError
 from worker.ops.render import render
 
@@ -53,20 +51,11 @@ def _seek_target(args: argparse.Namespace) -> Any:
         return SeekTarget("earliest")
     if args.to_latest:
         return SeekTarget("latest")
-    value = args.to
-    if re.fullmatch(r"[0-9]{1,15}", value):  # ms since the epoch, up to the year 33658 (`isdigit` takes '²')
-        return SeekTarget(int(value))
     try:
-        when = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        raise UsageError("subs seek", "--to", f"must be an RFC 3339 time or ms since the epoch (got {value!r})") \
-            from None
-    if when.tzinfo is None:
-        raise UsageError("subs seek", "--to", "must carry a time zone, e.g. 2026-11-30T08:00:00Z")
-    ms = int(when.timestamp() * 1000)
-    if ms < 0:
-        raise UsageError("subs seek", "--to", f"must not be before 1970-01-01T00:00:00Z (got {value!r}; "
-                         "the whole retained backlog: --to-earliest)")
+        ms = parse_moment(args.to)
+    except ValueError as e:
+        hint = "; the whole retained backlog: --to-earliest" if str(e).startswith("must not be before") else ""
+        raise UsageError("subs seek", "--to", f"{e}{hint}") from None
     return SeekTarget(ms)
 
 

@@ -12,6 +12,10 @@ a fresh attempt count, signed like any delivery, at `--rate` messages a second. 
 letter is acked. Exhausted again: it is republished to the dead-letter topic (confirmed) and then
 acked. So a redrive that is interrupted resumes where it stopped, and loses nothing. Dead letters
 that arrive after the redrive started are left for the next one (it always ends).
+
+`list` and `redrive` take a window (`--since`, `--until`: when the message was dead-lettered) and
+last statuses (`--status 5xx`, `--status timeout`); what is outside them stays where it is.
+`redrive --dry-run` counts what it would take, and moves nothing.
 """
 
 from __future__ import annotations
@@ -47,11 +51,43 @@ from worker.redis_batch import Pipeliner
 from worker.subscriptions import Subscription
 
 QUIET_SECONDS = 2.0  # no message for this long: the cursor holds nothing more for us
+DRY_RUN_LIMIT = 10_000_000  # a dry run counts up to this many (`--max-messages` fewer)
 
 
 def is_for(sub: Subscription, message: pulsar.Message) -> bool:
     props: dict[str, str] = message.properties()
     return props.get("pubsub.subscription") == sub.name and props.get("pubsub.original_topic") == sub.topic
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """Which dead letters a command takes: dead-lettered within [since, until] (ms since the epoch,
+    None: open), and with one of `statuses` as their last status (`4xx` a class of them; empty: any)."""
+
+    since_ms: int | None = None
+    until_ms: int | None = None
+    statuses: tuple[str, ...] = ()
+
+    def takes(self, message: pulsar.Message) -> bool:
+        at = message.publish_timestamp()  # the dead letter's: when its last attempt failed for good
+        if (self.since_ms is not None and at < self.since_ms) or (self.until_ms is not None and at > self.until_ms):
+            return False
+        return not self.statuses or _status_matches(message.properties().get("pubsub.last_status", ""),
+                                                    self.statuses)
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.since_ms is not None:
+            out["since"] = rfc3339(self.since_ms)
+        if self.until_ms is not None:
+            out["until"] = rfc3339(self.until_ms)
+        if self.statuses:
+            out["status"] = list(self.statuses)
+        return out
+
+
+def _status_matches(status: str, wanted: tuple[str, ...]) -> bool:
+    return status in wanted or (len(status) == 3 and status.isdigit() and f"{status[0]}xx" in wanted)
 
 
 def original_envelope(sub: Subscription, message: pulsar.Message) -> Envelope:
@@ -82,8 +118,9 @@ class DeadLetterSource:
     rate-limited; once the cursor runs dry it sets `exhausted` and hands out nothing more."""
 
     def __init__(self, consumer: pulsar_async.Consumer, sub: Subscription, rate: float, limit: int | None,
-                 fresh_count: Callable[[str], Awaitable[Any]], message_id: str | None = None) -> None:
-        self.consumer, self.sub = consumer, sub
+                 fresh_count: Callable[[str], Awaitable[Any]], message_id: str | None = None,
+                 selection: Selection = Selection()) -> None:
+        self.consumer, self.sub, self.selection = consumer, sub, selection
         self.message_id = message_id  # only this dead letter (its own id or its original's); the others stay
         self.fresh_count = fresh_count
         self.rate = AsyncLimiter(1, 1.0 / rate)  # one at a time, evenly spaced: no burst
@@ -101,13 +138,13 @@ class DeadLetterSource:
             except TimeoutError:
                 break
             if (is_for(self.sub, message) and message.publish_timestamp() <= self.started_ms
-                    and self._wanted(message)):
+                    and self.selection.takes(message) and self._wanted(message)):
                 await self.rate.acquire()
                 # The original's record is a settled marker now: a redrive counts attempts afresh.
                 await self.fresh_count(original_envelope(self.sub, message).message_id)
                 self.taken += 1
                 return message
-            # someone else's, or newer than this redrive: left unacked, back to the cursor on close
+            # someone else's, newer than this redrive, or not selected: left unacked, back to the cursor on close
         self.exhausted.set()
         await asyncio.Event().wait()  # nothing more; the redrive stops the dispatcher
         raise AssertionError("unreachable")  # pragma: no cover
@@ -160,18 +197,23 @@ class DeadLetters:
             finally:
                 await asyncio.wait_for(consumer.close(), timeout=5.0)
 
-    async def _peek(self, sub: Subscription, limit: int) -> list[pulsar.Message]:
-        """Up to `limit` of this subscription's dead letters, oldest first; all released on return."""
+    async def _peek(self, sub: Subscription, limit: int, selection: Selection = Selection(),
+                    keep: bool = True) -> tuple[list[pulsar.Message], int]:
+        """Up to `limit` of this subscription's selected dead letters, oldest first (only counted unless
+        `keep`: a count holds no payloads), and how many; all released on return."""
         found: list[pulsar.Message] = []
+        count = 0
         async with self._cursor(sub) as consumer:
-            while len(found) < limit:
+            while count < limit:
                 try:
                     message = await asyncio.wait_for(consumer.receive(), QUIET_SECONDS)
                 except TimeoutError:
                     break
-                if is_for(sub, message):
-                    found.append(message)
-        return found
+                if is_for(sub, message) and selection.takes(message):
+                    count += 1
+                    if keep:
+                        found.append(message)
+        return found, count
 
     @staticmethod
     def _summary(message: pulsar.Message) -> dict[str, Any]:
@@ -182,10 +224,11 @@ class DeadLetters:
                 "attempts": props.get("pubsub.delivery_attempts", ""),
                 "last_status": props.get("pubsub.last_status", ""), "bytes": len(message.data() or b"")}
 
-    async def list(self, admin: Admin, name: str, limit: int) -> Output:
+    async def list(self, admin: Admin, name: str, limit: int, selection: Selection = Selection()) -> Output:
         sub = await self.subscription(admin, name)
-        rows = [self._summary(m) for m in await self._peek(sub, limit)]
-        data = {"subscription": sub.key, "dead_letter_topic": sub.dead_letter_topic, "messages": rows}
+        rows = [self._summary(m) for m in (await self._peek(sub, limit, selection))[0]]
+        data = {"subscription": sub.key, "dead_letter_topic": sub.dead_letter_topic, **selection.describe(),
+                "messages": rows}
         if not rows:
             return Output(data, f"{sub.key}: no dead letters in {sub.dead_letter_topic}")
         more = f"\n(first {limit} shown; --limit for more)" if len(rows) >= limit else ""
@@ -195,7 +238,7 @@ class DeadLetters:
     async def show(self, admin: Admin, name: str, message_id: str, limit: int) -> Output:
         """One dead letter (by its own id or its original id), with payload and attempt history."""
         sub = await self.subscription(admin, name)
-        for message in await self._peek(sub, limit):
+        for message in (await self._peek(sub, limit))[0]:
             summary = self._summary(message)
             if message_id in (summary["dead_letter_id"], summary["message_id"]):
                 data = message.data() or b""
@@ -215,8 +258,16 @@ class DeadLetters:
                               "\n".join(lines) + ("\n\nattempts:\n" + history.text if history else ""))
         raise NotFound(f"no dead letter {message_id} for {sub.key} among the first {limit} (--limit to look further)")
 
+    async def dry_run(self, admin: Admin, name: str, limit: int | None, selection: Selection) -> Output:
+        """What a redrive with the same selection would take; nothing moves."""
+        sub = await self.subscription(admin, name)
+        _, count = await self._peek(sub, limit or DRY_RUN_LIMIT, selection, keep=False)
+        result = {"subscription": sub.key, "would_redrive": count, **selection.describe()}
+        return Output(result, f"{sub.key}: a redrive would take {count} dead letter(s); nothing was moved")
+
     async def redrive(self, admin: Admin, name: str, rate: float, limit: int | None, concurrency: int,
-                      progress: Callable[[str], None], message_id: str | None = None) -> Output:
+                      progress: Callable[[str], None], message_id: str | None = None,
+                      selection: Selection = Selection()) -> Output:
         sub = await self.subscription(admin, name)
         # A request that cannot be signed would fail every redriven message (and dead-letter it again).
         secrets = secret_store(self.target.settings)
@@ -242,7 +293,7 @@ class DeadLetters:
                                               "push-worker-dlq-redrive")
             source = DeadLetterSource(consumer, sub, rate, 1 if message_id else limit,
                                       lambda original: admin.client.delete(keys.message_key(sub.key, original)),
-                                      message_id=message_id)
+                                      message_id=message_id, selection=selection)
             dispatcher = Dispatcher(sub, source, lambda m: original_envelope(sub, m), ctx)
             dispatcher.start()
             report = 0.0
@@ -253,7 +304,7 @@ class DeadLetters:
                     progress(_progress(sub, dispatcher, source, time.monotonic() - started))
             if message_id is not None and source.taken == 0:
                 raise NotFound(f"no dead letter {message_id} for {sub.key} (by its own id or its original id)")
-            result = {"subscription": sub.key, "redriven": dispatcher.stats.acked,
+            result = {"subscription": sub.key, **selection.describe(), "redriven": dispatcher.stats.acked,
                       "dead_lettered_again": dispatcher.stats.dead_lettered, "taken": source.taken,
                       "seconds": round(time.monotonic() - started, 1)}
         finally:
@@ -284,13 +335,16 @@ async def run(target: Target, action: str, name: str, **options: Any) -> Output:
     logs.configure("auto", "warning")  # stdout carries the result (JSON with --json); logs go to stderr
     admin = Admin(target, f"dlq {action}")
     dlq = DeadLetters(target)
+    selection = Selection(options.get("since"), options.get("until"), tuple(options.get("status") or ()))
     try:
         if action == "list":
-            return await dlq.list(admin, name, options["limit"])
+            return await dlq.list(admin, name, options["limit"], selection)
         if action == "show":
             return await dlq.show(admin, name, options["message_id"], options["limit"])
+        if options.get("dry_run"):
+            return await dlq.dry_run(admin, name, options.get("max_messages"), selection)
         return await dlq.redrive(admin, name, options["rate"], options.get("max_messages"),
-                                 options["concurrency"], stderr_progress, options.get("message_id"))
+                                 options["concurrency"], stderr_progress, options.get("message_id"), selection)
     finally:
         await admin.close()
 
