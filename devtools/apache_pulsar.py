@@ -32,7 +32,7 @@ from worker.embedded import EmbeddedError, Service, free_port, pid_alive
 
 CLUSTER = "standalone"
 HOME = Path(os.environ.get("PUSH_WORKER_APACHE_PULSAR_HOME")
-            or Path(__file__).resolve().parents[2] / "tools" / "apache-pulsar")
+            or Path(__file__).resolve().parents[1] / "tools" / "apache-pulsar")
 READY_TIMEOUT = 180.0  # first start on a busy 2-core machine; measured ~8-10 s when idle
 
 # What `bin/pulsar` passes to the JVM: Netty and BookKeeper need these opens on Java 17, and the

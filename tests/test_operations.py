@@ -147,13 +147,13 @@ async def test_dead_letters_are_listed_shown_and_redriven_to_their_subscription_
             assert code == 0, err
             listed = json.loads(out)["messages"]
             assert sorted(m["message_id"] for m in listed) == sorted(ids)
-            assert {(m["attempts"], m["last_status"]) for m in listed} == {("2", "503")}
+            assert {(m["attempts"], m["last_status"]) for m in listed} == {("3", "503")}
 
         code, out, err = await cli("dlq", "show", sub.name, ids[3], *args, "--json")
         assert code == 0, err
         shown = json.loads(out)
         assert shown["data"] == "m3" and shown["attributes"]["origin"] == "test"
-        assert [h.get("event") or h["result"] for h in shown["history"]] == ["nack", "nack", "dead-lettered"]
+        assert [h.get("event") or h["result"] for h in shown["history"]] == ["nack", "nack", "nack", "dead-lettered"]
 
         healthy = True
         before = len(endpoint.requests)

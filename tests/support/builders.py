@@ -1,8 +1,11 @@
-"""Subscriptions, settings and worker.yaml files as tests need them: `make_sub` builds the
-`Subscription` a worker serves, `push_sub` the definition a user writes (YAML/JSON)."""
+"""Subscriptions, settings and worker.yaml files as tests need them: one builder of subscriptions,
+`push_sub`, the definition a user writes (YAML/JSON); `make_sub` is the `Subscription` a worker
+serves for it."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import uuid
 from pathlib import Path
 from typing import Any
@@ -11,16 +14,7 @@ import yaml
 
 from worker.config import HttpSettings, PulsarSettings, RedisSettings, Settings, load_settings
 from worker.destinations import DestinationPolicy
-from worker.subscriptions import RetryPolicy, Subscription
-
-
-def make_sub(topic: str, url: str, **overrides: Any) -> Subscription:
-    values: dict[str, Any] = {
-        "name": "sub-" + uuid.uuid4().hex[:8], "topic": topic, "url": url, "ack_deadline_seconds": 5,
-        "max_deliver": 3, "retry": RetryPolicy(0.05, 0.2),
-    }
-    values.update(overrides)
-    return Subscription(**values)
+from worker.subscriptions import Subscription, parse_subscription
 
 
 def make_settings(broker_url: str, redis: str | RedisSettings, subs: tuple[Subscription, ...], **kw: Any) -> Settings:
@@ -34,11 +28,25 @@ def make_settings(broker_url: str, redis: str | RedisSettings, subs: tuple[Subsc
     return Settings(**values)
 
 
+# What a test subscription has unless the test says otherwise: a short deadline, few attempts and
+# short backoffs, so that retries and dead letters come within a test's time.
+TEST_DEFAULTS: dict[str, Any] = {"ack_deadline_seconds": 5, "max_deliver": 3,
+                                 "retry": {"min_backoff_seconds": 0.05, "max_backoff_seconds": 0.2}}
+
+
 def push_sub(name: str, topic: str, url: str, **extra: Any) -> dict[str, Any]:
-    """A push subscription definition as a user writes it (YAML/JSON); `extra` overrides."""
-    return {"name": name, "topic": topic, "ack_deadline_seconds": 5, "max_deliver": 2,
-            "retry": {"min_backoff_seconds": 0.05, "max_backoff_seconds": 0.05},
+    """A push subscription definition as a user writes it (YAML/JSON), with TEST_DEFAULTS; `extra`
+    overrides."""
+    return {"name": name, "topic": topic, **copy.deepcopy(TEST_DEFAULTS),
             "deliver": {"mode": "push", "push": {"url": url}}, **extra}
+
+
+def make_sub(topic: str, url: str, **overrides: Any) -> Subscription:
+    """The `Subscription` a worker serves for `push_sub`'s definition (named `sub-<random>` unless
+    `name` is given); `overrides` set `Subscription` fields, unchecked, as a test may need."""
+    name = overrides.pop("name", "sub-" + uuid.uuid4().hex[:8])
+    served = parse_subscription(push_sub(name, topic, url), trusted=True)
+    return dataclasses.replace(served, definition=None, **overrides)  # a config file's subscription, unpublished
 
 
 def worker_yaml(tmp_path: Path, broker_url: str, redis: str | dict[str, Any], *subs: dict[str, Any]
