@@ -144,3 +144,22 @@ def test_the_design_page_names_every_module():
     modules = [p for package in ("worker", "devtools") for p in sorted((ROOT / package).rglob("*.py"))
                if p.name != "__init__.py"]
     assert [str(p.relative_to(ROOT)) for p in modules if p.name not in design] == []
+
+
+def test_the_configuration_page_shows_each_declared_setting_at_its_default():
+    """worker.yaml's numeric settings are declared once, with their defaults (config.setting): the
+    example on the configuration page shows each at that default, so the page cannot drift from it."""
+    from dataclasses import fields
+
+    from worker import config
+
+    example = yaml.safe_load(documented_settings()[0])
+    sections = {"pulsar": config.PulsarSettings, "redis": config.RedisSettings, "fleet": config.FleetSettings,
+                "": config.Settings}
+    drift = []
+    for name, section in sections.items():
+        shown = example.get(name, {}) if name else example
+        for f in fields(section):
+            if f.metadata.get("by_hand") is False and shown.get(f.name) != f.default:
+                drift.append(f"{name or 'config'}.{f.name}: page {shown.get(f.name)!r}, declared {f.default!r}")
+    assert drift == []
