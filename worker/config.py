@@ -53,6 +53,12 @@ def yaml_fields(section: type) -> set[str]:
     return {f.name for f in fields(section) if "by_hand" in f.metadata}
 
 
+def bounds(section: type, name: str) -> tuple[int, int]:
+    """The bounds a setting is declared with, for one read by hand."""
+    meta = next(f.metadata for f in fields(section) if f.name == name)
+    return int(meta["low"]), int(meta["high"])
+
+
 def declared(section: type, r: FieldReader, extra: frozenset[str] = frozenset(), **by_hand: Any) -> Any:
     """A settings section read from `r` by its declarations: every `setting` field by its default and
     bounds, the others from `by_hand`; a name neither declared nor in `extra` is refused."""
@@ -328,14 +334,15 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
 
     h = r.sub("http")
     h.reject_unknown(yaml_fields(HttpSettings))
-    port = h.integer("port", HttpSettings.port, 0, 65535)
+    low, high = bounds(HttpSettings, "port")
+    port = h.integer("port", HttpSettings.port, low, high)
     if env.get("PUSH_WORKER_HTTP_PORT"):
         try:
             port = int(env["PUSH_WORKER_HTTP_PORT"])
         except ValueError:
             raise ConfigError("environment", "PUSH_WORKER_HTTP_PORT", "must be an integer") from None
-        if not 0 <= port <= 65535:
-            raise ConfigError("environment", "PUSH_WORKER_HTTP_PORT", f"must be in 0..65535 (got {port})")
+        if not low <= port <= high:
+            raise ConfigError("environment", "PUSH_WORKER_HTTP_PORT", f"must be in {low}..{high} (got {port})")
     http = HttpSettings(host=h.text("host", HttpSettings.host), port=port)
 
     destinations = _destinations(r.sub("destinations"))
@@ -387,7 +394,8 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
         destinations=destinations,
         subscriptions=tuple(subs),
         fleet=fleet,
-        max_held_bytes=r.integer("max_held_bytes", 0, 16 << 20, 1 << 40) if r.has("max_held_bytes") else None,
+        max_held_bytes=r.integer("max_held_bytes", 0, *bounds(Settings, "max_held_bytes")) if r.has("max_held_bytes")
+        else None,
         secrets_dir=secrets_dir,
         oidc=oidc,
         log_format=log.choice("format", ("auto", "json", "console"), "auto"),
