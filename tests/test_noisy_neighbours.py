@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import pulsar
+import pytest
 import redis
 import redis.asyncio as aioredis
 from aiohttp import web
@@ -279,6 +280,9 @@ async def test_a_shared_budget_lends_what_is_unused_and_keeps_room_for_fair_shar
     assert pool.used == 50 and pool.fair_share() == 100
 
 
+# pulsar-lite stops dispatching 1 MiB messages now and then although the consumer has permits and
+# the messages are stored (the next publish sends them): docs/testing.md. Here that is a stall.
+@pytest.mark.apache_pulsar
 async def test_one_project_holding_large_messages_cannot_take_the_worker_over_its_memory_budget(
         start_worker, client: Client, topic):
     """Three projects' subscriptions of 1 MiB messages behind slow endpoints, on a worker with a
@@ -300,9 +304,7 @@ async def test_one_project_holding_large_messages_cannot_take_the_worker_over_it
     subs = [make_sub(f"persistent://p-{p}/main/big-{topic[-6:]}", url.replace("push", p), max_ack_pending=200)
             for p in ("a", "b", "c")]
     try:
-        # Each subscription's own bound far above the worker's, so that only the shared budget holds
-        # them; it also makes the prefetch 19, not 6: pulsar-lite now and then stops sending a
-        # consumer that prefetches a few large messages (README, "Apache Pulsar and pulsar-lite").
+        # Each subscription's own bound far above the worker's, so that only the shared budget holds them.
         w = await start_worker(*subs, max_held_bytes=16 << 20, max_held_bytes_per_subscription=192 << 20)
         peak = 0
 
