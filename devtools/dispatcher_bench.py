@@ -67,7 +67,7 @@ class _Backlog:
 class _Attempts:
     """Every message on its first attempt; records go nowhere."""
 
-    async def begin(self, subscription_key: str, message_id: str) -> AttemptRecord:
+    async def begin(self, subscription_key: str, message_id: str, probe: bool = False) -> AttemptRecord:
         return AttemptRecord(1, "")
 
     def failing_reason(self, subscription_key: str) -> str:

@@ -52,17 +52,19 @@ end
 # Per operation: one key. A message already settled (a copy the broker redelivered because its ack
 # was lost) is reported as such and not counted. Else count the attempt and refresh the TTL; return
 # the count, the status the previous attempt ended with, the state (0 deliver, 1 discarded by an
-# operator, 2 settled already) and whether the record was corrupt and started over.
-BEGIN = BatchScript(_LUA_CALL + """
+# operator, 2 settled already), whether the record was corrupt and started over, and how many of the
+# attempts were a breaker's probes (`probes`: numbered like any attempt, never using up max_deliver).
+_BEGIN = _LUA_CALL + """
 local out = {}
 for i = 1, #KEYS do
-  local v = call('HMGET', KEYS[i], 'discard', 'last', 'n', 'settled')
-  local n, last, state = tonumber(v[3]) or 0, '', 0
+  local v = call('HMGET', KEYS[i], 'discard', 'last', 'n', 'settled', 'probes')
+  local n, last, state, probes = tonumber(v[3]) or 0, '', 0, tonumber(v[5]) or 0
   if v[4] then
     state = 2
   elseif v[1] then
     state = 1
   else
+    {probe}
     n = call('HINCRBY', KEYS[i], 'n', 1)
     if n < 1 then
       corrupt[KEYS[i]] = true
@@ -73,10 +75,13 @@ for i = 1, #KEYS do
     last = string.sub(v[2] or '', 1, 64)
   end
   out[#out + 1] = n; out[#out + 1] = last; out[#out + 1] = state
-  out[#out + 1] = corrupt[KEYS[i]] and 1 or 0
+  out[#out + 1] = corrupt[KEYS[i]] and 1 or 0; out[#out + 1] = probes
 end
 return out
-""", width=4)
+"""
+BEGIN = BatchScript(_BEGIN.replace("{probe}", ""), width=5)
+# The same for a breaker's probe (`breaker.py`), counted as one.
+BEGIN_PROBE = BatchScript(_BEGIN.replace("{probe}", "probes = call('HINCRBY', KEYS[i], 'probes', 1)"), width=5)
 
 # Shared: the settled list; its TTL, the history cap and the settled marker's TTL. Per operation: the
 # counter and history keys; args settled ('1'/'0'), last status, settled summary, history TTL (0:
@@ -127,6 +132,12 @@ class AttemptRecord:
     discard: bool = False  # an operator asked to settle it without delivery
     settled: bool = False  # settled already: a redelivered copy, to ack without a request
     corrupt: bool = False  # the stored record was unreadable and started over
+    probes: int = 0  # of the attempts numbered, those that were a breaker's probes
+
+    @property
+    def spent(self) -> int:
+        """Attempts that count against max_deliver: every one but the breaker's probes."""
+        return max(0, self.number - self.probes)
 
 
 
@@ -187,13 +198,16 @@ class AttemptStore:
                 return result
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def begin(self, subscription_key: str, message_id: str) -> AttemptRecord:
-        """Record the next attempt before it is made; returns its number (1, 2, ...)."""
+    async def begin(self, subscription_key: str, message_id: str, probe: bool = False) -> AttemptRecord:
+        """Record the next attempt before it is made (a breaker's `probe`: counted as one); returns its
+        number (1, 2, ...)."""
         key = keys.message_key(subscription_key, message_id)
-        n, last, state, corrupt = await self._call(subscription_key, lambda: self.pipeliner.operation(
-            BEGIN, (), (self.ttl_seconds,), (key,), (), subscription_key))
+        script = BEGIN_PROBE if probe else BEGIN
+        n, last, state, corrupt, probes = await self._call(subscription_key, lambda: self.pipeliner.operation(
+            script, (), (self.ttl_seconds,), (key,), (), subscription_key))
         last_status = last.decode(errors="replace") if isinstance(last, bytes) else str(last)
-        return AttemptRecord(int(n), last_status, discard=state == 1, settled=state == 2, corrupt=bool(corrupt))
+        return AttemptRecord(int(n), last_status, discard=state == 1, settled=state == 2, corrupt=bool(corrupt),
+                             probes=int(probes))
 
     def record(self, subscription_key: str, message_id: str, entries: list[dict[str, Any]],
                settled: bool, last_status: str = "", acked_first_time: bool = False,

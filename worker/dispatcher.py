@@ -23,6 +23,7 @@ from worker import logs
 from worker.aio import cancel_within, wait_any, wait_event
 from worker.attempts import AttemptRecord
 from worker.backoff import retry_delay
+from worker.breaker import Breaker
 from worker.budgets import ByteBudget, SharedBudget
 from worker.config import DEFAULT_MAX_HELD_BYTES
 from worker.deadletter import DeadLetterPublisher, dead_letter_properties, failing_publishes
@@ -30,7 +31,7 @@ from worker.delivery import Outcome, Result
 from worker.endpoint_health import ERROR_AFTER_SECONDS, EndpointHealth
 from worker.flow import AdaptiveLimit, RateLimit, Window
 from worker.history import attempt_entry, event_entry
-from worker.messages import Envelope, PushRequest, build_request, format_message_id, memory_per_payload_byte
+from worker.messages import Envelope, PushRequest, build_request, format_message_id, memory_per_payload_byte, rfc3339
 from worker.metrics import Metrics
 from worker.oidc import Tokens
 from worker.prefetch import MAX_PREFETCH, prefetch_bytes, too_large
@@ -101,7 +102,7 @@ class Endpoints(Protocol):
 class AttemptLog(Protocol):
     """Where a dispatcher counts and records attempts: `attempts.AttemptStore`."""
 
-    async def begin(self, subscription_key: str, message_id: str) -> AttemptRecord: ...
+    async def begin(self, subscription_key: str, message_id: str, probe: bool = False) -> AttemptRecord: ...
 
     def failing_reason(self, subscription_key: str) -> str: ...
 
@@ -171,6 +172,7 @@ class Dispatcher:
         self.lease = lease  # None: not fenced (a worker without a fleet)
         self.may_deliver: Callable[[], bool] = lease.valid if lease is not None else (lambda: True)
         self.health = EndpointHealth(error_after)
+        self.breaker = Breaker(self.health, sub.breaker, self._breaker_changed)
         self._reported_state = State.ACTIVE
         self.consumer = consumer
         self.to_envelope = to_envelope
@@ -225,6 +227,7 @@ class Dispatcher:
         self.window.resize(sub.max_ack_pending)
         self.endpoint_limit.set_ceiling(sub.concurrency)
         self.rate.set(*_rate_of(sub))
+        self.breaker.set_policy(sub.breaker)
 
     async def stop(self, grace: float, unsubscribe: bool = False) -> None:
         """Stop intake; let requests under way finish within `grace`; release the rest to the broker
@@ -257,13 +260,42 @@ class Dispatcher:
 
     @property
     def state(self) -> State:
-        return self.health.state
+        return State.SUSPENDED if self.breaker.is_open else self.health.state
 
     @property
     def state_reason(self) -> str:
         """Why the state is what it is (for `subs list`); empty when Active and nothing is failing."""
-        reasons = (self.health.reason, self.attempts.failing_reason(self.sub.key), self.dead_letter_failures.reason)
+        reasons = (self._breaker_reason() or self.health.reason, self.attempts.failing_reason(self.sub.key),
+                   self.dead_letter_failures.reason)
         return "; ".join(reason for reason in reasons if reason)
+
+    def _breaker_reason(self) -> str:
+        policy = self.breaker.policy
+        if not self.breaker.is_open or policy is None:
+            return ""
+        return (f"breaker open since {rfc3339(int(self.breaker.opened_wall * 1000))}: every attempt failed for "
+                f"{policy.open_after_seconds:g} s (last: {self.health.last_failure}); one probe every "
+                f"{policy.probe_interval_seconds:g} s, nothing else sent or counted")
+
+    def resume(self, resumed_at_ms: int) -> bool:
+        """`subs resume` at `resumed_at_ms`: closes the breaker if it opened before then."""
+        if not self.breaker.is_open or resumed_at_ms < self.breaker.opened_wall * 1000:
+            return False
+        self.breaker.close()
+        return True
+
+    def _breaker_changed(self) -> None:
+        if self.breaker.is_open:
+            self.log.warning("breaker open: the endpoint failed every attempt; probing", reason=self._breaker_reason())
+        else:
+            self.log.info("breaker closed: delivering again")
+            self.endpoint_limit.restart()  # slow start: the endpoint just came back
+        self._report_state()
+
+    def _report_state(self) -> None:
+        if self.state is not self._reported_state:
+            self._reported_state = self.state
+            self.metrics.set_state(self.sub.tenant, self.sub.name, self.state)
 
     async def _wait_until_may_deliver(self) -> bool:
         """True once this worker may deliver. While it may not (its lease could not be renewed in
@@ -451,41 +483,58 @@ class Dispatcher:
             sub = self.sub  # an edit applies from the next attempt on
             if not (self.may_deliver() or await self._wait_until_may_deliver()):
                 return None
-            record = await self.attempts.begin(sub.key, env.message_id)
-            if record.corrupt:
-                self.log.warning("attempt record was unreadable; started over", message_id=env.message_id,
-                                 attempt=record.number)
-            if record.settled:  # a copy redelivered because its ack was lost: settled already, no request
-                await self._ack_only(message, env)
-                self.m.settled_redeliveries.inc()
-                return None
-            if record.discard:  # `push-worker discard`: settled without delivery, and recorded
-                self.log.info("discarded by an operator", message_id=env.message_id)
-                return await self._ack(message, env, sub, [event_entry("discarded", self.ctx.worker_id)],
-                                       record_first=True)
-            limit = sub.attempt_limit
-            if limit is not None and record.number > limit:
-                # Exhausted in an earlier life (crash before the dead-letter was confirmed): no new request.
-                return await self._give_up(message, env, sub, record.number - 1, record.last_status or "unknown", [])
-            outcome = await self._attempt(sub, env, record.number)
-            if outcome is None:  # the lease could not be vouched for right before sending: no request
-                continue  # `_wait_until_may_deliver` waits for a renewal (next number) or the stop (the next owner's)
-            entry = attempt_entry(record.number, outcome, self.ctx.worker_id)
-            if outcome.acked:
-                settled = await self._ack(message, env, sub, [entry], acked_first_time=record.number == 1)
-                self.stats.acked += 1
-                self.m.acked.inc()
-                self.log.debug("delivered", message_id=env.message_id, attempt=record.number,
-                               status=outcome.status, latency=round(outcome.latency, 4))
-                return settled
-            self.failure_log.info("delivery failed", message_id=env.message_id, attempt=record.number,
-                          status=outcome.last_status, detail=outcome.detail, latency=round(outcome.latency, 4))
-            exhausted = (limit is not None and record.number >= limit) or outcome.permanent
-            # Recorded before a dead-letter publish too: if that is cut short (a crash, a stop while the
-            # topic refuses), the next owner's dead letter carries this attempt's status, not "unknown".
-            await self.attempts.record(sub.key, env.message_id, [entry], settled=False, last_status=outcome.last_status)
-            if exhausted:
-                return await self._give_up(message, env, sub, record.number, outcome.last_status, [])
+            # An open breaker holds every message back, uncounted, but for its probe (numbered like any
+            # attempt, so numbers never repeat; never using up max_deliver).
+            probe = self.breaker.holds() and await self.breaker.turn(env.publish_time_ms)
+            answered = False  # the probe's answer went to the breaker
+            try:
+                record = await self.attempts.begin(sub.key, env.message_id, probe)
+                if record.corrupt:
+                    self.log.warning("attempt record was unreadable; started over", message_id=env.message_id,
+                                     attempt=record.number)
+                if record.settled:  # a copy redelivered because its ack was lost: settled already, no request
+                    await self._ack_only(message, env)
+                    self.m.settled_redeliveries.inc()
+                    return None
+                if record.discard:  # `push-worker discard`: settled without delivery, and recorded
+                    self.log.info("discarded by an operator", message_id=env.message_id)
+                    return await self._ack(message, env, sub, [event_entry("discarded", self.ctx.worker_id)],
+                                           record_first=True)
+                limit = sub.attempt_limit
+                if limit is not None and record.spent > limit:
+                    # Exhausted in an earlier life (crash before the dead-letter was confirmed): no new request.
+                    return await self._give_up(message, env, sub, record.number - 1, record.last_status or "unknown",
+                                               [])
+                outcome = await self._attempt(sub, env, record.number)
+                if outcome is None:  # the lease could not be vouched for right before sending: no request
+                    continue  # `_wait_until_may_deliver` waits for a renewal (next number) or the stop
+                if probe:
+                    answered = True
+                    self.breaker.probed(outcome.acked)
+                entry = attempt_entry(record.number, outcome, self.ctx.worker_id)
+                if probe:
+                    entry["probe"] = True
+                if outcome.acked:
+                    settled = await self._ack(message, env, sub, [entry], acked_first_time=record.number == 1)
+                    self.stats.acked += 1
+                    self.m.acked.inc()
+                    self.log.debug("delivered", message_id=env.message_id, attempt=record.number,
+                                   status=outcome.status, latency=round(outcome.latency, 4))
+                    return settled
+                self.failure_log.info("delivery failed", message_id=env.message_id, attempt=record.number,
+                                      status=outcome.last_status, detail=outcome.detail,
+                                      latency=round(outcome.latency, 4), probe=probe)
+                # Recorded before a dead-letter publish too: if that is cut short (a crash, a stop while the
+                # topic refuses), the next owner's dead letter carries this attempt's status, not "unknown".
+                await self.attempts.record(sub.key, env.message_id, [entry], settled=False,
+                                           last_status=outcome.last_status)
+                if probe:
+                    continue  # the breaker paces the next try; a probe uses up no attempt
+                if (limit is not None and record.spent >= limit) or outcome.permanent:
+                    return await self._give_up(message, env, sub, record.number, outcome.last_status, [])
+            finally:
+                if probe and not answered:
+                    self.breaker.probed(None)
             self.stats.retried += 1
             self.m.retries.inc()
             self.m.held_for_retry.inc()
@@ -515,9 +564,7 @@ class Dispatcher:
             raise
         self.endpoint_limit.release(outcome, ticket)
         self.health.record(outcome.acked, outcome.last_status)
-        if self.state is not self._reported_state:  # Error comes with time, so compare with what was reported
-            self._reported_state = self.state
-            self.metrics.set_state(sub.tenant, sub.name, self.state)
+        self._report_state()  # Error comes with time, so compare with what was reported
         self.m.delivery(outcome.label).inc()
         self.m.delivery_seconds.observe(outcome.latency)
         return outcome

@@ -29,6 +29,10 @@ class EndpointHealth:
         self.failures_in_row += 1
         self.last_failure = status
 
+    def reset(self) -> None:
+        """Count failures from zero (the breaker closed by hand: the old streak must not reopen it)."""
+        self.failures_in_row = 0
+
     @property
     def state(self) -> State:
         if (self.failures_in_row >= ERROR_MIN_FAILURES

@@ -110,6 +110,7 @@ class AdaptiveLimit(_Slots):
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.ceiling = max(1, ceiling)
+        self.initial = initial
         self.window = float(min(initial, self.ceiling))
         self.threshold = float(self.ceiling)
         self.cooldown = cooldown
@@ -161,6 +162,13 @@ class AdaptiveLimit(_Slots):
         if self._unjudged and now - self._unjudged[0][1] > self.hung_after() and self._cut(now):
             self._unjudged.popleft()
             self.limit = self.size
+
+    def restart(self) -> None:
+        """Slow start again from the initial window (an endpoint back after an outage)."""
+        self.window = float(min(self.initial, self.ceiling))
+        self.threshold = float(self.ceiling)
+        self._error_share = 0.0
+        self.limit = self.size
 
     def set_ceiling(self, ceiling: int) -> None:
         self.ceiling = max(1, ceiling)

@@ -91,6 +91,11 @@ def over_since_key(subscription_key: str) -> str:
     return f"{PREFIX}:{tag(subscription_key)}:backlog-over-since"
 
 
+def resumed_key(subscription_key: str) -> str:
+    """When (ms) an operator last resumed the subscription (`subs resume`): closes its breaker."""
+    return f"{PREFIX}:{tag(subscription_key)}:resumed"
+
+
 def fleet_key(fleet: str, what: str) -> str:
     """A fleet-wide key (`members`, `instance:<worker id>`, `registry`, `version`, `events`, `paused`,
     `expired`): all share the fleet's hash tag, so the fleet's multi-key operations stay in one

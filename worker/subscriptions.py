@@ -51,6 +51,7 @@ class State(enum.StrEnum):
     SEEKING = "Seeking"
     PAUSED = "Paused"
     EXPIRED = "Expired"
+    SUSPENDED = "Suspended"  # its breaker is open (deliver.push.breaker): only probes go
     STARTING = "Starting"  # its owner's subscribe keeps failing (the broker refuses it)
 
 
@@ -69,6 +70,15 @@ class RateLimit:
 
     messages_per_second: float
     burst: float
+
+
+@dataclass(frozen=True)
+class BreakerPolicy:
+    """`deliver.push.breaker` (`breaker.py`): open after every attempt failed for
+    `open_after_seconds`; then one probe every `probe_interval_seconds`."""
+
+    open_after_seconds: float = 300.0
+    probe_interval_seconds: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,7 @@ class Subscription:
     filter: Filter | None = None  # messages it does not match are acked without a request
     oidc: Oidc | None = None  # Authorization: Bearer <a signed JWT>
     rate_limit: RateLimit | None = None
+    breaker: BreakerPolicy | None = field(default_factory=BreakerPolicy)  # None: `breaker: off`
     # The definition as written (secrets are references in it, never values): what a worker publishes
     # of its config file's subscriptions for the operator commands (fleet/published.py).
     definition: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
@@ -320,7 +331,8 @@ def parse_subscription(data: Any, where: str = "", *, trusted: bool = False, sto
     if deliver.choice("mode", MODES, "pull") != "push":
         raise deliver.fail("mode", "must be push for this fleet (pull subscriptions are ignored)")
     push = deliver.sub("push")
-    push.reject_unknown({"url", "content", "signing_secrets", "bearer_token", "cloudevents", "oidc", "rate_limit"})
+    push.reject_unknown({"url", "content", "signing_secrets", "bearer_token", "cloudevents", "oidc", "rate_limit",
+                       "breaker"})
     url = _check_url(push, push.text("url"))
     content = push.choice("content", CONTENT_MODES, "wrapped")
     cloudevents = _cloudevents(push, content)
@@ -373,6 +385,7 @@ def parse_subscription(data: Any, where: str = "", *, trusted: bool = False, sto
         filter=_filter(r, stored),
         oidc=oidc,
         rate_limit=_rate_limit(push),
+        breaker=_breaker(push),
         definition=data,
     )
 
@@ -393,6 +406,22 @@ def _rate_limit(push: FieldReader) -> RateLimit | None:
         raise rl.fail("messages_per_second", f"must be in 0.001..{MAX_RATE:g} (got {rate:g})")
     burst = rl.number("burst", max(1.0, rate), 1.0, MAX_RATE)
     return RateLimit(rate, burst)
+
+
+def _breaker(push: FieldReader) -> BreakerPolicy | None:
+    """`breaker: off`, or `breaker: {open_after_seconds: S, probe_interval_seconds: P}` (on by default)."""
+    if not push.has("breaker"):
+        return BreakerPolicy()
+    value = push.data["breaker"]
+    if value is False or value == "off":  # YAML reads a bare `off` as false
+        return None
+    if not isinstance(value, dict):
+        raise push.fail("breaker", "must be off or {open_after_seconds: S, probe_interval_seconds: P}")
+    b = push.sub("breaker")
+    b.reject_unknown({"open_after_seconds", "probe_interval_seconds"})
+    default = BreakerPolicy()
+    return BreakerPolicy(b.number("open_after_seconds", default.open_after_seconds, 1.0, 86_400.0),
+                         b.number("probe_interval_seconds", default.probe_interval_seconds, 1.0, 3_600.0))
 
 
 def _oidc(push: FieldReader) -> Oidc | None:

@@ -224,7 +224,27 @@ class Fleet:
             await self._read_registry()
             self._registry_version = version
         await self._reconcile()
+        await self._resume_breakers()
         await self.published.publish_if_due()
+
+    async def _resume_breakers(self) -> None:
+        """`subs resume` closes an open breaker: it writes when (`keys.resumed_key`) and wakes the
+        fleet; only suspended subscriptions are looked up, so this costs nothing when none is."""
+        suspended = [(key, served) for key, served in self.worker.dispatchers.items()
+                     if served.state is State.SUSPENDED]
+        if not suspended:
+            return
+        values = await asyncio.gather(*(self.batch.submit("GET", keys.resumed_key(key)) for key, _ in suspended),
+                                      return_exceptions=True)
+        for (key, served), value in zip(suspended, values, strict=True):
+            if isinstance(value, BaseException):
+                continue  # the next round reads it again
+            try:
+                resumed_at_ms = int(value)
+            except (TypeError, ValueError):  # none, or garbage
+                continue
+            if served.resume(resumed_at_ms):
+                self.log.info("breaker closed by hand (subs resume)", subscription=key)
 
     def _renewal(self, key: str) -> asyncio.Future[Any]:
         return self.batch.operation(RENEW, (), (self.me, self.ttl_ms), (keys.lease_key(key),), (), key)

@@ -17,6 +17,7 @@ immutable (and filter, as in Google's push subscriptions).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -31,6 +32,7 @@ from worker.subscriptions import Subscription, is_push, parse_subscription, vali
 Admit = Callable[[Subscription], None]  # a worker's admission: raises ConfigError
 
 IMMUTABLE = ("topic", "type", "start_from", "filter")
+RESUMED_TTL_SECONDS = 24 * 3600  # a resume is read within a heartbeat; kept longer only for operators
 CHANGE_LOG_LENGTH = 10_000  # entries kept in the change log (about); a worker further behind reads everything
 MAX_DEFINITION_BYTES = 16 * 1024  # a definition's JSON; sixty 1 MB entries slowed every project's deliveries
 Entry = tuple[dict[str, Any], Subscription | None] | str  # a definition (and its subscription), or why not
@@ -308,6 +310,11 @@ class Registry:
             changed = (await self._execute_logged(pipe, [key]))[0]
             await self._announce(b"paused")
         return bool(changed)
+
+    async def mark_resumed(self, key: str) -> None:
+        """`subs resume`: the worker serving `key` closes its breaker if it opened before now."""
+        await self.client.set(keys.resumed_key(key), int(time.time() * 1000), ex=RESUMED_TTL_SECONDS)
+        await self._announce(b"resumed")
 
     async def delete_topic(self, topic: str) -> list[str]:
         """What the control plane does when a topic is deleted: delete every subscription of it, at once."""

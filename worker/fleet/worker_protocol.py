@@ -31,6 +31,8 @@ class Served(Protocol):
     @property
     def unsettled(self) -> int: ...
 
+    def resume(self, resumed_at_ms: int) -> bool: ...  # `subs resume`: close a breaker opened before then
+
     stats: Any
 
 

@@ -10,6 +10,7 @@ in its `state_dir`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -283,8 +284,12 @@ class Admin:
         """Pause or resume; a pause returns once no worker delivers for it any more (up to `wait` s)."""
         key = await self.existing(name)
         await self.registry.refuse_if_expired(key, "pause" if paused else "resume")
+        suspended = not paused and await self._state(key) == State.SUSPENDED
         changed = await self.registry.set_paused(key, paused)
-        what = ("paused" if paused else "resumed") if changed else ("already paused" if paused else "not paused")
+        if not paused:
+            await self.registry.mark_resumed(key)  # closes an open breaker too
+        what = ("paused" if paused else "resumed") if changed else \
+            ("already paused" if paused else "breaker closed" if suspended else "not paused")
         owner = None
         if paused:
             deadline = time.monotonic() + wait
@@ -354,6 +359,13 @@ class Admin:
             await clear_state(self.client, key)
         return Output([{"subscription": k, "result": "deleted"} for k in deleted],
                       "\n".join(f"{k}: deleted" for k in deleted) or f"no subscriptions of {topic}")
+
+    async def _state(self, key: str) -> str:
+        """The state its owner last reported ("" when none)."""
+        try:
+            return safe_text(await self.client.hget(keys.status_key(key), "state") or b"")
+        except ResponseError:  # a status key of the wrong type
+            return ""
 
     async def _row(self, key: str, definition: dict[str, Any], held_back: dict[str, str]) -> dict[str, Any]:
         owner = await self.client.get(keys.lease_key(key))
@@ -427,6 +439,8 @@ class Admin:
         if stored is not None and stored.rate_limit is not None:  # as applied: the burst's default included
             out["rate_limit"] = {"messages_per_second": stored.rate_limit.messages_per_second,
                                  "burst": stored.rate_limit.burst}
+        if stored is not None:  # as applied: on by default
+            out["breaker"] = "off" if stored.breaker is None else dataclasses.asdict(stored.breaker)
         out["status"] = await self._row(key, definition, await self._held_back())
         stored = None if own is not None else stored
         if stored is not None and stored.filter is not None and stored.filter.mixed_at is not None:

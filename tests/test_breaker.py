@@ -1,0 +1,181 @@
+"""A subscription's breaker (`deliver.push.breaker`): an endpoint that fails every attempt for
+`open_after_seconds` suspends the subscription; then only a probe goes every
+`probe_interval_seconds`, the messages wait uncounted, nothing is dead-lettered because the
+endpoint was down, and the first acked probe (or `subs resume`) closes it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from tests.support.builders import push_sub
+from tests.support.endpoints import Endpoint, Received
+from tests.support.helpers import cli, eventually
+from tests.support.pulsar_client import Client
+from worker.breaker import Breaker
+from worker.endpoint_health import EndpointHealth
+from worker.errors import ConfigError
+from worker.fleet.registry import Registry
+from worker.subscriptions import BreakerPolicy, State, parse_subscription
+
+
+async def suspended(start_worker, client: Client, redis: aioredis.Redis, definition: dict, messages: int,
+                    breaker: dict) -> tuple[Any, Any]:
+    """Apply `definition` with `breaker`, publish `messages`, start a worker; returns its dispatcher
+    once the breaker has opened."""
+    definition["deliver"]["push"]["breaker"] = breaker
+    await Registry(redis, "default").apply_all([definition])
+    client.publish(definition["topic"], [b"m%d" % i for i in range(messages)])
+    w = await start_worker()
+    key = "p-test/" + definition["name"]
+    await eventually(lambda: key in w.dispatchers and w.dispatchers[key].state is State.SUSPENDED, timeout=30,
+                     what="the breaker opens")
+    return w, w.dispatchers[key]
+
+
+def failing_for(health: EndpointHealth, seconds: float, failures: int = 3) -> None:
+    for _ in range(failures):
+        health.record(False, "503")
+    health.failing_since -= seconds
+
+
+@pytest.mark.broker_independent
+async def test_the_breaker_opens_after_a_failing_streak_and_hands_the_probe_to_the_oldest_message():
+    health = EndpointHealth()
+    changes: list[bool] = []
+    breaker = Breaker(health, BreakerPolicy(open_after_seconds=10, probe_interval_seconds=0.05),
+                      on_change=lambda: changes.append(breaker.is_open))
+    failing_for(health, 9)
+    assert not breaker.holds()  # failing, but not for 10 s yet
+    failing_for(health, 1)
+    assert breaker.holds() and breaker.is_open and changes == [True]
+
+    young, old = asyncio.create_task(breaker.turn(2_000)), asyncio.create_task(breaker.turn(1_000))
+    done, _ = await asyncio.wait({young, old}, return_when=asyncio.FIRST_COMPLETED)
+    assert done == {old} and old.result() is True  # the oldest message probes; the other waits
+    assert not young.done()
+    breaker.probed(False)  # the probe failed: the next one goes an interval later, to the next oldest
+    assert await young is True
+    breaker.probed(True)  # acked: closed, and whoever waits goes on as usual
+    assert not breaker.is_open and changes == [True, False]
+    assert health.failures_in_row == 0 and not breaker.holds()
+
+
+@pytest.mark.broker_independent
+async def test_an_open_breaker_releases_every_waiter_when_closed_by_hand_or_turned_off():
+    health = EndpointHealth()
+    breaker = Breaker(health, BreakerPolicy(open_after_seconds=1, probe_interval_seconds=3600))
+    failing_for(health, 2)
+    assert breaker.holds()
+    waiting = [asyncio.create_task(breaker.turn(i)) for i in range(5)]
+    await asyncio.sleep(0)
+    assert not any(t.done() for t in waiting)  # no probe for an hour
+    breaker.close()
+    assert await asyncio.gather(*waiting) == [False] * 5
+    failing_for(health, 2)
+    assert breaker.holds()
+    breaker.set_policy(None)  # `breaker: off` by a live edit
+    assert not breaker.is_open and not breaker.holds()
+
+
+@pytest.mark.broker_independent
+def test_the_breaker_is_on_by_default_and_checked_at_load():
+    def parsed(breaker: object):
+        push = {"url": "https://example.com/h"} if breaker is None else {"url": "https://example.com/h",
+                                                                         "breaker": breaker}
+        return parse_subscription(push_sub("s", "persistent://p-a/main/t", "https://example.com/h")
+                                  | {"deliver": {"mode": "push", "push": push}}).breaker
+
+    assert parsed(None) == BreakerPolicy(300, 30)
+    assert parsed("off") is None and parsed(False) is None  # YAML reads a bare `off` as false
+    assert parsed({"open_after_seconds": 10}) == BreakerPolicy(10, 30)
+    for bad, says in (("on", "breaker: must be off or"), ({"open_after_seconds": 0}, "open_after_seconds: must be in"),
+                      ({"probe_interval_seconds": "5"}, "probe_interval_seconds: must be a number"),
+                      ({"open_after": 5}, "open_after: is not a known field")):
+        with pytest.raises(ConfigError, match=says):
+            parsed(bad)
+
+
+@pytest.mark.timeout(240)  # the outage alone is two minutes
+async def test_an_endpoint_down_for_two_minutes_dead_letters_nothing_and_gets_only_probes(
+        start_worker, endpoint: Endpoint, client: Client, topic, redis_url):
+    """Down for 120 s with S = 10 and P = 5: the subscription is Suspended (state, reason, metric),
+    once open only probes reach the endpoint (one per P), nothing is dead-lettered, and every
+    message is delivered once it is back; the probes used up no attempts."""
+    down_until: list[float] = []
+
+    def down_for_two_minutes(r: Received) -> web.Response:
+        if not down_until:
+            down_until.append(r.at + 120)
+        return web.Response(status=503 if r.at < down_until[0] else 204)
+
+    endpoint.behaviour = down_for_two_minutes
+    definition = push_sub("flaky", topic, endpoint.url, max_deliver=6, dead_letter={"topic": topic + "-dlq"},
+                          retry={"min_backoff_seconds": 3, "max_backoff_seconds": 3})
+    # Attempts at 0, 3, 6, 9 s fail; the breaker opens at 10 s, before the 6th and last attempt.
+    redis = aioredis.Redis.from_url(redis_url)
+    w, dispatcher = await suspended(start_worker, client, redis, definition, 20,
+                                    {"open_after_seconds": 10, "probe_interval_seconds": 5})
+    opened_at = dispatcher.breaker.opened_at
+    assert opened_at is not None and "breaker open since" in dispatcher.state_reason
+    assert w.metrics.registry.get_sample_value("pushworker_subscription_state", {
+        "project": "p-test", "subscription": "flaky", "state": "Suspended"}) == 1
+    code, out, _ = await cli("subs", "get", "flaky", "--redis-url", redis_url, "--json")
+    assert code == 0 and json.loads(out)["breaker"] == {"open_after_seconds": 10, "probe_interval_seconds": 5}
+
+    await eventually(lambda: len({r.body for r in endpoint.requests if r.acked}) == 20, timeout=180,
+                     what="every message delivered once the endpoint is back")
+    back = down_until[0]
+    # Once open, only probes reached the endpoint: at most one per interval until it came back (the
+    # requests sent before it opened all arrived before it did).
+    during = [r for r in endpoint.requests if opened_at < r.at < back]
+    assert 0 < len(during) <= (back - opened_at) / 5 + 1, len(during)
+    assert all(r.headers["Pubsub-Subscription"] == "flaky" for r in during)
+    assert dispatcher.stats.dead_lettered == 0 and not w.metrics.registry.get_sample_value(
+        "pushworker_messages_dead_lettered_total", {"project": "p-test", "subscription": "flaky"})
+    # Probes are numbered like any attempt (a message's numbers only go up) but used up none: the
+    # probed messages went past max_deliver and were still delivered, not dead-lettered.
+    for copies in endpoint.by_id().values():
+        numbers = [int(r.headers["Pubsub-Delivery-Attempt"]) for r in copies]
+        assert numbers == sorted(set(numbers)), numbers
+    assert max(int(r.headers["Pubsub-Delivery-Attempt"]) for r in endpoint.requests) > 6
+    await eventually(lambda: dispatcher.state is State.ACTIVE, what="closed again")
+    await redis.aclose()
+
+
+async def test_subs_resume_closes_an_open_breaker_at_once(start_worker, endpoint: Endpoint, client: Client, topic,
+                                                          redis_url):
+    """A breaker that would not probe for an hour: `subs list` shows the subscription Suspended with
+    the reason, and `subs resume` closes it within a heartbeat; the messages go at once."""
+    endpoint.behaviour = lambda r: web.Response(status=500)
+    definition = push_sub("held", topic, endpoint.url, max_deliver=-1)
+    redis = aioredis.Redis.from_url(redis_url)
+    _, dispatcher = await suspended(start_worker, client, redis, definition, 10,
+                                    {"open_after_seconds": 1, "probe_interval_seconds": 3600})
+
+    async def listed() -> dict:
+        code, out, _ = await cli("subs", "list", "--redis-url", redis_url, "--json")
+        assert code == 0
+        return next(row for row in json.loads(out) if row["name"] == "held")
+
+    async def shows_suspended() -> bool:
+        row = await listed()
+        return row["state"] == "Suspended" and "breaker open since" in row["reason"]
+
+    await eventually(shows_suspended, timeout=20, what="subs list shows it Suspended")
+    endpoint.behaviour = None  # back; but no probe would come for an hour
+    sent = len(endpoint.requests)
+    code, out, err = await cli("subs", "resume", "held", "--redis-url", redis_url)
+    assert code == 0 and "breaker closed" in out, (out, err)
+    resumed = time.monotonic()
+    await eventually(lambda: len({r.body for r in endpoint.requests[sent:] if r.acked}) == 10,
+                     what="delivered after the resume")
+    assert time.monotonic() - resumed < 10
+    assert dispatcher.state is State.ACTIVE
+    await redis.aclose()

@@ -1,0 +1,123 @@
+"""A subscription's breaker (`deliver.push.breaker`): when every attempt has failed for
+`open_after_seconds`, it opens (state Suspended). Then no message is tried but one probe, the
+oldest message waiting, every `probe_interval_seconds`; the others wait unacked and their attempts
+are not counted, so an endpoint that is down sends nothing to the dead-letter topic. The first
+probe that is acked closes it; so does `push-worker subs resume`.
+
+Without it, an endpoint down for an hour saw every message of that hour tried `max_deliver` times
+and dead-lettered, and someone had to redrive them all."""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import time
+from collections.abc import Callable
+
+from worker.endpoint_health import ERROR_MIN_FAILURES, EndpointHealth
+from worker.subscriptions import BreakerPolicy
+
+
+class Breaker:
+    """Closed, or open since `opened_at`. Failures are the endpoint health's (one streak of failed
+    attempts, `EndpointHealth`): the breaker only decides when that streak holds messages back."""
+
+    def __init__(self, health: EndpointHealth, policy: BreakerPolicy | None,
+                 on_change: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.health = health
+        self.policy = policy
+        self.on_change = on_change  # opened or closed: the state to report changed
+        self.clock = clock
+        self.opened_at: float | None = None  # monotonic
+        self.opened_wall: float = 0.0  # epoch seconds, for people
+        self._waiting: list[tuple[int, int, asyncio.Future[bool]]] = []  # (publish time, arrival, waiter)
+        self._arrivals = itertools.count()
+        self._probing = False
+        self._probe_due = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def is_open(self) -> bool:
+        return self.opened_at is not None
+
+    def holds(self) -> bool:
+        """Whether the next attempt must wait its turn (cheap: asked before every attempt)."""
+        if self.opened_at is not None:
+            return True
+        if self.policy is None or self.health.failures_in_row < ERROR_MIN_FAILURES:
+            return False
+        if self.clock() - self.health.failing_since < self.policy.open_after_seconds:
+            return False
+        self._open()
+        return True
+
+    def _open(self) -> None:
+        assert self.policy is not None
+        self.opened_at, self.opened_wall = self.clock(), time.time()
+        self._probe_due = self.opened_at + self.policy.probe_interval_seconds
+        self.on_change()
+
+    async def turn(self, publish_time_ms: int) -> bool:
+        """Wait while the breaker is open. True: this message is the probe (report it with
+        `probed`); False: the breaker closed, go on as usual."""
+        if self.opened_at is None:
+            return False
+        waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiting, (publish_time_ms, next(self._arrivals), waiter))
+        self._schedule()
+        return await waiter
+
+    def probed(self, acked: bool | None) -> None:
+        """The probe's answer: acked closes the breaker; failed makes the next probe due an interval
+        later; None (no request was made: the message was settled already) passes the turn on at once."""
+        self._probing = False
+        if acked:
+            self.close()
+            return
+        if acked is None:
+            self._schedule()
+            return
+        if self.opened_at is not None and self.policy is not None:
+            self._probe_due = self.clock() + self.policy.probe_interval_seconds
+            self._schedule()
+
+    def close(self) -> None:
+        """Closed (a probe was acked, or by hand): every waiting message goes on; failures count from
+        zero again."""
+        if self.opened_at is None:
+            return
+        self.opened_at = None
+        self._probing = False
+        self.health.reset()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        waiting, self._waiting = self._waiting, []
+        for _, _, waiter in waiting:
+            if not waiter.done():
+                waiter.set_result(False)
+        self.on_change()
+
+    def set_policy(self, policy: BreakerPolicy | None) -> None:
+        """A live edit; `off` closes an open breaker."""
+        self.policy = policy
+        if policy is None:
+            self.close()
+
+    def _schedule(self) -> None:
+        if self._probing or self._timer is not None or self.opened_at is None:
+            return
+        delay = max(0.0, self._probe_due - self.clock())
+        self._timer = asyncio.get_running_loop().call_later(delay, self._probe_now)
+
+    def _probe_now(self) -> None:
+        """Hand the probe to the oldest message waiting (a cancelled waiter left: the next)."""
+        self._timer = None
+        while self._waiting:
+            _, _, waiter = heapq.heappop(self._waiting)
+            if not waiter.done():
+                self._probing = True
+                waiter.set_result(True)
+                return
+        # Nobody waits: the next message to arrive is sent at once (the probe is due).
