@@ -152,6 +152,16 @@ def _raw_data(message: Any) -> bytes:
         return b""
 
 
+@dataclass(frozen=True, slots=True)
+class _Again:
+    """A message to try again: after `retry_delay` seconds (a counted retry), or at once (None)."""
+
+    retry_delay: float | None = None
+
+
+AGAIN = _Again()
+
+
 class Dispatcher:
     """Delivers one subscription's messages. `start()`, then `stop()`; `update()` applies live edits."""
 
@@ -486,63 +496,73 @@ class Dispatcher:
             # An open breaker holds every message back, uncounted, but for its probe (numbered like any
             # attempt, so numbers never repeat; never using up max_deliver).
             probe = self.breaker.holds() and await self.breaker.turn(env.publish_time_ms)
-            answered = False  # the probe's answer went to the breaker
-            try:
-                record = await self.attempts.begin(sub.key, env.message_id, probe)
-                if record.corrupt:
-                    self.log.warning("attempt record was unreadable; started over", message_id=env.message_id,
-                                     attempt=record.number)
-                if record.settled:  # a copy redelivered because its ack was lost: settled already, no request
-                    await self._ack_only(message, env)
-                    self.m.settled_redeliveries.inc()
-                    return None
-                if record.discard:  # `push-worker discard`: settled without delivery, and recorded
-                    self.log.info("discarded by an operator", message_id=env.message_id)
-                    return await self._ack(message, env, sub, [event_entry("discarded", self.ctx.worker_id)],
-                                           record_first=True)
-                limit = sub.attempt_limit
-                if limit is not None and record.spent > limit:
-                    # Exhausted in an earlier life (crash before the dead-letter was confirmed): no new request.
-                    return await self._give_up(message, env, sub, record.number - 1, record.last_status or "unknown",
-                                               [])
-                outcome = await self._attempt(sub, env, record.number)
-                if outcome is None:  # the lease could not be vouched for right before sending: no request
-                    continue  # `_wait_until_may_deliver` waits for a renewal (next number) or the stop
-                if probe:
-                    answered = True
-                    self.breaker.probed(outcome.acked)
-                entry = attempt_entry(record.number, outcome, self.ctx.worker_id)
-                if probe:
-                    entry["probe"] = True
-                if outcome.acked:
-                    settled = await self._ack(message, env, sub, [entry], acked_first_time=record.number == 1)
-                    self.stats.acked += 1
-                    self.m.acked.inc()
-                    self.log.debug("delivered", message_id=env.message_id, attempt=record.number,
-                                   status=outcome.status, latency=round(outcome.latency, 4))
-                    return settled
-                self.failure_log.info("delivery failed", message_id=env.message_id, attempt=record.number,
-                                      status=outcome.last_status, detail=outcome.detail,
-                                      latency=round(outcome.latency, 4), probe=probe)
-                # Recorded before a dead-letter publish too: if that is cut short (a crash, a stop while the
-                # topic refuses), the next owner's dead letter carries this attempt's status, not "unknown".
-                await self.attempts.record(sub.key, env.message_id, [entry], settled=False,
-                                           last_status=outcome.last_status)
-                if probe:
-                    continue  # the breaker paces the next try; a probe uses up no attempt
-                if (limit is not None and record.spent >= limit) or outcome.permanent:
-                    return await self._give_up(message, env, sub, record.number, outcome.last_status, [])
-            finally:
-                if probe and not answered:
-                    self.breaker.probed(None)
-            self.stats.retried += 1
-            self.m.retries.inc()
-            self.m.held_for_retry.inc()
-            try:
-                await self._pause(retry_delay(sub.retry, record.number, outcome.retry_after))
-            finally:
-                self.m.held_for_retry.dec()
+            step = await self._try_once(message, env, sub, probe)
+            if not isinstance(step, _Again):
+                return step
+            if step.retry_delay is not None:
+                self.stats.retried += 1
+                self.m.retries.inc()
+                self.m.held_for_retry.inc()
+                try:
+                    await self._pause(step.retry_delay)
+                finally:
+                    self.m.held_for_retry.dec()
         return None
+
+    async def _try_once(self, message: Any, env: Envelope, sub: Subscription,
+                        probe: bool) -> Awaitable[None] | _Again | None:
+        """One attempt (the breaker's `probe`, or not): settled (the record still to write, or None)
+        or to be tried again (after a retry delay, or at once)."""
+        answered = False  # the probe's answer went to the breaker
+        try:
+            record = await self.attempts.begin(sub.key, env.message_id, probe)
+            if record.corrupt:
+                self.log.warning("attempt record was unreadable; started over", message_id=env.message_id,
+                                 attempt=record.number)
+            if record.settled:  # a copy redelivered because its ack was lost: settled already, no request
+                await self._ack_only(message, env)
+                self.m.settled_redeliveries.inc()
+                return None
+            if record.discard:  # `push-worker discard`: settled without delivery, and recorded
+                self.log.info("discarded by an operator", message_id=env.message_id)
+                return await self._ack(message, env, sub, [event_entry("discarded", self.ctx.worker_id)],
+                                       record_first=True)
+            limit = sub.attempt_limit
+            if limit is not None and record.spent > limit:
+                # Exhausted in an earlier life (crash before the dead-letter was confirmed): no new request.
+                return await self._give_up(message, env, sub, record.number - 1, record.last_status or "unknown", [])
+            outcome = await self._attempt(sub, env, record.number)
+            if outcome is None:  # the lease could not be vouched for right before sending: no request
+                return AGAIN  # `_wait_until_may_deliver` waits for a renewal (next number) or the stop
+            if probe:
+                answered = True
+                self.breaker.probed(outcome.acked)
+            entry = attempt_entry(record.number, outcome, self.ctx.worker_id)
+            if probe:
+                entry["probe"] = True
+            if outcome.acked:
+                settled = await self._ack(message, env, sub, [entry], acked_first_time=record.number == 1)
+                self.stats.acked += 1
+                self.m.acked.inc()
+                self.log.debug("delivered", message_id=env.message_id, attempt=record.number,
+                               status=outcome.status, latency=round(outcome.latency, 4))
+                return settled
+            self.failure_log.info("delivery failed", message_id=env.message_id, attempt=record.number,
+                                  status=outcome.last_status, detail=outcome.detail, latency=round(outcome.latency, 4),
+                                  probe=probe)
+            # Recorded before a dead-letter publish too: if that is cut short (a crash, a stop while the
+            # topic refuses), the next owner's dead letter carries this attempt's status, not "unknown".
+            await self.attempts.record(sub.key, env.message_id, [entry], settled=False, last_status=outcome.last_status)
+            if probe and not outcome.permanent:
+                return AGAIN  # the breaker paces the next try; a probe uses up no attempt
+            # A message no request can carry goes now, probe or not: else, the oldest, it would be
+            # every probe, and the breaker would never close.
+            if (limit is not None and record.spent >= limit) or outcome.permanent:
+                return await self._give_up(message, env, sub, record.number, outcome.last_status, [])
+            return _Again(retry_delay(sub.retry, record.number, outcome.retry_after))
+        finally:
+            if probe and not answered:
+                self.breaker.probed(None)
 
     async def _attempt(self, sub: Subscription, env: Envelope, attempt: int) -> Outcome | None:
         """One request, or None when the lease was lost while waiting for an endpoint slot."""
