@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import ssl
 import statistics
 import time
 from typing import Any
@@ -85,7 +86,7 @@ class _Endpoint:
     """Acks every request after one turn of the loop."""
 
     async def attempt(self, url: str, request: PushRequest, deadline: float, credentials: bool = False,
-                      owner: str = "") -> Outcome:
+                      owner: str = "", tls: ssl.SSLContext | None = None) -> Outcome:
         await asyncio.sleep(0)
         return Outcome(Result.ACK, 204, 0.001)
 

@@ -18,8 +18,8 @@ import yaml
 from devtools.scratch import scratch_dir
 from worker import embedded
 from worker.fleet import assign
-from worker.fleet.registry import safe_text
 from worker.keys import lease_key
+from worker.redis_client import safe_text
 
 
 def run_fleet_bench(subscriptions: int = 60, workers: int = 3, lease_seconds: float = 5.0) -> int:

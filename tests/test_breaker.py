@@ -58,11 +58,13 @@ async def test_the_breaker_opens_after_a_failing_streak_and_hands_the_probe_to_t
 
     young, old = asyncio.create_task(breaker.turn(2_000)), asyncio.create_task(breaker.turn(1_000))
     done, _ = await asyncio.wait({young, old}, return_when=asyncio.FIRST_COMPLETED)
-    assert done == {old} and old.result() is True  # the oldest message probes; the other waits
+    assert done == {old} and old.result() != 0  # the oldest message probes; the other waits
     assert not young.done()
-    breaker.probed(False)  # the probe failed: the next one goes an interval later, to the next oldest
-    assert await young is True
-    breaker.probed(True)  # acked: closed, and whoever waits goes on as usual
+    breaker.probed(old.result(), False)  # the probe failed: the next one goes an interval later, to the next oldest
+    breaker.probed(old.result(), None)  # a second word on the same probe changes nothing
+    second = await young
+    assert second not in (0, old.result())
+    breaker.probed(second, True)  # acked: closed, and whoever waits goes on as usual
     assert not breaker.is_open and changes == [True, False]
     assert health.failures_in_row == 0 and not breaker.holds()
 
@@ -77,7 +79,7 @@ async def test_an_open_breaker_releases_every_waiter_when_closed_by_hand_or_turn
     await asyncio.sleep(0)
     assert not any(t.done() for t in waiting)  # no probe for an hour
     breaker.close()
-    assert await asyncio.gather(*waiting) == [False] * 5
+    assert await asyncio.gather(*waiting) == [0] * 5  # none of them a probe: they go on as usual
     failing_for(health, 2)
     assert breaker.holds()
     breaker.set_policy(None)  # `breaker: off` by a live edit

@@ -103,8 +103,8 @@ def read_settings(tmp_path: Path, example: str, monkeypatch) -> set[str]:
         reject_unknown(self, allowed)
 
     monkeypatch.setattr(subscriptions.FieldReader, "reject_unknown", record)
-    # The example with one subscription more, using the settings it shows commented out (they
-    # exclude others of the example: a CloudEvents body, OIDC instead of a bearer token).
+    # The example with subscriptions more, using the settings it shows commented out (they exclude
+    # others of the example: a CloudEvents body, OIDC or OAuth 2.0 instead of a bearer token).
     data = yaml.safe_load(example)
     data["subscriptions"].append({
         "name": "events-push", "topic": "persistent://p-demo/main/events",
@@ -112,6 +112,13 @@ def read_settings(tmp_path: Path, example: str, monkeypatch) -> set[str]:
             "url": "https://example.com/events", "content": "cloudevents",
             "cloudevents": {"mode": "structured", "type": "t", "source": "s"},
             "oidc": {"audience": "https://example.com"}}}})
+    data["subscriptions"].append({  # and one with a client certificate and OAuth 2.0 tokens
+        "name": "mtls-push", "topic": "persistent://p-demo/main/events",
+        "deliver": {"mode": "push", "push": {
+            "url": "https://example.com/mtls",
+            "tls": {"client_certificate": {"secret": "c"}, "client_key": {"secret": "k"}},
+            "oauth2": {"token_url": "https://auth.example.com/token", "client_id": "i",
+                       "client_secret": {"secret": "s"}, "scope": "push", "audience": "a"}}}})
     config = tmp_path / "worker.yaml"
     config.write_text(yaml.safe_dump(data))
     load_settings(config)

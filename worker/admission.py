@@ -11,6 +11,7 @@ import ssl
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
+from worker.client_tls import ClientCertificates
 from worker.config import Settings
 from worker.destinations import DestinationPolicy, check_host, endpoint_host, literal_address
 from worker.errors import ConfigError, DestinationRefused
@@ -85,8 +86,9 @@ def _check_ca_file(field: str, path: str) -> None:
 
 
 def check_secrets(sub: Subscription, secrets: SecretStore) -> None:
-    """Every signing secret and bearer token of `sub` can be read and used as delivery uses it (a
-    `whsec_` secret decodes, a token fits in a header), else a ConfigError naming it."""
+    """Every signing secret, bearer token and client certificate of `sub` can be read and used as
+    delivery uses it (a `whsec_` secret decodes, a token fits in a header, a certificate loads with
+    its key), else a ConfigError naming it."""
     def usable(field: str, use: Callable[[], object]) -> None:
         try:
             use()
@@ -97,3 +99,8 @@ def check_secrets(sub: Subscription, secrets: SecretStore) -> None:
         usable(f"deliver.push.signing_secrets[{i}]", lambda: signing_key(secrets.read(ref)))  # noqa: B023 - called at once
     if sub.bearer_token is not None:
         usable("deliver.push.bearer_token", functools.partial(bearer, secrets, sub.bearer_token))
+    if sub.oauth2 is not None:
+        usable("deliver.push.oauth2.client_secret", functools.partial(secrets.read, sub.oauth2.client_secret))
+    if sub.tls is not None:
+        usable("deliver.push.tls", functools.partial(ClientCertificates(secrets).context, sub.tls.client_certificate,
+                                                      sub.tls.client_key))

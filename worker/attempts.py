@@ -19,13 +19,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from redis.exceptions import ResponseError
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
 
 from worker import keys, logs
 from worker.config import RedisSettings
 from worker.failing import Failing
 from worker.redis_batch import BatchScript, Pipeliner
-from worker.redis_client import REDIS_DOWN, AsyncClient, describe
+from worker.redis_client import REDIS_DOWN, AsyncClient, describe, safe_text
 
 # Corrupt state (a key of the wrong type, a counter that is not an integer) must not fail the whole
 # batch: every message of the subscription would wait on it forever. `call` replaces such a key and
@@ -269,7 +270,7 @@ class StoredRecord:
 
     @classmethod
     def parse(cls, raw: Mapping[Any, Any]) -> StoredRecord:
-        fields = {_text(k): _text(v) for k, v in raw.items()}
+        fields = {safe_text(k): safe_text(v) for k, v in raw.items()}
         return cls(counter(fields.get("n")), fields.get("last", ""), "settled" in fields, "discard" in fields)
 
     @property
@@ -277,17 +278,11 @@ class StoredRecord:
         return bool(self.last_status)
 
 
-def _text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-
-
 async def records(client: AsyncClient, sub_key: str, keep: Callable[[StoredRecord], bool],
                   limit: int) -> list[tuple[str, StoredRecord]]:
     """Up to `limit` attempt records of a subscription that `keep` keeps: (message id, record). A key
     of another type is skipped (the worker starts such a record over). Not an async generator: this
     module is compiled, and mypyc compiles none."""
-    from redis.exceptions import ResponseError
-
     found: list[tuple[str, StoredRecord]] = []
     async for record_key in client.scan_iter(match=keys.message_pattern(sub_key), count=1000):
         try:
@@ -295,7 +290,7 @@ async def records(client: AsyncClient, sub_key: str, keep: Callable[[StoredRecor
         except ResponseError:
             continue
         if keep(record):
-            found.append((keys.message_id_of(_text(record_key)), record))
+            found.append((keys.message_id_of(safe_text(record_key)), record))
             if len(found) >= limit:
                 break
     return found

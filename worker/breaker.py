@@ -31,9 +31,9 @@ class Breaker:
         self.clock = clock
         self.opened_at: float | None = None  # monotonic
         self.opened_wall: float = 0.0  # epoch seconds, for people
-        self._waiting: list[tuple[int, int, asyncio.Future[bool]]] = []  # (publish time, arrival, waiter)
-        self._arrivals = itertools.count()
-        self._probing = False
+        self._waiting: list[tuple[int, int, asyncio.Future[int]]] = []  # (publish time, arrival, waiter)
+        self._arrivals = itertools.count(1)  # also each probe's id
+        self._probing = 0  # the id of the probe under way, 0: none
         self._probe_due = 0.0
         self._timer: asyncio.TimerHandle | None = None
 
@@ -58,20 +58,23 @@ class Breaker:
         self._probe_due = self.opened_at + self.policy.probe_interval_seconds
         self.on_change()
 
-    async def turn(self, publish_time_ms: int) -> bool:
-        """Wait while the breaker is open. True: this message is the probe (report it with
-        `probed`); False: the breaker closed, go on as usual."""
+    async def turn(self, publish_time_ms: int) -> int:
+        """Wait while the breaker is open. Not 0: this message is the probe of that id (report it
+        with `probed`); 0: the breaker closed, go on as usual."""
         if self.opened_at is None:
-            return False
-        waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+            return 0
+        waiter: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._waiting, (publish_time_ms, next(self._arrivals), waiter))
         self._schedule()
         return await waiter
 
-    def probed(self, acked: bool | None) -> None:
-        """The probe's answer: acked closes the breaker; failed makes the next probe due an interval
-        later; None (no request was made: the message was settled already) passes the turn on at once."""
-        self._probing = False
+    def probed(self, probe: int, acked: bool | None) -> None:
+        """Probe `probe`'s answer: acked closes the breaker; failed makes the next probe due an
+        interval later; None (no request was made: the message was settled already) passes the turn
+        on at once. Only the first answer of the probe under way counts (a later one is ignored)."""
+        if probe != self._probing:
+            return
+        self._probing = 0
         if acked:
             self.close()
             return
@@ -88,7 +91,7 @@ class Breaker:
         if self.opened_at is None:
             return
         self.opened_at = None
-        self._probing = False
+        self._probing = 0
         self.health.reset()
         if self._timer is not None:
             self._timer.cancel()
@@ -96,7 +99,7 @@ class Breaker:
         waiting, self._waiting = self._waiting, []
         for _, _, waiter in waiting:
             if not waiter.done():
-                waiter.set_result(False)
+                waiter.set_result(0)
         self.on_change()
 
     def set_policy(self, policy: BreakerPolicy | None) -> None:
@@ -117,7 +120,7 @@ class Breaker:
         while self._waiting:
             _, _, waiter = heapq.heappop(self._waiting)
             if not waiter.done():
-                self._probing = True
-                waiter.set_result(True)
+                self._probing = next(self._arrivals)
+                waiter.set_result(self._probing)
                 return
         # Nobody waits: the next message to arrive is sent at once (the probe is due).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import ssl
 import time
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
@@ -103,10 +104,11 @@ class Deliverer:
         return known
 
     async def attempt(self, url: str, request: PushRequest, deadline: float, credentials: bool = False,
-                      owner: str = "") -> Outcome:
+                      owner: str = "", tls: ssl.SSLContext | None = None) -> Outcome:
         """POST once; the whole exchange (connect, send, status, capped body) is bounded by `deadline` s.
         `credentials`: the request carries some (plain http:// then reaches only admitted private
-        addresses); `owner`: the project whose share of the worker's connections a new one takes."""
+        addresses); `owner`: the project whose share of the worker's connections a new one takes; `tls`:
+        the context an https:// connection is opened with (a client certificate), else the client's."""
         started = time.monotonic()
         if len(request.body) > self.policy.max_request_bytes:
             return Outcome(Result.TOO_LARGE, detail=f"request body of {len(request.body)} bytes is over "
@@ -116,7 +118,7 @@ class Deliverer:
             # An answer counts once complete within the deadline; a huge or endless body costs at
             # most the cap (then the connection is dropped). The body itself is not used.
             answer = await self.client.post(target, request.headers, request.body, RESPONSE_BODY_CAP, deadline,
-                                             credentials, owner)
+                                             credentials, owner, tls)
         except TimeoutError:
             return Outcome(Result.TIMEOUT, latency=time.monotonic() - started, detail=f"no answer in {deadline:g}s")
         except (DestinationRefused, http1.ProtocolError) as e:

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import ssl
 import traceback
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -25,6 +26,7 @@ from worker.attempts import AttemptRecord
 from worker.backoff import retry_delay
 from worker.breaker import Breaker
 from worker.budgets import ByteBudget, SharedBudget
+from worker.client_tls import ClientCertificates
 from worker.config import DEFAULT_MAX_HELD_BYTES
 from worker.deadletter import DeadLetterPublisher, dead_letter_properties, failing_publishes
 from worker.delivery import Outcome, Result
@@ -33,6 +35,7 @@ from worker.flow import AdaptiveLimit, RateLimit, Window
 from worker.history import attempt_entry, event_entry
 from worker.messages import Envelope, PushRequest, build_request, format_message_id, memory_per_payload_byte, rfc3339
 from worker.metrics import Metrics
+from worker.oauth2 import OAuth2Tokens
 from worker.oidc import Tokens
 from worker.prefetch import MAX_PREFETCH, prefetch_bytes, too_large
 from worker.signing import SecretStore, SecretUnavailable, auth_headers
@@ -96,7 +99,7 @@ class Endpoints(Protocol):
     dispatcher also runs on the in-memory parts of `make bench --section dispatcher`)."""
 
     async def attempt(self, url: str, request: PushRequest, deadline: float, credentials: bool = False,
-                      owner: str = "") -> Outcome: ...
+                      owner: str = "", tls: ssl.SSLContext | None = None) -> Outcome: ...
 
 
 class AttemptLog(Protocol):
@@ -125,10 +128,14 @@ class DeliveryContext:
     tokens: Tokens | None = None  # OIDC tokens; made from `secrets` when not given
     max_held_bytes: int = DEFAULT_MAX_HELD_BYTES  # per subscription (`max_held_bytes_per_subscription`)
     memory: SharedBudget | None = None  # every subscription's held bytes together (`max_held_bytes`)
+    certificates: ClientCertificates | None = None  # mutual TLS; made from `secrets` when not given
+    oauth2: OAuth2Tokens | None = None  # OAuth 2.0 client credentials (fetched with the worker's client)
 
     def __post_init__(self) -> None:
         if self.tokens is None:
             self.tokens = Tokens(self.secrets)
+        if self.certificates is None:
+            self.certificates = ClientCertificates(self.secrets)
 
 
 def _rate_of(sub: Subscription) -> tuple[float, float]:
@@ -495,7 +502,7 @@ class Dispatcher:
                 return None
             # An open breaker holds every message back, uncounted, but for its probe (numbered like any
             # attempt, so numbers never repeat; never using up max_deliver).
-            probe = self.breaker.holds() and await self.breaker.turn(env.publish_time_ms)
+            probe = await self.breaker.turn(env.publish_time_ms) if self.breaker.holds() else 0
             step = await self._try_once(message, env, sub, probe)
             if not isinstance(step, _Again):
                 return step
@@ -510,12 +517,11 @@ class Dispatcher:
         return None
 
     async def _try_once(self, message: Any, env: Envelope, sub: Subscription,
-                        probe: bool) -> Awaitable[None] | _Again | None:
-        """One attempt (the breaker's `probe`, or not): settled (the record still to write, or None)
-        or to be tried again (after a retry delay, or at once)."""
-        answered = False  # the probe's answer went to the breaker
+                        probe: int) -> Awaitable[None] | _Again | None:
+        """One attempt (the breaker's `probe` of that id, or 0: not one): settled (the record still to
+        write, or None) or to be tried again (after a retry delay, or at once)."""
         try:
-            record = await self.attempts.begin(sub.key, env.message_id, probe)
+            record = await self.attempts.begin(sub.key, env.message_id, probe != 0)
             if record.corrupt:
                 self.log.warning("attempt record was unreadable; started over", message_id=env.message_id,
                                  attempt=record.number)
@@ -535,8 +541,7 @@ class Dispatcher:
             if outcome is None:  # the lease could not be vouched for right before sending: no request
                 return AGAIN  # `_wait_until_may_deliver` waits for a renewal (next number) or the stop
             if probe:
-                answered = True
-                self.breaker.probed(outcome.acked)
+                self.breaker.probed(probe, outcome.acked)
             entry = attempt_entry(record.number, outcome, self.ctx.worker_id)
             if probe:
                 entry["probe"] = True
@@ -549,7 +554,7 @@ class Dispatcher:
                 return settled
             self.failure_log.info("delivery failed", message_id=env.message_id, attempt=record.number,
                                   status=outcome.last_status, detail=outcome.detail, latency=round(outcome.latency, 4),
-                                  probe=probe)
+                                  probe=probe != 0)
             # Recorded before a dead-letter publish too: if that is cut short (a crash, a stop while the
             # topic refuses), the next owner's dead letter carries this attempt's status, not "unknown".
             await self.attempts.record(sub.key, env.message_id, [entry], settled=False, last_status=outcome.last_status)
@@ -561,8 +566,8 @@ class Dispatcher:
                 return await self._give_up(message, env, sub, record.number, outcome.last_status, [])
             return _Again(retry_delay(sub.retry, record.number, outcome.retry_after))
         finally:
-            if probe and not answered:
-                self.breaker.probed(None)
+            if probe:  # answered already, this does nothing; else no request was made
+                self.breaker.probed(probe, None)
 
     async def _attempt(self, sub: Subscription, env: Envelope, attempt: int) -> Outcome | None:
         """One request, or None when the lease was lost while waiting for an endpoint slot."""
@@ -590,17 +595,33 @@ class Dispatcher:
         return outcome
 
     async def _send(self, sub: Subscription, env: Envelope, request: PushRequest) -> Outcome:
+        outcome = await self._send_once(sub, env, request)
+        if outcome.status == 401 and sub.oauth2 is not None and self.ctx.oauth2 is not None:
+            # The token was refused (revoked, or expired early): once more with a new one, at once.
+            self.ctx.oauth2.refused(sub.oauth2)
+            outcome = await self._send_once(sub, env, request)
+        return outcome
+
+    async def _send_once(self, sub: Subscription, env: Envelope, request: PushRequest) -> Outcome:
+        tls = None
         try:  # signed at send time, so webhook-timestamp is the moment of this attempt
             extra = auth_headers(self.ctx.secrets, sub.signing_secrets, sub.bearer_token, env.message_id, request.body)
             if sub.oidc is not None:
                 assert self.ctx.tokens is not None
                 extra["Authorization"] = "Bearer " + self.ctx.tokens.token(sub.oidc, sub.tenant, sub.name, sub.url)
+            if sub.oauth2 is not None:
+                if self.ctx.oauth2 is None:
+                    raise SecretUnavailable("deliver.push.oauth2: this worker fetches no OAuth 2.0 tokens")
+                extra["Authorization"] = "Bearer " + await self.ctx.oauth2.token(sub.oauth2, sub.tenant)
+            if sub.tls is not None:
+                assert self.ctx.certificates is not None
+                tls = self.ctx.certificates.context(sub.tls.client_certificate, sub.tls.client_key)
         except SecretUnavailable as e:
             return Outcome(Result.NOT_SENT, detail=str(e))
         if extra:
             request = PushRequest({**request.headers, **extra}, request.body, request.omitted_attributes)
         return await self.deliverer.attempt(sub.url, request, float(sub.ack_deadline_seconds), bool(extra),
-                                            sub.tenant)
+                                            sub.tenant, tls)
 
     async def _ack(self, message: Any, env: Envelope, sub: Subscription, history: list[dict[str, Any]],
                    acked_first_time: bool = False, record_first: bool = False) -> Awaitable[None] | None:

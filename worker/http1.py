@@ -35,7 +35,8 @@ KEEPALIVE_SECONDS = 15.0  # an idle connection older than this is closed rather 
 IDLE_PER_ENDPOINT = 256  # idle connections kept per endpoint (more are closed)
 DNS_TTL_SECONDS = 30.0
 WRITE_CHUNK = 256 * 1024  # large bodies go out in pieces, with flow control
-Endpoint = tuple[str, str, int, bool]  # scheme, host, port, for credentials over plain http
+# scheme, host, port, for credentials over plain http, the TLS context (one with a client certificate)
+Endpoint = tuple[str, str, int, bool, ssl.SSLContext | None]
 HAPPY_EYEBALLS_DELAY = 0.25  # seconds before the next of a host's addresses is tried too (RFC 8305's default)
 
 
@@ -57,6 +58,7 @@ class HeaderRefused(ValueError):
 class Answer:
     status: int
     headers: dict[str, str]  # lower-cased names, the last value of each
+    body: bytes = b""  # only when asked for (`keep_body`), and only up to the cap
 
 
 class _Connection(asyncio.Protocol):
@@ -156,11 +158,11 @@ class _Connection(asyncio.Protocol):
 
     # -- writing ---------------------------------------------------------------------------
 
-    async def send(self, head: bytes, body: bytes, cap: int) -> None:
-        """Start an exchange (its answer is parsed from now on, its body counted up to `cap`) and
-        send the request."""
+    async def send(self, head: bytes, body: bytes, cap: int, keep_body: bool = False) -> None:
+        """Start an exchange (its answer is parsed from now on, its body counted up to `cap`, and
+        kept with `keep_body`) and send the request."""
         assert self.transport is not None
-        self._exchange.reset(cap)
+        self._exchange.reset(cap, keep_body)
         self._parsing = True
         if len(body) <= WRITE_CHUNK:
             self.transport.write(head + body)
@@ -182,6 +184,10 @@ class _Connection(asyncio.Protocol):
             self.transport.write(view[start:start + WRITE_CHUNK])
 
     # -- reading ---------------------------------------------------------------------------
+
+    def answer_body(self) -> bytes:
+        """The body of the last answer, as far as it was kept (`send(keep_body=True)`)."""
+        return bytes(self._exchange.body)
 
     async def read_answer(self) -> tuple[int, dict[str, str], bool, bool]:
         """Wait for the answer: its status, headers, whether its body ended (else it was abandoned
@@ -209,9 +215,11 @@ class _Exchange:
         self.parser: httptools.HttpResponseParser | None = None
         self.reset(0)
 
-    def reset(self, cap: int) -> None:
-        """Ready for the next answer on the connection, its body counted up to `cap`."""
+    def reset(self, cap: int, keep_body: bool = False) -> None:
+        """Ready for the next answer on the connection, its body counted up to `cap` (and kept)."""
         self.cap = cap
+        self.keep_body = keep_body
+        self.body = bytearray()
         self.status = 0
         self.headers: dict[str, str] = {}
         self.head_done = False
@@ -262,6 +270,8 @@ class _Exchange:
         self.body_bytes += len(body)
         if self.body_bytes > self.cap:
             self.over_cap = True
+        elif self.keep_body:
+            self.body += body
 
     def on_message_complete(self) -> None:
         if self.head_done:
@@ -297,7 +307,8 @@ class Client:
         self._sweep_timer: asyncio.TimerHandle | None = None
 
     async def post(self, url: URL, headers: dict[str, str], body: bytes, cap: int,
-                   deadline: float | None = None, credentials: bool = False, owner: str = "") -> Answer:
+                   deadline: float | None = None, credentials: bool = False, owner: str = "",
+                   tls: ssl.SSLContext | None = None, keep_body: bool = False) -> Answer:
         """One POST; the answer's head and (to `cap` bytes) body are read before it returns. A 102
         answer returns at once (the final answer is not awaited). With `deadline`, the whole exchange
         (connecting included) must end within that many seconds, else TimeoutError and the connection
@@ -306,10 +317,12 @@ class Client:
         refusals) or HeaderRefused. `credentials`: the headers carry some, so a plain http:// connection
         may only go to an address the policy admits for them (`clear_text_refusal`). `owner` (the
         project) is whose share of `max_connections` a new connection takes; waiting for one counts
-        against the deadline."""
+        against the deadline. `tls`: the context an https:// connection is opened with (default: the
+        client's); connections opened with one are reused only for it. `keep_body`: the answer's body
+        comes back too (up to `cap`; a body over it is a ProtocolError)."""
         head = _head(url, headers, len(body), self.user_agent)
         # Connections opened for credentials are kept apart: one opened without them may lead anywhere.
-        endpoint = (url.scheme, url.raw_host or "", url.port or 0, credentials and url.scheme == "http")
+        endpoint = (url.scheme, url.raw_host or "", url.port or 0, credentials and url.scheme == "http", tls)
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()  # kept: a lookup is a getpid() on Python 3.11
@@ -319,13 +332,13 @@ class Client:
         while True:
             if conn is None:
                 async with asyncio.timeout_at(expires):
-                    conn = await self._connect(url, endpoint[3], owner)
+                    conn = await self._connect(url, endpoint[3], owner, tls)
             used = conn
             # The deadline is a timer that drops the connection, not a timeout scope around the exchange:
             # a scope cost about 8% of a delivery's CPU (measured), and the connection is lost at the deadline anyway.
             timer = None if expires is None else loop.call_at(expires, used.expire)
             try:
-                await used.send(head, body, cap)
+                await used.send(head, body, cap, keep_body)
                 status, answer_headers, ended, keep_alive = await used.read_answer()
             except ProtocolError:
                 used.close()
@@ -353,7 +366,11 @@ class Client:
             self._release(endpoint, used)
         else:
             used.close()
-        return Answer(status, answer_headers)
+        if not keep_body:
+            return Answer(status, answer_headers)
+        if not ended:
+            raise ProtocolError(f"answer body over {cap} bytes or cut short")
+        return Answer(status, answer_headers, used.answer_body())
 
     def _idle_connection(self, endpoint: Endpoint) -> _Connection | None:
         idle = self._idle.get(endpoint)
@@ -413,15 +430,16 @@ class Client:
         self._dns[(host, port)] = (now + DNS_TTL_SECONDS, addresses)
         return addresses
 
-    async def _connect(self, url: URL, credentials_in_clear: bool, owner: str) -> _Connection:
+    async def _connect(self, url: URL, credentials_in_clear: bool, owner: str,
+                       tls: ssl.SSLContext | None = None) -> _Connection:
         account = self._account(owner)
         if account is None:
-            return await self._open(url, credentials_in_clear)
+            return await self._open(url, credentials_in_clear, tls)
         if not account.try_take(1):
             self._close_idle_of(account)  # the project's own idle connections make room first
             await account.take(1)
         try:
-            conn = await self._open(url, credentials_in_clear)
+            conn = await self._open(url, credentials_in_clear, tls)
         except BaseException:
             account.give_back(1)
             raise
@@ -443,11 +461,11 @@ class Client:
             account = self._accounts[owner] = ByteBudget(self.connections.total, self.connections)
         return account
 
-    async def _open(self, url: URL, credentials_in_clear: bool) -> _Connection:
+    async def _open(self, url: URL, credentials_in_clear: bool, context: ssl.SSLContext | None = None) -> _Connection:
         host, port = url.raw_host or "", url.port or (443 if url.scheme == "https" else 80)
         tls: dict[str, Any] = {}
         if url.scheme == "https":
-            tls = {"ssl": self.ssl_context, "server_hostname": host.strip("[]")}
+            tls = {"ssl": context or self.ssl_context, "server_hostname": host.strip("[]")}
         addresses = await self._addresses(host, port)
         if credentials_in_clear:
             policy = self.resolver.policy

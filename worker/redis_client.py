@@ -146,3 +146,8 @@ async def evicting_masters(client: AsyncClient) -> dict[str, str]:
         by_node = {address: await client.info("memory")}
     return {node: str(info.get("maxmemory_policy")) for node, info in by_node.items()
             if int(info.get("maxmemory", 0) or 0) and info.get("maxmemory_policy", "noeviction") != "noeviction"}
+
+
+def safe_text(value: bytes | str) -> str:
+    """Text of a value read back from Redis, which may hold anything: invalid UTF-8 is replaced."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else value

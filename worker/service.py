@@ -33,6 +33,7 @@ from worker.fleet.expiry import ExpiryWatch
 from worker.http_server import StatusServer
 from worker.local_services import LocalServices
 from worker.metrics import Metrics
+from worker.oauth2 import OAuth2Tokens
 from worker.oidc import Tokens
 from worker.prefetch import LargestMessages
 from worker.redis_batch import Pipeliner
@@ -158,7 +159,8 @@ class Worker:
         self._cleanup("close dead-letter producers", self.dead_letters.close, 10)
         attempts = AttemptStore(pipeliner, s.redis, on_error=self.metrics.redis_errors.inc)
         return DeliveryContext(deliverer, attempts, self.dead_letters, self.metrics, self.secrets, self.worker_id,
-                               self.supervisor, self.tokens, s.max_held_bytes_per_subscription, self.memory)
+                               self.supervisor, self.tokens, s.max_held_bytes_per_subscription, self.memory,
+                               oauth2=OAuth2Tokens(self.secrets, deliverer.client))
 
     def _served_one(self) -> None:
         """A dispatcher started: `subs list` says Active at the next round, its backlog is read now."""

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 from worker.errors import ConfigError
 from worker.filters import Filter, FilterError, parse_filter
+from worker.oauth2 import OAuth2
 from worker.oidc import Oidc
 from worker.signing import SECRET_NAME_RULE, SecretRef, secret_name_ok
 
@@ -73,6 +74,15 @@ class RateLimit:
 
 
 @dataclass(frozen=True)
+class ClientTls:
+    """`deliver.push.tls`: the client certificate (and its key) presented to an endpoint that
+    requires mutual TLS (`client_tls.py`)."""
+
+    client_certificate: SecretRef
+    client_key: SecretRef
+
+
+@dataclass(frozen=True)
 class BreakerPolicy:
     """`deliver.push.breaker` (`breaker.py`): open after every attempt failed for
     `open_after_seconds`; then one probe every `probe_interval_seconds`."""
@@ -114,6 +124,8 @@ class Subscription:
     oidc: Oidc | None = None  # Authorization: Bearer <a signed JWT>
     rate_limit: RateLimit | None = None
     breaker: BreakerPolicy | None = field(default_factory=BreakerPolicy)  # None: `breaker: off`
+    tls: ClientTls | None = None
+    oauth2: OAuth2 | None = None  # Authorization: Bearer <a token from the client credentials grant>
     # The definition as written (secrets are references in it, never values): what a worker publishes
     # of its config file's subscriptions for the operator commands (fleet/published.py).
     definition: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
@@ -135,8 +147,10 @@ class Subscription:
 
     @property
     def credentials(self) -> bool:
-        """Whether requests carry credentials (a signature, a bearer token, an OIDC token)."""
-        return bool(self.signing_secrets) or self.bearer_token is not None or self.oidc is not None
+        """Whether requests carry credentials (a signature, a bearer token, an OIDC token, a client
+        certificate)."""
+        return bool(self.signing_secrets) or self.bearer_token is not None or self.oidc is not None or \
+            self.tls is not None or self.oauth2 is not None
 
     @functools.cached_property
     def key(self) -> str:
@@ -332,7 +346,7 @@ def parse_subscription(data: Any, where: str = "", *, trusted: bool = False, sto
         raise deliver.fail("mode", "must be push for this fleet (pull subscriptions are ignored)")
     push = deliver.sub("push")
     push.reject_unknown({"url", "content", "signing_secrets", "bearer_token", "cloudevents", "oidc", "rate_limit",
-                       "breaker"})
+                       "breaker", "tls", "oauth2"})
     url = _check_url(push, push.text("url"))
     content = push.choice("content", CONTENT_MODES, "wrapped")
     cloudevents = _cloudevents(push, content)
@@ -340,6 +354,9 @@ def parse_subscription(data: Any, where: str = "", *, trusted: bool = False, sto
     oidc = _oidc(push)
     if oidc is not None and bearer_token is not None:
         raise push.fail("oidc", "cannot be combined with bearer_token (both set Authorization)")
+    oauth2 = _oauth2(push, tenant, trusted)
+    if oauth2 is not None and (oidc is not None or bearer_token is not None):
+        raise push.fail("oauth2", "cannot be combined with bearer_token or oidc (each sets Authorization)")
 
     retry = r.sub("retry")
     retry.reject_unknown({"min_backoff_seconds", "max_backoff_seconds"})
@@ -386,6 +403,8 @@ def parse_subscription(data: Any, where: str = "", *, trusted: bool = False, sto
         oidc=oidc,
         rate_limit=_rate_limit(push),
         breaker=_breaker(push),
+        tls=_client_tls(push, url, tenant, trusted),
+        oauth2=oauth2,
         definition=data,
     )
 
@@ -406,6 +425,35 @@ def _rate_limit(push: FieldReader) -> RateLimit | None:
         raise rl.fail("messages_per_second", f"must be in 0.001..{MAX_RATE:g} (got {rate:g})")
     burst = rl.number("burst", max(1.0, rate), 1.0, MAX_RATE)
     return RateLimit(rate, burst)
+
+
+def _oauth2(push: FieldReader, project: str, trusted: bool) -> OAuth2 | None:
+    """`oauth2: {token_url, client_id, client_secret: <secret>, scope?, audience?}`."""
+    if not push.has("oauth2"):
+        return None
+    o = push.sub("oauth2")
+    o.reject_unknown({"token_url", "client_id", "client_secret", "scope", "audience"})
+    if not o.has("client_secret"):
+        raise o.fail("client_secret", "is required")
+    return OAuth2(token_url=_check_url(o, o.text("token_url"), "token_url"), client_id=o.text("client_id"),
+                  client_secret=_secret_ref(o, "client_secret", o.data["client_secret"], project, trusted),
+                  scope=o.text("scope") if o.has("scope") else None,
+                  audience=o.text("audience") if o.has("audience") else None)
+
+
+def _client_tls(push: FieldReader, url: str, project: str, trusted: bool) -> ClientTls | None:
+    """`tls: {client_certificate: <secret>, client_key: <secret>}`, for an https:// endpoint."""
+    if not push.has("tls"):
+        return None
+    t = push.sub("tls")
+    t.reject_unknown({"client_certificate", "client_key"})
+    if urlsplit(url).scheme.lower() != "https":
+        raise push.fail("tls", "needs an https:// url (a client certificate is presented in the TLS handshake)")
+    for name in ("client_certificate", "client_key"):
+        if not t.has(name):
+            raise t.fail(name, "is required")
+    return ClientTls(_secret_ref(t, "client_certificate", t.data["client_certificate"], project, trusted),
+                     _secret_ref(t, "client_key", t.data["client_key"], project, trusted))
 
 
 def _breaker(push: FieldReader) -> BreakerPolicy | None:

@@ -23,12 +23,12 @@ from worker.config import FleetSettings
 from worker.fleet import seek
 from worker.fleet.leases import ACQUIRE, RELEASE, RENEW, Lease, assign
 from worker.fleet.published import ConfigDefinitions
-from worker.fleet.registry import Admit, Registry, clear_state, safe_text
+from worker.fleet.registry import Admit, Registry, clear_state
 from worker.fleet.registry_follower import RegistryFollower
 from worker.fleet.status import StatusReports
 from worker.fleet.worker_protocol import ServingWorker
 from worker.redis_batch import Pipeliner
-from worker.redis_client import REDIS_DOWN, AsyncClient, describe
+from worker.redis_client import REDIS_DOWN, AsyncClient, describe, safe_text
 from worker.subscriptions import State, Subscription
 from worker.supervisor import log_task_failure
 

@@ -26,7 +26,7 @@ from redis.exceptions import WatchError
 
 from worker import keys
 from worker.errors import ConfigError, NotFound
-from worker.redis_client import AsyncClient
+from worker.redis_client import AsyncClient, safe_text
 from worker.subscriptions import Subscription, is_push, parse_subscription, valid_key
 
 Admit = Callable[[Subscription], None]  # a worker's admission: raises ConfigError
@@ -36,11 +36,6 @@ RESUMED_TTL_SECONDS = 24 * 3600  # a resume is read within a heartbeat; kept lon
 CHANGE_LOG_LENGTH = 10_000  # entries kept in the change log (about); a worker further behind reads everything
 MAX_DEFINITION_BYTES = 16 * 1024  # a definition's JSON; sixty 1 MB entries slowed every project's deliveries
 Entry = tuple[dict[str, Any], Subscription | None] | str  # a definition (and its subscription), or why not
-
-
-def safe_text(value: bytes | str) -> str:
-    """Text of a value read back from Redis, which may hold anything: invalid UTF-8 is replaced."""
-    return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
 def _defaults(data: dict[str, Any]) -> dict[str, Any]:

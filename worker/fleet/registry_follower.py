@@ -17,7 +17,8 @@ from typing import Any
 import orjson
 from redis.exceptions import ResponseError
 
-from worker.fleet.registry import Entry, Registry, safe_text
+from worker.fleet.registry import Entry, Registry
+from worker.redis_client import safe_text
 from worker.subscriptions import Subscription
 
 FOLLOW_AT_MOST = 1000  # log entries read in one round; further behind, the whole registry is read

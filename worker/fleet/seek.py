@@ -24,8 +24,8 @@ from worker import keys
 from worker.config import PulsarSettings
 from worker.errors import PushWorkerError
 from worker.fleet import leases
-from worker.fleet.registry import delete_matching, safe_text
-from worker.redis_client import AsyncClient
+from worker.fleet.registry import delete_matching
+from worker.redis_client import AsyncClient, safe_text
 from worker.subscriptions import Subscription
 
 SEEK_TTL_SECONDS = 300

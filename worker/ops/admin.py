@@ -36,11 +36,11 @@ from worker.embedded import recorded_endpoints
 from worker.errors import ConfigError, NotFound, PushWorkerError, UsageError
 from worker.filters import MIXED
 from worker.fleet.published import published
-from worker.fleet.registry import Registry, clear_state, safe_text
+from worker.fleet.registry import Registry, clear_state
 from worker.fleet.seek import SeekTarget, seek_by_command
 from worker.messages import rfc3339
 from worker.ops.render import Output, table
-from worker.redis_client import AsyncClient, connect
+from worker.redis_client import AsyncClient, connect, safe_text
 from worker.subscriptions import State, Subscription, is_push, parse_subscription, valid_key
 
 
