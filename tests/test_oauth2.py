@@ -16,6 +16,7 @@ from tests.support.builders import make_sub
 from tests.support.endpoints import serve
 from tests.support.helpers import eventually
 from tests.support.pulsar_client import Client
+from worker.admission import admit
 from worker.destinations import DestinationPolicy
 from worker.errors import ConfigError
 from worker.oauth2 import OAuth2
@@ -128,3 +129,9 @@ def test_oauth2_is_checked_at_load():
             parsed(bad)
     with pytest.raises(ConfigError, match="oauth2: cannot be combined"):
         parsed(ok, bearer_token={"secret": "t"})
+    # The token URL is a destination like the push URL: the policy refuses it before any request.
+    for token_url, says in (("https://127.0.0.1/token", "loopback"),
+                            ("http://auth.example.com/token", "credentials are sent only over https://")):
+        with pytest.raises(ConfigError, match=f"deliver.push.oauth2.token_url: .*{says}"):
+            admit(parsed({**ok, "token_url": token_url}), DestinationPolicy(), None)
+    admit(parsed(ok), DestinationPolicy(), None)

@@ -25,24 +25,31 @@ Admit = Callable[[Subscription], None]  # raises ConfigError naming the field an
 def admit(sub: Subscription, policy: DestinationPolicy, oidc: OidcIssuer | None, resolve: bool = False) -> None:
     """Refuse `sub` where this worker could not serve it as written: its host (as the client connects
     to it) is refused, credentials would go over plain http:// to a place the policy did not admit,
-    or it asks for OIDC tokens the worker cannot sign. `resolve`: look names up too (at load)."""
+    or it asks for OIDC tokens the worker cannot sign. The same for its OAuth 2.0 token URL, which
+    the client secret goes to. `resolve`: look names up too (at load)."""
     where = f"subscription {sub.name!r}"
-    host = endpoint_host(sub.url)
+    _admit_url(where, "deliver.push.url", sub.url, sub.credentials, policy, resolve)
+    if sub.oauth2 is not None:
+        _admit_url(where, "deliver.push.oauth2.token_url", sub.oauth2.token_url, True, policy, resolve)
+    if sub.oidc is not None and oidc is None:
+        raise ConfigError(where, "deliver.push.oidc", "needs the worker setting oidc (issuer and signing_keys): "
+                                                      "the fleet signs every token with its own keys")
+
+
+def _admit_url(where: str, field: str, url: str, credentials: bool, policy: DestinationPolicy, resolve: bool) -> None:
+    host = endpoint_host(url)
     try:
         check_host(host, policy, resolve=resolve)
     except DestinationRefused as e:
-        raise ConfigError(where, "deliver.push.url", str(e)) from None
-    if sub.credentials and urlsplit(sub.url).scheme == "http":  # the scheme as the client reads it (any case)
+        raise ConfigError(where, field, str(e)) from None
+    if credentials and urlsplit(url).scheme == "http":  # the scheme as the client reads it (any case)
         literal = literal_address(host)
         why = (policy.clear_text_refusal(str(literal)) if literal is not None
                else None if policy.may_send_credentials_in_clear()
                else "credentials are sent only over https:// (or to a private network admitted by "
                     "destinations.allow_cidrs or allow_private)")
         if why:
-            raise ConfigError(where, "deliver.push.url", why)
-    if sub.oidc is not None and oidc is None:
-        raise ConfigError(where, "deliver.push.oidc", "needs the worker setting oidc (issuer and signing_keys): "
-                                                      "the fleet signs every token with its own keys")
+            raise ConfigError(where, field, why)
 
 
 def admit_for(settings: Settings) -> Admit:
