@@ -208,6 +208,9 @@ class _Connection(asyncio.Protocol):
         return x.status, x.headers, x.done, x.done and x.keep_alive and not x.extra
 
 
+_NOTHING_KEPT = bytearray()  # never appended to: `on_body` adds only when the body is kept
+
+
 class _Exchange:
     """What the parser found of one answer (httptools calls these methods as bytes arrive)."""
 
@@ -219,7 +222,8 @@ class _Exchange:
         """Ready for the next answer on the connection, its body counted up to `cap` (and kept)."""
         self.cap = cap
         self.keep_body = keep_body
-        self.body = bytearray()
+        # Kept bodies only (a token endpoint's answer): a push request's answer allocates nothing here.
+        self.body = bytearray() if keep_body else _NOTHING_KEPT
         self.status = 0
         self.headers: dict[str, str] = {}
         self.head_done = False
