@@ -110,11 +110,15 @@ class SinkProtocol(asyncio.Protocol):
                     published = value.strip()
             if len(self.buffer) < end + 4 + length:
                 return
+            # A wrapped batch (deliver.push.batch) counts as the messages it carries.
+            start = self.buffer[end + 4:end + 4 + 256]
+            messages = (self.buffer.count(b'"message_id"', end + 4, end + 4 + length)
+                        if start.startswith(b'{"subscription"') and b'"messages":[' in start else 1)
             del self.buffer[:end + 4 + length]
             assert self.transport is not None
-            self.transport.write(self.answer(head.split(b" ", 2)[:2], published))
+            self.transport.write(self.answer(head.split(b" ", 2)[:2], published, messages))
 
-    def answer(self, request: list[bytes], published: bytes | None) -> bytes:
+    def answer(self, request: list[bytes], published: bytes | None, messages: int = 1) -> bytes:
         state = self.state
         if request[0] == b"GET":  # /stats, /latency, or /latency/<path suffix>
             body = state.counts() if request[1] == b"/stats" else state.latency(request[1][len(b"/latency"):])
@@ -124,11 +128,11 @@ class SinkProtocol(asyncio.Protocol):
             state.reset()
             return b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"
         now = time.time()
-        state.count += 1
+        state.count += messages
         state.first = state.first or now
         if self.rng.random() < self.fail_rate:
             return FAILED
-        state.acked += 1
+        state.acked += messages
         state.last = now
         if published and len(state.published) < 200_000:
             state.published.append((now, published, request[1]))
@@ -515,10 +519,13 @@ class Bench:
         return path
 
     def sub(self, name: str, topic: str, url: str, kind: str = "shared", content: str = "raw",
-            concurrency: int | None = None) -> dict[str, Any]:
+            concurrency: int | None = None, batch: dict[str, int] | None = None) -> dict[str, Any]:
+        push: dict[str, Any] = {"url": url, "content": content}
+        if batch is not None:
+            push["batch"] = batch
         return {"name": name, "topic": topic, "type": kind, "max_ack_pending": concurrency or self.concurrency,
                 "max_deliver": 1000, "retry": {"min_backoff_seconds": 0.05, "max_backoff_seconds": 0.5},
-                "deliver": {"mode": "push", "push": {"url": url, "content": content}}}
+                "deliver": {"mode": "push", "push": push}}
 
     def start_worker(self, config: Path) -> subprocess.Popen[bytes]:
         return subprocess.Popen([sys.executable, "-m", "worker.cli", "run", "--config", str(config)],
@@ -535,14 +542,14 @@ class Bench:
     def run_worker(self, name: str, kind: str = "shared", keys: int = 0, fail_rate: float = 0.0,
                    redis_mode: str = "standalone", concurrency: int | None = None, payload: bytes = PAYLOAD,
                    content: str = "raw", messages: int | None = None, beside_bare: bool = False,
-                   latency: bool = True) -> Figures:
+                   latency: bool = True, batch: dict[str, int] | None = None) -> Figures:
         """Throughput on a backlog of `messages`, then latency on a steady stream (beside a bare
         consumer of the same topic with `beside_bare`)."""
         messages = messages or self.messages
         sink = self.sink(fail_rate)
         topic = self.backlog(name, kind, messages, keys, payload)
-        proc = self.start_worker(self.config([self.sub(name, topic, sink + "/push", kind, content, concurrency)],
-                                             redis_mode))
+        proc = self.start_worker(self.config([self.sub(name, topic, sink + "/push", kind, content, concurrency,
+                                                       batch)], redis_mode))
         ps = psutil.Process(proc.pid)
         peak_rss = 0
 
@@ -898,6 +905,31 @@ class Run:
                     right=("subscriptions", "msg/s each", "delivered/s", "cpu us/msg", "ref cpu us/req", "x ref cpu",
                            "x 1 subscription", "x core shared", "p50 ms", "p99 ms", "rss MiB")) + "\n")
 
+    def batch(self) -> None:
+        """Messages a second per core (1e6 / the worker's CPU us per message) with `deliver.push.batch` at
+        M = 1, 10 and 100, against one message a request (`content: wrapped` throughout): each round
+        runs every case once, in turn; the table shows the median round of the M = 100 ratio."""
+        b = self.bench
+        cases = [("one a request", None), ("M = 1", 1), ("M = 10", 10), ("M = 100", 100)]
+        rounds: list[list[Figures]] = []
+        for r in range(self.rounds):
+            rounds.append([b.run_worker(f"batch-{r + 1}-{m or 0}", content="wrapped", latency=False,
+                                        concurrency=max(b.concurrency, 2 * (m or 1)),
+                                        batch=None if m is None else {"max_messages": m, "max_wait_ms": 20})
+                           for _, m in cases])
+        ratios = [figures[-1].cpu_us and figures[0].cpu_us / figures[-1].cpu_us for figures in rounds]
+        median = rounds[ratios.index(statistics.median_low(ratios))]
+        print(f"batch: {b.messages} messages of 1 KiB, shared, content wrapped, max_wait_ms 20, max_ack_pending "
+              f"the larger of {b.concurrency} and 2 M; msg/s per core = 1e6 / worker CPU us per message "
+              f"(every thread, first to last delivery); {len(rounds)} rounds, the table shows the median round")
+        one = median[0].cpu_us
+        print(table([{"batch": label, "msg/s": f"{f.rate:,.0f}", "cpu us/msg": f"{f.cpu_us:.1f}",
+                      "msg/s per core": f"{1e6 / f.cpu_us:,.0f}", "x one a request": f"{one / f.cpu_us:.2f}"}
+                     for (label, _), f in zip(cases, median, strict=True)],
+                    ["batch", "msg/s", "cpu us/msg", "msg/s per core", "x one a request"],
+                    right=("msg/s", "cpu us/msg", "msg/s per core", "x one a request")))
+        print(f"M = 100 per core / one a request, each round: {', '.join(f'{x:.2f}' for x in ratios)}x\n")
+
     def payload(self) -> None:
         b = self.bench
         base_rss = self.shared.rss_mb if self.shared else float("nan")
@@ -952,6 +984,8 @@ async def run_bench(messages: int = 20000, concurrency: int = 64, sections: tupl
                     run.subscriptions(steady_rate)
                 if "payload" in sections:
                     run.payload()
+                if "batch" in sections:
+                    run.batch()
                 if "neighbours" in sections:
                     rows = bench.neighbours()
                     print("neighbours: a well-behaved project (1 KiB at 200 msg/s) beside one that misbehaves, on "

@@ -71,6 +71,10 @@ class _Attempts:
     async def begin(self, subscription_key: str, message_id: str, probe: bool = False) -> AttemptRecord:
         return AttemptRecord(1, "")
 
+    async def begin_all(self, subscription_key: str, message_ids: list[str],
+                        probe: bool = False) -> list[AttemptRecord]:
+        return [AttemptRecord(1, "") for _ in message_ids]
+
     def failing_reason(self, subscription_key: str) -> str:
         return ""
 
@@ -80,6 +84,10 @@ class _Attempts:
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         done.set_result(None)
         return done
+
+    def record_all(self, subscription_key: str, messages: list[tuple[str, list[dict[str, Any]], bool]],
+                   settled: bool, last_status: str = "", lazy: bool = False) -> asyncio.Future[None]:
+        return self.record(subscription_key, "", [], settled)
 
 
 class _Endpoint:

@@ -112,13 +112,14 @@ def read_settings(tmp_path: Path, example: str, monkeypatch) -> set[str]:
             "url": "https://example.com/events", "content": "cloudevents",
             "cloudevents": {"mode": "structured", "type": "t", "source": "s"},
             "oidc": {"audience": "https://example.com"}}}})
-    data["subscriptions"].append({  # and one with a client certificate and OAuth 2.0 tokens
+    data["subscriptions"].append({  # and one with a client certificate, OAuth 2.0 tokens and batches
         "name": "mtls-push", "topic": "persistent://p-demo/main/events",
         "deliver": {"mode": "push", "push": {
             "url": "https://example.com/mtls",
             "tls": {"client_certificate": {"secret": "c"}, "client_key": {"secret": "k"}},
             "oauth2": {"token_url": "https://auth.example.com/token", "client_id": "i",
-                       "client_secret": {"secret": "s"}, "scope": "push", "audience": "a"}}}})
+                       "client_secret": {"secret": "s"}, "scope": "push", "audience": "a"},
+            "batch": {"max_messages": 10, "max_bytes": 4096, "max_wait_ms": 5}}}})
     config = tmp_path / "worker.yaml"
     config.write_text(yaml.safe_dump(data))
     load_settings(config)

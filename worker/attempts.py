@@ -143,6 +143,14 @@ class AttemptRecord:
 
 
 
+def _begun(reply: list[Any]) -> AttemptRecord:
+    """A BEGIN script's reply for one message."""
+    n, last, state, corrupt, probes = reply
+    last_status = last.decode(errors="replace") if isinstance(last, bytes) else str(last)
+    return AttemptRecord(int(n), last_status, discard=state == 1, settled=state == 2, corrupt=bool(corrupt),
+                         probes=int(probes))
+
+
 class AttemptStore:
     """Attempt counters per (subscription, message). Retries Redis until it answers."""
 
@@ -202,13 +210,18 @@ class AttemptStore:
     async def begin(self, subscription_key: str, message_id: str, probe: bool = False) -> AttemptRecord:
         """Record the next attempt before it is made (a breaker's `probe`: counted as one); returns its
         number (1, 2, ...)."""
-        key = keys.message_key(subscription_key, message_id)
-        script = BEGIN_PROBE if probe else BEGIN
-        n, last, state, corrupt, probes = await self._call(subscription_key, lambda: self.pipeliner.operation(
-            script, (), (self.ttl_seconds,), (key,), (), subscription_key))
-        last_status = last.decode(errors="replace") if isinstance(last, bytes) else str(last)
-        return AttemptRecord(int(n), last_status, discard=state == 1, settled=state == 2, corrupt=bool(corrupt),
-                             probes=int(probes))
+        return _begun(await self._call(subscription_key, lambda: self._begin(subscription_key, message_id, probe)))
+
+    async def begin_all(self, subscription_key: str, message_ids: list[str],
+                        probe: bool = False) -> list[AttemptRecord]:
+        """`begin` for a batch's messages: one script call, and no task per message."""
+        replies = await self._call(subscription_key, lambda: asyncio.gather(
+            *(self._begin(subscription_key, message_id, probe) for message_id in message_ids)))
+        return [_begun(reply) for reply in replies]
+
+    def _begin(self, subscription_key: str, message_id: str, probe: bool) -> asyncio.Future[Any]:
+        return self.pipeliner.operation(BEGIN_PROBE if probe else BEGIN, (), (self.ttl_seconds,),
+                                        (keys.message_key(subscription_key, message_id),), (), subscription_key)
 
     def record(self, subscription_key: str, message_id: str, entries: list[dict[str, Any]],
                settled: bool, last_status: str = "", acked_first_time: bool = False,
@@ -218,15 +231,27 @@ class AttemptStore:
         (for `settled_ttl_seconds`) and list it among the settled messages (how it ended: the last
         entry); else remember `last_status`. `lazy`: nothing waits on it, it may ride with the next
         round trip (Pipeliner.operation)."""
+        return self._call(subscription_key, lambda: self._record(subscription_key, message_id, entries, settled,
+                                                                last_status, acked_first_time, lazy))
+
+    def record_all(self, subscription_key: str, messages: list[tuple[str, list[dict[str, Any]], bool]],
+                   settled: bool, last_status: str = "", lazy: bool = False) -> Awaitable[None]:
+        """`record` for a batch's messages, each (message id, entries, acked_first_time): one script
+        call, and no task per message."""
+        return self._call(subscription_key, lambda: asyncio.gather(
+            *(self._record(subscription_key, message_id, entries, settled, last_status, first_time, lazy)
+              for message_id, entries, first_time in messages)))
+
+    def _record(self, subscription_key: str, message_id: str, entries: list[dict[str, Any]], settled: bool,
+                last_status: str, acked_first_time: bool, lazy: bool) -> asyncio.Future[Any]:
         op_keys = (keys.message_key(subscription_key, message_id), keys.history_key(subscription_key, message_id))
         summary = orjson.dumps({"message_id": message_id, **(entries[-1] if entries else {})}) if settled else b""
         history_ttl = self.acked_history_ttl_seconds if acked_first_time else self.history_ttl_seconds
         op_args = ("1" if settled else "0", last_status, summary, history_ttl, len(entries),
                    *(orjson.dumps(e) for e in entries))
-        return self._call(subscription_key, lambda: self.pipeliner.operation(
-            RECORD, (keys.settled_key(subscription_key),),
-            (self.history_ttl_seconds, HISTORY_CAP, self.settled_ttl_seconds), op_keys, op_args, subscription_key,
-            lazy))
+        return self.pipeliner.operation(RECORD, (keys.settled_key(subscription_key),),
+                                        (self.history_ttl_seconds, HISTORY_CAP, self.settled_ttl_seconds), op_keys,
+                                        op_args, subscription_key, lazy)
 
     async def history(self, subscription_key: str, message_id: str) -> list[dict[str, Any]]:
         """The message's recorded history, oldest first."""

@@ -13,8 +13,8 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 GROUP = "worker._compiled"  # the shared library of the group: worker/_compiled__mypyc.*.so
 # The per-message path: what a delivery runs through, from the consumer's message to the settled record.
 COMPILED_MODULES = (
-    "attempts", "backoff", "budgets", "delivery", "dispatcher", "endpoint_health", "flow", "history", "http1",
-    "keys", "messages", "metrics", "redis_batch", "signing",
+    "attempts", "backoff", "batches", "budgets", "delivery", "dispatcher", "endpoint_health", "flow", "history",
+    "http1", "keys", "messages", "metrics", "redis_batch", "signing",
 )
 
 

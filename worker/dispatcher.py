@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import ssl
+import time
 import traceback
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -24,6 +25,7 @@ from worker import logs
 from worker.aio import cancel_within, wait_any, wait_event
 from worker.attempts import AttemptRecord
 from worker.backoff import retry_delay
+from worker.batches import Forming, Item
 from worker.breaker import Breaker
 from worker.budgets import ByteBudget, SharedBudget
 from worker.client_tls import ClientCertificates
@@ -33,18 +35,28 @@ from worker.delivery import Outcome, Result
 from worker.endpoint_health import ERROR_AFTER_SECONDS, EndpointHealth
 from worker.flow import AdaptiveLimit, RateLimit, Window
 from worker.history import attempt_entry, event_entry
-from worker.messages import Envelope, PushRequest, build_request, format_message_id, memory_per_payload_byte, rfc3339
+from worker.messages import (
+    Envelope,
+    PushRequest,
+    batch_id,
+    build_batch_request,
+    build_request,
+    format_message_id,
+    memory_per_payload_byte,
+    rfc3339,
+)
 from worker.metrics import Metrics
 from worker.oauth2 import OAuth2Tokens
 from worker.oidc import Tokens
 from worker.prefetch import MAX_PREFETCH, prefetch_bytes, too_large
 from worker.signing import SecretStore, SecretUnavailable, auth_headers
-from worker.subscriptions import State, Subscription
+from worker.subscriptions import BatchPolicy, State, Subscription
 from worker.supervisor import Supervisor
 
 # A renewal wakes fenced messages (`Fence.renewal`); the recheck only bounds the harm of a missed wake-up.
 FENCE_RECHECK_SECONDS = 5.0
 
+IDLE_RECHECK_SECONDS = 600.0  # a batch former with nothing to batch waits for a message, not a timer
 _SINGLE_LANE = "\x00total-order"
 INTAKE_PER_TURN = 32  # messages taken from the client in one turn of the loop
 CLOSE_TIMEOUT = 5.0  # seconds a broker close may take before shutdown goes on without it
@@ -107,11 +119,17 @@ class AttemptLog(Protocol):
 
     async def begin(self, subscription_key: str, message_id: str, probe: bool = False) -> AttemptRecord: ...
 
+    async def begin_all(self, subscription_key: str, message_ids: list[str],
+                        probe: bool = False) -> list[AttemptRecord]: ...
+
     def failing_reason(self, subscription_key: str) -> str: ...
 
     def record(self, subscription_key: str, message_id: str, entries: list[dict[str, Any]],
                settled: bool, last_status: str = "", acked_first_time: bool = False,
                lazy: bool = False) -> Awaitable[None]: ...
+
+    def record_all(self, subscription_key: str, messages: list[tuple[str, list[dict[str, Any]], bool]],
+                   settled: bool, last_status: str = "", lazy: bool = False) -> Awaitable[None]: ...
 
 
 @dataclass
@@ -167,6 +185,7 @@ class _Again:
 
 
 AGAIN = _Again()
+ONE_A_REQUEST = BatchPolicy(max_messages=1, max_wait_ms=0)  # what is still forming when batching is turned off
 
 
 class Dispatcher:
@@ -219,6 +238,9 @@ class Dispatcher:
         self._stopping = asyncio.Event()
         self._receiver: asyncio.Task[None] | None = None
         self._fence_wait: asyncio.Task[None] | None = None  # the one wait fenced messages share
+        self._forming = Forming()  # deliver.push.batch: messages admitted, not yet in a batch
+        self._formed = asyncio.Event()  # set when `_forming` may have a batch to make
+        self._former: asyncio.Task[None] | None = None  # makes the batches; started with the first one
         self._loop: asyncio.AbstractEventLoop | None = None
         self.log = logs.get(project=sub.tenant, subscription=sub.name)
         self.failure_log = logs.Throttled(self.log, self.m.log_lines_suppressed.inc)  # lines a message's fate writes
@@ -253,6 +275,8 @@ class Dispatcher:
         # Closing the consumer below hands back what a receive loop that did not end still holds.
         if self._receiver is not None and await cancel_within([self._receiver], CLOSE_TIMEOUT):
             self.log.warning("receive loop did not end on cancel; stopping without it")
+        if self._former is not None:
+            await cancel_within([self._former], CLOSE_TIMEOUT)
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=grace)
             await cancel_within(pending, CLOSE_TIMEOUT)
@@ -420,7 +444,13 @@ class Dispatcher:
             return
         self._active.add(env.message_id)
         lane = lane_of(self.sub, env)
-        if lane is None:
+        if self.sub.batch is not None or self._forming:  # still forming batches: a lane's order goes on there
+            if lane is not None and lane in self._lanes:
+                self._lanes[lane].append((message, env))  # behind its lane's message or batch under way
+            else:
+                self._forming.add((message, env), lane)
+                self._form_soon()
+        elif lane is None:
             self._spawn(self._settle_one(message, env))
         elif lane in self._lanes:  # behind the lane's message under way: it goes when that one settles
             self._lanes[lane].append((message, env))
@@ -447,6 +477,174 @@ class Dispatcher:
         for _, env in self._lanes.pop(lane):  # stopping: released to the broker with the consumer
             self._active.discard(env.message_id)
             self._release(env)
+
+    # -- batches (deliver.push.batch) --------------------------------------------------------
+
+    def _form_soon(self) -> None:
+        if self._former is None:
+            self._former = self.ctx.supervisor.spawn("batches", self._form_batches)
+        self._formed.set()
+
+    async def _form_batches(self) -> None:
+        """Make a batch when enough is waiting (`max_messages`, `max_bytes`), or when the oldest message
+        has waited `max_wait_ms`; each batch is settled in a task of its own."""
+        try:
+            while not self._stopping.is_set():
+                if not self._forming:
+                    self._formed.clear()
+                    await wait_any(self._formed, self._stopping, seconds=IDLE_RECHECK_SECONDS)
+                    continue
+                policy = self.sub.batch or ONE_A_REQUEST
+                if self._forming.count < policy.max_messages and self._forming.bytes < policy.max_bytes:
+                    late = self._forming.oldest() + policy.max_wait_ms / 1000 - time.monotonic()
+                    if late > 0:
+                        self._formed.clear()
+                        await wait_any(self._formed, self._stopping, seconds=late)
+                        continue
+                items, lanes = self._forming.take(policy.max_messages, policy.max_bytes)
+                for lane, behind in lanes.items():
+                    self._lanes[lane] = behind
+                self._spawn(self._settle_batch(items, list(lanes)))
+        finally:
+            for _, env in self._forming.drain():  # stopping: released to the broker with the consumer
+                self._active.discard(env.message_id)
+                self._release(env)
+
+    async def _settle_batch(self, items: list[Item], lanes: list[str]) -> None:
+        """Settle a batch's messages; then what waits behind its lanes may be batched."""
+        records: list[Awaitable[None]] = []
+        unsettled = {env.message_id: (message, env) for message, env in items}
+        try:
+            await self._deliver_batch(items, records, unsettled)
+        except asyncio.CancelledError:
+            for lane in lanes:
+                self._end_lane(lane)
+            lanes = []
+            raise
+        except Exception as e:  # a failure of this batch's own (a bug): each message settles alone
+            for message, env in list(unsettled.values()):
+                record = await self._message_failed(message, env, e)
+                if record is not None:
+                    records.append(record)
+        finally:
+            for _, env in items:
+                self._active.discard(env.message_id)
+                self._release(env)
+            for lane in lanes:
+                if self._lanes[lane] and not self._stopping.is_set():
+                    self._forming.lane_ready(lane, self._lanes.pop(lane))
+                    self._form_soon()
+                else:
+                    self._end_lane(lane)
+        if records:
+            await asyncio.gather(*records)
+
+    async def _deliver_batch(self, items: list[Item], records: list[Awaitable[None]],
+                             unsettled: dict[str, Item]) -> None:
+        """Deliver a batch's messages until each is acked, dead-lettered or dropped (settled ones leave
+        `unsettled`; the records still to write go to `records`). Those that fail are tried again
+        together after the retry delay of the most tried among them."""
+        pending: list[Item] = []
+        for message, env in items:
+            if env.defect is None and (self.sub.filter is None or self.sub.filter.matches(env.attributes)):
+                pending.append((message, env))
+                continue
+            record = await self._deliver_until_settled(message, env)  # sent nothing: dead-lettered or filtered
+            del unsettled[env.message_id]
+            if record is not None:
+                records.append(record)
+        while pending and not self._stopping.is_set():
+            sub = self.sub
+            if not (self.may_deliver() or await self._wait_until_may_deliver()):
+                return
+            oldest = min(env.publish_time_ms for _, env in pending)
+            probe = await self.breaker.turn(oldest) if self.breaker.holds() else 0
+            pending, delay = await self._try_batch_once(pending, sub, probe, records, unsettled)
+            if pending and delay is not None:
+                self.stats.retried += len(pending)
+                self.m.retries.inc(len(pending))
+                self.m.held_for_retry.inc(len(pending))
+                try:
+                    await self._pause(delay)
+                finally:
+                    self.m.held_for_retry.dec(len(pending))
+
+    async def _try_batch_once(self, pending: list[Item], sub: Subscription, probe: int,
+                              records: list[Awaitable[None]],
+                              unsettled: dict[str, Item]) -> tuple[list[Item], float | None]:
+        """One request for the batch's `pending` messages (one attempt each): those still to try and
+        the delay before they are (None: at once)."""
+        try:
+            begun = await self.attempts.begin_all(sub.key, [env.message_id for _, env in pending], probe != 0)
+            limit = sub.attempt_limit
+            sending: list[tuple[Any, Envelope, AttemptRecord]] = []
+            for (message, env), record in zip(pending, begun, strict=True):
+                if self._needs_request(env, record, limit):
+                    sending.append((message, env, record))
+                else:
+                    settled = await self._settle_without_request(message, env, sub, record)
+                    del unsettled[env.message_id]
+                    if settled is not None:
+                        records.append(settled)
+            if not sending:
+                return [], None
+            outcome = await self._attempt_batch(sub, sending)
+            if outcome is None:  # the lease could not be vouched for right before sending: no request
+                return [(message, env) for message, env, _ in sending], None
+            if probe:
+                self.breaker.probed(probe, outcome.acked)
+            entries = []
+            for _, _, record in sending:
+                entry = attempt_entry(record.number, outcome, self.ctx.worker_id)
+                entry["batch"] = len(sending)
+                if probe:
+                    entry["probe"] = True
+                entries.append(entry)
+            if outcome.acked:
+                acked: list[tuple[str, list[dict[str, Any]], bool]] = []
+                for (message, env, record), entry in zip(sending, entries, strict=True):
+                    del unsettled[env.message_id]
+                    if await self._ack_only(message, env):
+                        acked.append((env.message_id, [entry], record.number == 1))
+                    else:  # the broker will redeliver it; the counter stays so the numbering continues
+                        await self.attempts.record(sub.key, env.message_id, [entry], settled=False,
+                                                   last_status=outcome.last_status)
+                # Nothing waits on them (the broker has the acks): they ride with the next round trip.
+                records.append(self.attempts.record_all(sub.key, acked, settled=True, lazy=True))
+                self.stats.acked += len(sending)
+                self.m.acked.inc(len(sending))
+                return [], None
+            self.failure_log.info("batch delivery failed", messages=len(sending), status=outcome.last_status,
+                                  detail=outcome.detail, latency=round(outcome.latency, 4), probe=probe != 0)
+            await self.attempts.record_all(sub.key, [(env.message_id, [entry], False) for (_, env, _), entry
+                                                     in zip(sending, entries, strict=True)],
+                                           settled=False, last_status=outcome.last_status)
+            if probe and not outcome.permanent:
+                return [(message, env) for message, env, _ in sending], None
+            again: list[Item] = []
+            for message, env, record in sending:
+                if (limit is not None and record.spent >= limit) or outcome.permanent:
+                    settled = await self._give_up(message, env, sub, record.number, outcome.last_status, [])
+                    del unsettled[env.message_id]
+                    if settled is not None:
+                        records.append(settled)
+                else:
+                    again.append((message, env))
+            most = max(record.number for _, _, record in sending)
+            return again, retry_delay(sub.retry, most, outcome.retry_after)
+        finally:
+            if probe:  # answered already, this does nothing; else no request was made
+                self.breaker.probed(probe, None)
+
+    async def _attempt_batch(self, sub: Subscription,
+                             sending: list[tuple[Any, Envelope, AttemptRecord]]) -> Outcome | None:
+        """One request carrying `sending` (one message and no batch in effect: the single-message form)."""
+        if sub.batch is None and len(sending) == 1:
+            _, env, record = sending[0]
+            return await self._attempt(sub, env, record.number)
+        request = build_batch_request(sub, [(env, record.number) for _, env, record in sending])
+        webhook_id = batch_id([env.message_id for _, env, _ in sending])
+        return await self._request(sub, request, webhook_id, len(sending))
 
     # -- one message -------------------------------------------------------------------------
 
@@ -522,21 +720,9 @@ class Dispatcher:
         write, or None) or to be tried again (after a retry delay, or at once)."""
         try:
             record = await self.attempts.begin(sub.key, env.message_id, probe != 0)
-            if record.corrupt:
-                self.log.warning("attempt record was unreadable; started over", message_id=env.message_id,
-                                 attempt=record.number)
-            if record.settled:  # a copy redelivered because its ack was lost: settled already, no request
-                await self._ack_only(message, env)
-                self.m.settled_redeliveries.inc()
-                return None
-            if record.discard:  # `push-worker discard`: settled without delivery, and recorded
-                self.log.info("discarded by an operator", message_id=env.message_id)
-                return await self._ack(message, env, sub, [event_entry("discarded", self.ctx.worker_id)],
-                                       record_first=True)
             limit = sub.attempt_limit
-            if limit is not None and record.spent > limit:
-                # Exhausted in an earlier life (crash before the dead-letter was confirmed): no new request.
-                return await self._give_up(message, env, sub, record.number - 1, record.last_status or "unknown", [])
+            if not self._needs_request(env, record, limit):
+                return await self._settle_without_request(message, env, sub, record)
             outcome = await self._attempt(sub, env, record.number)
             if outcome is None:  # the lease could not be vouched for right before sending: no request
                 return AGAIN  # `_wait_until_may_deliver` waits for a renewal (next number) or the stop
@@ -569,9 +755,35 @@ class Dispatcher:
             if probe:  # answered already, this does nothing; else no request was made
                 self.breaker.probed(probe, None)
 
+    def _needs_request(self, env: Envelope, record: AttemptRecord, limit: int | None) -> bool:
+        """Whether the attempt just begun (`record`) is to be made; else `_settle_without_request`."""
+        if record.corrupt:
+            self.log.warning("attempt record was unreadable; started over", message_id=env.message_id,
+                             attempt=record.number)
+        return not (record.settled or record.discard or (limit is not None and record.spent > limit))
+
+    async def _settle_without_request(self, message: Any, env: Envelope, sub: Subscription,
+                                      record: AttemptRecord) -> Awaitable[None] | None:
+        """A message settled already, discarded, or out of attempts before this one: no request."""
+        if record.settled:  # a copy redelivered because its ack was lost: settled already
+            await self._ack_only(message, env)
+            self.m.settled_redeliveries.inc()
+            return None
+        if record.discard:  # `push-worker discard`: settled without delivery, and recorded
+            self.log.info("discarded by an operator", message_id=env.message_id)
+            return await self._ack(message, env, sub, [event_entry("discarded", self.ctx.worker_id)],
+                                   record_first=True)
+        # Exhausted in an earlier life (crash before the dead-letter was confirmed): no new request.
+        return await self._give_up(message, env, sub, record.number - 1, record.last_status or "unknown", [])
+
     async def _attempt(self, sub: Subscription, env: Envelope, attempt: int) -> Outcome | None:
         """One request, or None when the lease was lost while waiting for an endpoint slot."""
-        request = build_request(sub, env, attempt)
+        return await self._request(sub, build_request(sub, env, attempt), env.message_id)
+
+    async def _request(self, sub: Subscription, request: PushRequest, webhook_id: str,
+                       messages: int = 1) -> Outcome | None:
+        """Send `request` (carrying `messages`; `webhook_id`: its id when signed) once the rate limit
+        and the endpoint's window allow; None when the lease was lost meanwhile."""
         if request.omitted_attributes:
             self.m.attributes_omitted.inc(request.omitted_attributes)
         # The rate limit before a concurrency slot: a request waiting for its turn holds no slot.
@@ -583,29 +795,29 @@ class Dispatcher:
             self.endpoint_limit.release(None, ticket)
             return None
         try:
-            outcome = await self._send(sub, env, request)
+            outcome = await self._send(sub, webhook_id, request)
         except BaseException:
             self.endpoint_limit.release(None, ticket)
             raise
         self.endpoint_limit.release(outcome, ticket)
         self.health.record(outcome.acked, outcome.last_status)
         self._report_state()  # Error comes with time, so compare with what was reported
-        self.m.delivery(outcome.label).inc()
+        self.m.delivery(outcome.label).inc(messages)
         self.m.delivery_seconds.observe(outcome.latency)
         return outcome
 
-    async def _send(self, sub: Subscription, env: Envelope, request: PushRequest) -> Outcome:
-        outcome = await self._send_once(sub, env, request)
+    async def _send(self, sub: Subscription, webhook_id: str, request: PushRequest) -> Outcome:
+        outcome = await self._send_once(sub, webhook_id, request)
         if outcome.status == 401 and sub.oauth2 is not None and self.ctx.oauth2 is not None:
             # The token was refused (revoked, or expired early): once more with a new one, at once.
             self.ctx.oauth2.refused(sub.oauth2)
-            outcome = await self._send_once(sub, env, request)
+            outcome = await self._send_once(sub, webhook_id, request)
         return outcome
 
-    async def _send_once(self, sub: Subscription, env: Envelope, request: PushRequest) -> Outcome:
+    async def _send_once(self, sub: Subscription, webhook_id: str, request: PushRequest) -> Outcome:
         tls = None
         try:  # signed at send time, so webhook-timestamp is the moment of this attempt
-            extra = auth_headers(self.ctx.secrets, sub.signing_secrets, sub.bearer_token, env.message_id, request.body)
+            extra = auth_headers(self.ctx.secrets, sub.signing_secrets, sub.bearer_token, webhook_id, request.body)
             if sub.oidc is not None:
                 assert self.ctx.tokens is not None
                 extra["Authorization"] = "Bearer " + self.ctx.tokens.token(sub.oidc, sub.tenant, sub.name, sub.url)

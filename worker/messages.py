@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import re
 import time
 import urllib.parse
@@ -127,18 +128,7 @@ def build_request(sub: Subscription, env: Envelope, attempt: int) -> PushRequest
         return PushRequest(headers, orjson.dumps(_gcp_body(sub, env, attempt)))
     if sub.content == "wrapped":
         headers["Content-Type"] = "application/json"
-        body: dict[str, Any] = {
-            "subscription": sub.name,
-            "message": {
-                "message_id": env.message_id,
-                "data": base64_text(env.data),
-                "attributes": env.attributes,
-                "ordering_key": env.ordering_key,
-                "publish_time": rfc3339(env.publish_time_ms),
-                "delivery_attempt": attempt,
-            },
-        }
-        return PushRequest(headers, orjson.dumps(body))
+        return PushRequest(headers, orjson.dumps({"subscription": sub.name, "message": _wrapped(env, attempt)}))
     omitted = 0
     content_type = env.attributes.get("content-type")
     if content_type is not None and header_safe("Content-Type", content_type):
@@ -157,6 +147,50 @@ def build_request(sub: Subscription, env: Envelope, attempt: int) -> PushRequest
         else:
             omitted += 1
     return PushRequest(headers, env.data, omitted)
+
+
+def _wrapped(env: Envelope, attempt: int) -> dict[str, Any]:
+    """`content: wrapped`: one message's envelope."""
+    return {"message_id": env.message_id, "data": base64_text(env.data), "attributes": env.attributes,
+            "ordering_key": env.ordering_key, "publish_time": rfc3339(env.publish_time_ms),
+            "delivery_attempt": attempt}
+
+
+# -- several messages a request (deliver.push.batch) ------------------------------------------------
+
+BATCH_ENTRY_OVERHEAD = 512  # bytes of a batch entry besides its data and attributes (ids, times, names)
+
+
+def batch_entry_bytes(env: Envelope) -> int:
+    """At least what `env` adds to a batch's body: its data in base64, its attributes escaped at worst
+    (6 bytes a character, as \\u0000), the rest of its entry. Batches are cut by this estimate, before
+    their attempt numbers (in the body) are known."""
+    attributes = sum(len(k) + len(v) for k, v in env.attributes.items()) + len(env.ordering_key or "")
+    return (len(env.data) + 2) // 3 * 4 + 6 * attributes + BATCH_ENTRY_OVERHEAD
+
+
+def batch_id(message_ids: list[str]) -> str:
+    """A batch's id (its `webhook-id` when signed): the same messages make the same id, so a batch
+    sent again as it was can be recognised; any other batch gets another."""
+    return "batch_" + hashlib.blake2b("\n".join(message_ids).encode(), digest_size=12).hexdigest()
+
+
+def build_batch_request(sub: Subscription, messages: list[tuple[Envelope, int]]) -> PushRequest:
+    """One request for several messages, each with its attempt number, in order: `content: wrapped`
+    as `{"subscription", "messages": [<envelope>, ...]}`, `content: cloudevents` in the JSON batch
+    format (`application/cloudevents-batch+json`: an array of structured events)."""
+    headers = {"Pubsub-Subscription": sub.name, "Pubsub-Topic": sub.topic}
+    if sub.content == "cloudevents":
+        events, omitted = [], 0
+        for env, attempt in messages:
+            event, left_out = _structured_event(sub, env, attempt)
+            events.append(event)
+            omitted += left_out
+        headers["Content-Type"] = "application/cloudevents-batch+json"
+        return PushRequest(headers, orjson.dumps(events), omitted)
+    headers["Content-Type"] = "application/json"
+    return PushRequest(headers, orjson.dumps({"subscription": sub.name,
+                                              "messages": [_wrapped(env, attempt) for env, attempt in messages]}))
 
 
 # -- CloudEvents 1.0, HTTP binding ------------------------------------------------------------------
@@ -181,6 +215,36 @@ def _ce_header(value: str) -> str:
 def _cloudevent(sub: Subscription, env: Envelope, attempt: int, headers: dict[str, str]) -> PushRequest:
     """`content: cloudevents`: one event per message, binary (context in `ce-` headers, the payload
     as the body) or structured (`application/cloudevents+json`). The Pubsub-* headers stay."""
+    if sub.cloudevents.mode != "binary":
+        event, omitted = _structured_event(sub, env, attempt)
+        headers["Content-Type"] = "application/cloudevents+json"
+        return PushRequest(headers, orjson.dumps(event), omitted)
+    context, extensions, content_type, omitted = _event_attributes(sub, env, attempt)
+    headers["Content-Type"] = content_type or "application/octet-stream"
+    for name, value in (*context.items(), *extensions.items()):
+        headers[f"ce-{name}"] = _ce_header(value)
+    return PushRequest(headers, env.data, omitted)
+
+
+def _structured_event(sub: Subscription, env: Envelope, attempt: int) -> tuple[dict[str, Any], int]:
+    """The event of `env` in the JSON format (its data inline when it is JSON, else in base64), and how
+    many of its attributes were left out."""
+    context, extensions, content_type, omitted = _event_attributes(sub, env, attempt)
+    event = {**context, **extensions}
+    if content_type is not None:
+        event["datacontenttype"] = content_type
+    payload = _json_payload(env.data, content_type)
+    if payload is not _NOT_JSON:
+        event["data"] = payload
+    else:
+        event["data_base64"] = base64_text(env.data)
+    return event, omitted
+
+
+def _event_attributes(sub: Subscription, env: Envelope,
+                      attempt: int) -> tuple[dict[str, Any], dict[str, str], str | None, int]:
+    """An event's context attributes, its extensions, its content type (None: unknown or unsafe) and
+    how many of the message's attributes could not be carried."""
     ce = sub.cloudevents
     context: dict[str, Any] = {
         "specversion": "1.0", "id": env.message_id, "source": ce.source or f"//pulsar/{sub.topic}",
@@ -204,21 +268,7 @@ def _cloudevent(sub: Subscription, env: Envelope, attempt: int, headers: dict[st
         else:
             omitted += 1
     extensions["deliveryattempt"] = str(attempt)
-    if ce.mode == "binary":
-        headers["Content-Type"] = content_type or "application/octet-stream"
-        for name, value in (*context.items(), *extensions.items()):
-            headers[f"ce-{name}"] = _ce_header(value)
-        return PushRequest(headers, env.data, omitted)
-    event = {**context, **extensions}
-    if content_type is not None:
-        event["datacontenttype"] = content_type
-    payload = _json_payload(env.data, content_type)
-    if payload is not _NOT_JSON:
-        event["data"] = payload
-    else:
-        event["data_base64"] = base64_text(env.data)
-    headers["Content-Type"] = "application/cloudevents+json"
-    return PushRequest(headers, orjson.dumps(event), omitted)
+    return context, extensions, content_type, omitted
 
 
 _NOT_JSON = object()

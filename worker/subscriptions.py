@@ -92,6 +92,16 @@ class BreakerPolicy:
 
 
 @dataclass(frozen=True)
+class BatchPolicy:
+    """`deliver.push.batch`: up to `max_messages` messages (and about `max_bytes` of request body) in
+    one request, waiting at most `max_wait_ms` for it to fill."""
+
+    max_messages: int = 100
+    max_bytes: int = 1024 * 1024
+    max_wait_ms: int = 50
+
+
+@dataclass(frozen=True)
 class CloudEvents:
     """`deliver.push.cloudevents`: how `content: cloudevents` requests are made (CloudEvents 1.0, HTTP
     binding). `source` None: `//pulsar/<topic>`."""
@@ -126,6 +136,7 @@ class Subscription:
     breaker: BreakerPolicy | None = field(default_factory=BreakerPolicy)  # None: `breaker: off`
     tls: ClientTls | None = None
     oauth2: OAuth2 | None = None  # Authorization: Bearer <a token from the client credentials grant>
+    batch: BatchPolicy | None = None  # None: one message a request
     # The definition as written (secrets are references in it, never values): what a worker publishes
     # of its config file's subscriptions for the operator commands (fleet/published.py).
     definition: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
@@ -346,7 +357,7 @@ def parse_subscription(data: Any, where: str = "", *, trusted: bool = False, sto
         raise deliver.fail("mode", "must be push for this fleet (pull subscriptions are ignored)")
     push = deliver.sub("push")
     push.reject_unknown({"url", "content", "signing_secrets", "bearer_token", "cloudevents", "oidc", "rate_limit",
-                       "breaker", "tls", "oauth2"})
+                       "breaker", "tls", "oauth2", "batch"})
     url = _check_url(push, push.text("url"))
     content = push.choice("content", CONTENT_MODES, "wrapped")
     cloudevents = _cloudevents(push, content)
@@ -405,6 +416,7 @@ def parse_subscription(data: Any, where: str = "", *, trusted: bool = False, sto
         breaker=_breaker(push),
         tls=_client_tls(push, url, tenant, trusted),
         oauth2=oauth2,
+        batch=_batch(push, content),
         definition=data,
     )
 
@@ -425,6 +437,24 @@ def _rate_limit(push: FieldReader) -> RateLimit | None:
         raise rl.fail("messages_per_second", f"must be in 0.001..{MAX_RATE:g} (got {rate:g})")
     burst = rl.number("burst", max(1.0, rate), 1.0, MAX_RATE)
     return RateLimit(rate, burst)
+
+
+BATCHED_CONTENT = ("wrapped", "cloudevents")  # the formats with a batch form
+
+
+def _batch(push: FieldReader, content: str) -> BatchPolicy | None:
+    """`batch: {max_messages: M, max_bytes: X, max_wait_ms: W}` (each optional), for a format that has
+    a batch form."""
+    if not push.has("batch"):
+        return None
+    if content not in BATCHED_CONTENT:
+        raise push.fail("batch", f"needs content {' or '.join(BATCHED_CONTENT)} (content {content} has no batch form)")
+    b = push.sub("batch")
+    b.reject_unknown({"max_messages", "max_bytes", "max_wait_ms"})
+    default = BatchPolicy()
+    return BatchPolicy(b.integer("max_messages", default.max_messages, 1, 1000),
+                       b.integer("max_bytes", default.max_bytes, 1024, 64 * 1024 * 1024),
+                       b.integer("max_wait_ms", default.max_wait_ms, 0, 10_000))
 
 
 def _oauth2(push: FieldReader, project: str, trusted: bool) -> OAuth2 | None:

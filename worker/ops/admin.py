@@ -441,6 +441,8 @@ class Admin:
                                  "burst": stored.rate_limit.burst}
         if stored is not None:  # as applied: on by default
             out["breaker"] = "off" if stored.breaker is None else dataclasses.asdict(stored.breaker)
+        if stored is not None and stored.batch is not None:  # as applied: the defaults included
+            out["batch"] = dataclasses.asdict(stored.batch)
         out["status"] = await self._row(key, definition, await self._held_back())
         stored = None if own is not None else stored
         if stored is not None and stored.filter is not None and stored.filter.mixed_at is not None:
