@@ -50,7 +50,7 @@ from worker import compiled, embedded
 from worker.consumer import CONSUMER_TYPES, PulsarConsumer, to_envelope
 from worker.destinations import DestinationPolicy, GuardedResolver
 from worker.http1 import Client
-from worker.messages import Envelope, build_request
+from worker.messages import Envelope, build_batch_request, build_request
 from worker.ops.render import table
 from worker.subscriptions import parse_subscription
 
@@ -264,6 +264,37 @@ async def floor_main(service_url: str, topic: str, subscription: str, url: str, 
     os._exit(0)  # the client's threads need not be waited for: the figure is out
 
 
+async def batch_floor_main(service_url: str, topic: str, subscription: str, url: str, total: int,
+                           batch: int) -> None:
+    """The floor of batched delivery: receive `batch` messages, build their wrapped batch body (the
+    worker's code), POST it with the worker's client, ack them; no attempt records, lanes, windows or
+    metrics, one loop."""
+    sub = parse_subscription({"name": subscription, "topic": topic,
+                              "deliver": {"mode": "push", "push": {"url": url, "batch": {"max_messages": batch}}}})
+    client = pulsar_async.Client(service_url, logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
+    consumer = PulsarConsumer(await client.subscribe(topic, subscription, consumer_type=pulsar.ConsumerType.Shared,
+                                                     receiver_queue_size=2 * batch))
+    http = Client(GuardedResolver(DestinationPolicy(allow_private=True)))
+    endpoint = yarl.URL(url)
+    first = await consumer.receive()
+    started = (time.monotonic(), time.process_time())
+    taken, remaining = [first], total - 1
+    while taken:
+        while remaining and len(taken) < batch:
+            taken.append(consumer.receive_ready() or await consumer.receive())
+            remaining -= 1
+        request = build_batch_request(sub, [(to_envelope(message), 1) for message in taken])
+        await http.post(endpoint, request.headers, request.body, 65536, float(sub.ack_deadline_seconds))
+        for message in taken:
+            await consumer.acknowledge(message)
+        taken = []
+        if remaining:
+            taken.append(consumer.receive_ready() or await consumer.receive())
+            remaining -= 1
+    _print_figures(total, time.monotonic() - started[0], time.process_time() - started[1])
+    os._exit(0)
+
+
 # -- orchestration ------------------------------------------------------------------------------
 
 @dataclass
@@ -467,6 +498,13 @@ class Bench:
         path = self.dir / f"body-{len(body)}-{hash(body) & 0xffff}"
         path.write_bytes(body)
         return path
+
+    def batch_floor(self, name: str, batch: int) -> Reference:
+        """`batch_floor_main` on a backlog like the batch cases', to the same kind of sink."""
+        sink = self.sink()
+        topic = self.backlog(name, "shared", self.messages)
+        return _measured_process(["batch-floor", self.broker.url, topic, name, sink + "/push", str(self.messages),
+                                  str(batch)])
 
     def floor(self, name: str) -> Reference:
         """The floor program (`floor_main`) on a backlog like the shared case's, to the same kind of sink."""
@@ -912,11 +950,13 @@ class Run:
         b = self.bench
         cases = [("one a request", None), ("M = 1", 1), ("M = 10", 10), ("M = 100", 100)]
         rounds: list[list[Figures]] = []
+        floors: list[Reference] = []
         for r in range(self.rounds):
             rounds.append([b.run_worker(f"batch-{r + 1}-{m or 0}", content="wrapped", latency=False,
                                         concurrency=max(b.concurrency, 2 * (m or 1)),
                                         batch=None if m is None else {"max_messages": m, "max_wait_ms": 20})
                            for _, m in cases])
+            floors.append(b.batch_floor(f"batch-floor-{r + 1}", 100))
         ratios = [figures[-1].cpu_us and figures[0].cpu_us / figures[-1].cpu_us for figures in rounds]
         median = rounds[ratios.index(statistics.median_low(ratios))]
         print(f"batch: {b.messages} messages of 1 KiB, shared, content wrapped, max_wait_ms 20, max_ack_pending "
@@ -928,7 +968,11 @@ class Run:
                      for (label, _), f in zip(cases, median, strict=True)],
                     ["batch", "msg/s", "cpu us/msg", "msg/s per core", "x one a request"],
                     right=("msg/s", "cpu us/msg", "msg/s per core", "x one a request")))
-        print(f"M = 100 per core / one a request, each round: {', '.join(f'{x:.2f}' for x in ratios)}x\n")
+        print(f"M = 100 per core / one a request, each round: {', '.join(f'{x:.2f}' for x in ratios)}x")
+        print(f"floor at M = 100 (receive, the batch body, one POST a batch, ack; no Redis, lanes or windows), "
+              f"each round: {', '.join(f'{f.cpu_us:.1f}' for f in floors)} us/msg, "
+              f"{', '.join(f'{figures[0].cpu_us / f.cpu_us:.2f}' for figures, f in zip(rounds, floors, strict=True))}"
+              "x one a request per core\n")
 
     def payload(self) -> None:
         b = self.bench
@@ -1022,6 +1066,9 @@ if __name__ == "__main__":
                                         Path(sys.argv[5]).read_bytes()))
     elif sys.argv[1] == "floor":  # service URL, topic, subscription, endpoint URL, messages, concurrency
         uvloop.run(floor_main(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], int(sys.argv[6]), int(sys.argv[7])))
+    elif sys.argv[1] == "batch-floor":  # service URL, topic, subscription, endpoint URL, messages, batch
+        uvloop.run(batch_floor_main(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], int(sys.argv[6]),
+                                    int(sys.argv[7])))
     elif sys.argv[1] == "misbehaving":
         misbehaving_main(int(sys.argv[2]))
     elif sys.argv[1] == "bare-consumer":

@@ -13,19 +13,25 @@ import random
 from collections import defaultdict
 from typing import Any
 
+import jwt
 import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 from cloudevents.http import from_json
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
 
 from tests.support.builders import make_sub, push_sub
 from tests.support.endpoints import Endpoint, Received
 from tests.support.helpers import cli, eventually
 from tests.support.pulsar_client import Client
 from worker.batches import Forming
+from worker.config import HttpSettings
+from worker.embedded import free_port
 from worker.errors import ConfigError
 from worker.fleet.registry import Registry
 from worker.messages import Envelope, batch_entry_bytes
+from worker.oidc import Oidc, OidcIssuer, OidcKey
 from worker.signing import SecretRef
 from worker.subscriptions import BatchPolicy, parse_subscription
 
@@ -222,3 +228,28 @@ async def test_a_batch_applied_through_the_registry_is_shown_by_subs_get_and_edi
     [rec] = endpoint.requests[before:]
     assert rec.headers["Pubsub-Message-Id"] == mid and json.loads(rec.body)["message"]["message_id"] == mid
     await redis.aclose()
+
+
+async def test_an_oidc_token_goes_with_each_batch_and_verifies_with_the_published_keys(
+        start_worker, endpoint: Endpoint, client: Client, topic, tmp_path):
+    key = tmp_path / "oidc.pem"
+    key.write_bytes(rsa.generate_private_key(public_exponent=65537, key_size=2048).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    port = free_port()
+    issuer = f"http://127.0.0.1:{port}"
+    sub = make_sub(topic, endpoint.url, oidc=Oidc(), batch=BatchPolicy(max_messages=10, max_wait_ms=200))
+    w = await start_worker(sub, http=HttpSettings(port=port),
+                           oidc=OidcIssuer(issuer, (OidcKey(SecretRef(file=str(key)), "k1"),)))
+    client.publish(topic, [b"o%d" % i for i in range(10)])
+    await eventually(lambda: w.dispatchers[sub.key].stats.acked == 10, what="delivered")
+    assert sum(len(entries(r)) for r in endpoint.requests) == 10 and len(endpoint.requests) < 10
+
+    def verify() -> None:  # blocking HTTP, off the event loop the worker runs on
+        jwks = jwt.PyJWKClient(f"{issuer}/.well-known/jwks.json", cache_keys=False)
+        for rec in endpoint.requests:
+            token = rec.headers["Authorization"].removeprefix("Bearer ")
+            claims = jwt.decode(token, jwks.get_signing_key_from_jwt(token).key, algorithms=["RS256"],
+                                audience=endpoint.url, issuer=issuer)
+            assert claims["sub"] == f"projects/{sub.tenant}/subscriptions/{sub.name}"
+
+    await asyncio.to_thread(verify)
