@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint bench soak clean compile uncompile apache-pulsar apache-pulsar-stop test-apache-pulsar image-lock
+.PHONY: install demo test test-fast lint docs bench soak clean compile uncompile apache-pulsar apache-pulsar-stop test-apache-pulsar image-lock
 
 $(STAMP): pyproject.toml requirements.lock tests/cloudevents-sdk2.txt
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ compile: $(STAMP)
 
 uncompile: $(STAMP)
 	$(COMPILE) --clean
+
+# The reference tables of docs/configuration.md, made again from the fields' declarations
+# (tests/test_docs.py fails when the page and the declarations differ).
+docs: $(STAMP)
+	$(BIN)/python -m devtools.config_reference --write
 
 lint: $(STAMP)
 	$(BIN)/ruff check worker devtools tests

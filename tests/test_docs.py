@@ -14,8 +14,11 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 import worker.subscriptions as subscriptions
-from worker.config import load_settings
+from devtools import config_reference
+from worker.config import Settings, load_settings
+from worker.fields import reference
 from worker.metrics import Metrics
+from worker.subscriptions import Subscription
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -126,6 +129,17 @@ def read_settings(tmp_path: Path, example: str, monkeypatch) -> set[str]:
     return read
 
 
+@pytest.mark.broker_independent
+def test_the_configuration_reference_is_the_one_the_declarations_make():
+    """docs/configuration.md#reference is made from the fields' declarations (`make docs`): a default,
+    bound or help changed in the code and not in the page fails here, and so does an edit of the page."""
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    assert config_reference.page_with_tables(page) == page, "run `make docs`"
+    declared_paths = {row.path for row in reference(Settings)} | {row.path for row in reference(Subscription)}
+    assert "subscriptions[].deliver.push.batch.max_wait_ms" in declared_paths  # subscriptions in the worker's
+    assert "deliver.push.batch.max_wait_ms" in page and "fleet.lease_seconds" in page
+
+
 def test_every_setting_in_the_configuration_page_is_read_and_every_one_read_is_there(tmp_path, monkeypatch):
     example, documented = documented_settings()
     read = read_settings(tmp_path, example, monkeypatch)
@@ -155,7 +169,7 @@ def test_the_design_page_names_every_module():
 
 
 def test_the_configuration_page_shows_each_declared_setting_at_its_default():
-    """worker.yaml's numeric settings are declared once, with their defaults (config.setting): the
+    """worker.yaml's settings are declared once, with their defaults (worker.fields.setting): the
     example on the configuration page shows each at that default, so the page cannot drift from it."""
     from dataclasses import fields
 
@@ -168,6 +182,11 @@ def test_the_configuration_page_shows_each_declared_setting_at_its_default():
     for name, section in sections.items():
         shown = example.get(name, {}) if name else example
         for f in fields(section):
-            if f.metadata.get("by_hand") is False and shown.get(f.name) != f.default:
-                drift.append(f"{name or 'config'}.{f.name}: page {shown.get(f.name)!r}, declared {f.default!r}")
+            if f.metadata.get("by_hand") is False:
+                path = (f.metadata["yaml"] or f.name).split(".")
+                value = shown
+                for part in path:
+                    value = value.get(part) if isinstance(value, dict) else None
+                if value != f.default:
+                    drift.append(f"{name or 'config'}.{'.'.join(path)}: page {value!r}, declared {f.default!r}")
     assert drift == []

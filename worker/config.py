@@ -20,19 +20,20 @@ import os
 import re
 import sys
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import yaml
 
-from worker.destinations import DEFAULT_MAX_REQUEST_BYTES, DestinationPolicy
+from worker.destinations import DestinationPolicy
 from worker.endpoint_health import ERROR_AFTER_SECONDS
 from worker.errors import ConfigError
+from worker.fields import FieldReader, bounds, declared, read, setting, yaml_fields
 from worker.oidc import OidcIssuer, OidcKey
 from worker.signing import SecretRef
-from worker.subscriptions import NAME_PATTERN, NAME_RULE, FieldReader, Subscription, is_push, parse_subscription
+from worker.subscriptions import NAME_PATTERN, NAME_RULE, Subscription, is_push, parse_subscription
 
 PULSAR_SCHEMES = ("pulsar", "pulsar+ssl")
 REDIS_SCHEMES = ("redis", "rediss", "unix")
@@ -41,59 +42,31 @@ REDIS_MODES = ("standalone", "cluster", "sentinel")
 DEFAULT_MAX_MESSAGE_BYTES = 5 * 1024 * 1024  # Apache Pulsar's default maxMessageSize
 
 
-def setting(default: Any, low: float | None = None, high: float | None = None, *, read_by_hand: bool = False) -> Any:
-    """A field of worker.yaml, declared once: its default and its bounds. `declared` reads it from the
-    file by that declaration; a field `read_by_hand` (URLs, words, environment overrides, fields that
-    depend on others) is only named here, so that the file may hold it."""
-    return field(default=default, metadata={"low": low, "high": high, "by_hand": read_by_hand})
-
-
-def yaml_fields(section: type) -> set[str]:
-    """The names a section of worker.yaml may hold: its declared settings."""
-    return {f.name for f in fields(section) if "by_hand" in f.metadata}
-
-
-def bounds(section: type, name: str) -> tuple[int, int]:
-    """The bounds a setting is declared with, for one read by hand."""
-    meta = next(f.metadata for f in fields(section) if f.name == name)
-    return int(meta["low"]), int(meta["high"])
-
-
-def declared(section: type, r: FieldReader, extra: frozenset[str] = frozenset(), **by_hand: Any) -> Any:
-    """A settings section read from `r` by its declarations: every `setting` field by its default and
-    bounds, the others from `by_hand`; a name neither declared nor in `extra` is refused."""
-    r.reject_unknown(yaml_fields(section) | extra)
-    values = dict(by_hand)
-    for f in fields(section):
-        meta, default = f.metadata, f.default
-        if f.name in values or "by_hand" not in meta or meta["by_hand"]:
-            continue
-        if isinstance(default, int):
-            values[f.name] = r.integer(f.name, default, int(meta["low"]), int(meta["high"]))
-        else:
-            assert isinstance(default, float), f.name  # a declared setting is an integer or a number
-            values[f.name] = r.number(f.name, default, meta["low"], meta["high"])
-    return section(**values)
-
-
 DEFAULT_STATE_DIR = Path(".push-worker")
-_SECTION = {"by_hand": True}  # a field of worker.yaml read by hand (a section, read by its own declarations)
 
 
 @dataclass(frozen=True)
 class PulsarSettings:
     """Broker connection. `service_url` None means: start an embedded pulsar-lite under state_dir."""
 
-    service_url: str | None = setting(None, read_by_hand=True)
-    tls_trust_certs_file: str | None = setting(None, read_by_hand=True)
+    service_url: str | None = setting(None, read_by_hand=True, kind="pulsar:// or pulsar+ssl:// URL",
+                                      help="the broker (none: an embedded pulsar-lite under state_dir); "
+                                           "$PUSH_WORKER_PULSAR_URL overrides it, $PUSH_WORKER_PULSAR_TOKEN is "
+                                           "its token")
+    tls_trust_certs_file: str | None = setting(None, read_by_hand=True, kind="path",
+                                               help="the CA for pulsar+ssl:// and an https admin_url")
     auth_token: str | None = field(default=None, repr=False)  # environment only
-    operation_timeout_seconds: int = setting(30, 1, 600)
-    admin_url: str | None = setting(None, read_by_hand=True)  # Pulsar admin REST API: backlog (msgBacklog)
-    metrics_url: str | None = setting(None, read_by_hand=True)  # or the broker's Prometheus endpoint
-    backlog_interval_seconds: float = setting(15.0, 1.0, 3600.0)
+    operation_timeout_seconds: int = setting(30, 1, 600, help="a broker call (subscribe, publish, seek) gives up "
+                                                              "after this")
+    admin_url: str | None = setting(None, read_by_hand=True, kind="http(s) URL",
+                                    help="the backlog's source: the admin REST API ($PUSH_WORKER_PULSAR_ADMIN_URL)")
+    metrics_url: str | None = setting(None, read_by_hand=True, kind="http(s) URL",
+                                      help="...or the broker's Prometheus endpoint")
+    backlog_interval_seconds: float = setting(15.0, 1.0, 3600.0, help="how often the backlog is read")
     # The broker's largest message (its maxMessageSize): a consumer prefetches no more of these than
     # fit in its share of max_held_bytes_per_subscription (prefetch.py).
-    max_message_bytes: int = setting(DEFAULT_MAX_MESSAGE_BYTES, 1024, 2**31 - 1)
+    max_message_bytes: int = setting(DEFAULT_MAX_MESSAGE_BYTES, 1024, 2**31 - 1,
+                                     help="the broker's maxMessageSize: bounds what a consumer prefetches")
 
 
 @dataclass(frozen=True)
@@ -101,45 +74,62 @@ class RedisSettings:
     """Redis connection. `url` None in standalone mode means: start an embedded redis-server under
     state_dir. Cluster: `url` or `nodes` name seed nodes. Sentinel: `sentinels` and `master_name`."""
 
-    url: str | None = field(default=None, repr=False, metadata={"by_hand": True})
-    mode: str = setting("standalone", read_by_hand=True)  # REDIS_MODES; what the other fields mean depends on it
-    nodes: tuple[str, ...] = setting((), read_by_hand=True)  # cluster seeds, host:port
-    sentinels: tuple[str, ...] = setting((), read_by_hand=True)  # host:port
-    master_name: str | None = setting(None, read_by_hand=True)
-    username: str | None = setting(None, read_by_hand=True)
+    url: str | None = setting(None, read_by_hand=True, hidden=True, kind="redis://, rediss:// or unix:// URL",
+                              help="Redis (none in standalone mode: an embedded redis-server under state_dir); "
+                                   "$PUSH_WORKER_REDIS_URL overrides it")
+    mode: str = setting("standalone", choices=REDIS_MODES, read_by_hand=True,
+                        help="what the other fields mean depends on it")
+    nodes: tuple[str, ...] = setting((), read_by_hand=True, kind="list of host:port",
+                                     help="cluster seed nodes (mode cluster)")
+    sentinels: tuple[str, ...] = setting((), read_by_hand=True, kind="list of host:port",
+                                         help="the Sentinels (mode sentinel)")
+    master_name: str | None = setting(None, read_by_hand=True, help="the name the Sentinels monitor")
+    username: str | None = setting(None, read_by_hand=True, help="the ACL user ($PUSH_WORKER_REDIS_PASSWORD is "
+                                                                  "the password in cluster and sentinel modes)")
     password: str | None = field(default=None, repr=False)  # cluster/sentinel data nodes (environment only)
     sentinel_password: str | None = field(default=None, repr=False)  # environment only
-    tls: bool = setting(False, read_by_hand=True)  # cluster nodes / sentinel mode (standalone: a rediss:// URL)
-    tls_ca_file: str | None = setting(None, read_by_hand=True)
-    attempts_ttl_seconds: int = setting(7 * 24 * 3600, 60, 10**8)
-    history_ttl_seconds: int = setting(3 * 24 * 3600, 60, 10**8)  # how long `push-worker show` sees a message
+    tls: bool = setting(False, read_by_hand=True, help="TLS to cluster nodes or Sentinels and the master "
+                                                       "(standalone: a rediss:// URL)")
+    tls_ca_file: str | None = setting(None, read_by_hand=True, kind="path", help="the CA for tls")
+    attempts_ttl_seconds: int = setting(7 * 24 * 3600, 60, 10**8, help="attempt records expire after this much "
+                                                                        "quiet")
+    history_ttl_seconds: int = setting(3 * 24 * 3600, 60, 10**8, help="how long `push-worker show` can see a "
+                                                                       "message's attempts")
     # The same for a message acked at its first attempt: most messages, with nothing to investigate,
     # so kept briefly (0: not kept). Redis holds about 350 bytes per message for this long.
-    acked_history_ttl_seconds: int = setting(3600, 0, 10**8)
+    acked_history_ttl_seconds: int = setting(3600, 0, 10**8, help="... when it was acked at its first attempt "
+                                                                  "(0: not kept)")
     # How long a settled message's counter stays as a marker: a copy the broker redelivers within
     # this (its ack was lost to a crash or a broker outage) is acked without a request.
-    settled_ttl_seconds: int = setting(600, 60, 10**8)
+    settled_ttl_seconds: int = setting(600, 60, 10**8, help="a settled message's marker: a redelivered copy is "
+                                                            "acked unsent")
 
 
 @dataclass(frozen=True)
 class HttpSettings:
     """The worker's own HTTP listener for /metrics, /healthz and /readyz."""
 
-    host: str = setting("127.0.0.1", read_by_hand=True)
-    port: int = setting(9464, 0, 65535, read_by_hand=True)  # PUSH_WORKER_HTTP_PORT overrides it
+    host: str = setting("127.0.0.1", read_by_hand=True, help="/metrics, /healthz, /readyz, the OIDC keys")
+    port: int = setting(9464, 0, 65535, read_by_hand=True, help="$PUSH_WORKER_HTTP_PORT overrides it")
 
 
 @dataclass(frozen=True)
 class FleetSettings:
     """Membership and lease timing. Takeover after a crash happens within about `lease_seconds`."""
 
-    name: str = setting("default", read_by_hand=True)  # PUSH_WORKER_FLEET overrides it
-    lease_seconds: float = setting(10.0, 2.0, 300.0)
-    heartbeat_seconds: float = setting(1.0, 0.1, 60.0)  # at most half of lease_seconds
-    error_after_seconds: float = setting(ERROR_AFTER_SECONDS, 0.0, 86400.0)  # failing every attempt this long: Error
-    expire_backlog: int = setting(10_000, 1, 10**12)  # backlog at or above this...
-    expire_after_seconds: float = setting(3600.0, 1.0, 30 * 86400.0)  # ...this long: Expired (the platform's policy)
-    max_subscriptions_per_project: int = setting(1000, 1, 100_000)  # a project's registry entries beyond this: Invalid
+    name: str = setting("default", read_by_hand=True, help="workers with the same Redis and fleet name share the "
+                                                           "subscriptions ($PUSH_WORKER_FLEET overrides it)")
+    lease_seconds: float = setting(10.0, 2.0, 300.0, help="a killed worker's subscriptions are taken over within "
+                                                          "about this")
+    heartbeat_seconds: float = setting(1.0, 0.1, 60.0, help="heartbeat and lease renewal period (at most "
+                                                            "lease_seconds / 2)")
+    error_after_seconds: float = setting(ERROR_AFTER_SECONDS, 0.0, 86400.0,
+                                         help="an endpoint failing every attempt this long: state Error")
+    expire_backlog: int = setting(10_000, 1, 10**12, help="a backlog at or above this...")
+    expire_after_seconds: float = setting(3600.0, 1.0, 30 * 86400.0,
+                                          help="...for this long: state Expired (the platform's policy)")
+    max_subscriptions_per_project: int = setting(1000, 1, 100_000,
+                                                 help="a project's registry entries beyond this are Invalid")
 
 
 # Payload bytes of the messages one subscription holds at once (taken from the broker, not settled):
@@ -152,21 +142,31 @@ DEFAULT_MAX_HELD_BYTES = 64 * 1024 * 1024
 class Settings:
     """Everything a worker process needs, validated."""
 
-    pulsar: PulsarSettings = field(default_factory=PulsarSettings, metadata=_SECTION)
-    redis: RedisSettings = field(default_factory=RedisSettings, metadata=_SECTION)
-    state_dir: Path = field(default=DEFAULT_STATE_DIR, metadata=_SECTION)  # PUSH_WORKER_STATE_DIR overrides it
-    http: HttpSettings = field(default_factory=HttpSettings, metadata=_SECTION)
-    destinations: DestinationPolicy = field(default_factory=DestinationPolicy, metadata=_SECTION)
-    subscriptions: tuple[Subscription, ...] = setting((), read_by_hand=True)
-    fleet: FleetSettings = field(default_factory=FleetSettings, metadata=_SECTION)
-    shutdown_grace_seconds: float = setting(30.0, 0.0, 3600.0)
-    max_held_bytes_per_subscription: int = setting(DEFAULT_MAX_HELD_BYTES, 1 << 20, 64 << 30)
+    pulsar: PulsarSettings = setting(PulsarSettings, section=True, help="the broker")
+    redis: RedisSettings = setting(RedisSettings, section=True, help="Redis")
+    state_dir: Path = setting(DEFAULT_STATE_DIR, read_by_hand=True,
+                              help="the embedded broker's and Redis's data: one worker per state_dir "
+                                   "($PUSH_WORKER_STATE_DIR overrides it)")
+    http: HttpSettings = setting(HttpSettings, section=True, help="the worker's own listener")
+    destinations: DestinationPolicy = setting(DestinationPolicy, section=True, help="where pushes may go")
+    subscriptions: tuple[Subscription, ...] = setting((), section=True, help="the config file's subscriptions")
+    fleet: FleetSettings = setting(FleetSettings, section=True, help="membership and leases")
+    shutdown_grace_seconds: float = setting(30.0, 0.0, 3600.0, help="how long requests under way may finish "
+                                                                    "after SIGTERM")
+    max_held_bytes_per_subscription: int = setting(DEFAULT_MAX_HELD_BYTES, 1 << 20, 64 << 30,
+                                                   help="memory one subscription's unsettled messages may take")
     # Every subscription's together; None: half the container's memory limit.
-    max_held_bytes: int | None = setting(None, 16 << 20, 1 << 40, read_by_hand=True)
-    secrets_dir: Path | None = None  # project secrets: <dir>/<project>/<name> (`secrets.dir`)
-    oidc: OidcIssuer | None = field(default=None, metadata=_SECTION)  # the fleet's OIDC issuer and signing keys
-    log_format: str = "auto"
-    log_level: str = "info"
+    max_held_bytes: int | None = setting(None, 16 << 20, 1 << 40, read_by_hand=True,
+                                         help="all subscriptions together (none: half the container's memory "
+                                              "limit, or 512 MiB)")
+    secrets_dir: Path | None = setting(None, read_by_hand=True, yaml="secrets.dir",
+                                       help="project secrets: {secret: NAME} is <dir>/<project>/NAME")
+    oidc: OidcIssuer | None = setting(None, read_by_hand=True, kind="{issuer, signing_keys}",
+                                      help="the fleet's OIDC issuer and signing keys (deliver.push.oidc)")
+    log_format: str = setting("auto", choices=("auto", "json", "console"), yaml="log.format",
+                              help="auto: console on a terminal, JSON otherwise")
+    log_level: str = setting("info", choices=("debug", "info", "warning", "error"), yaml="log.level",
+                             help="the least severe line written")
 
 
 def _url(r: FieldReader, name: str, schemes: tuple[str, ...], env_name: str = "",
@@ -252,7 +252,7 @@ def _redis_topology(rd: FieldReader, url: str | None, env: Mapping[str, str]) ->
 
 
 def _destinations(d: FieldReader) -> DestinationPolicy:
-    d.reject_unknown({"allow_private", "allow_cidrs", "max_request_bytes", "max_connections"})
+    d.reject_unknown(yaml_fields(DestinationPolicy))
     allow_private = d.data.get("allow_private", False)
     if not isinstance(allow_private, bool):
         raise d.fail("allow_private", "must be true or false")
@@ -267,11 +267,12 @@ def _destinations(d: FieldReader) -> DestinationPolicy:
             networks.append(None)
         if networks[-1] is None:
             raise d.fail(f"allow_cidrs[{i}]", f"must be a network in CIDR form like 10.20.0.0/16 (got {cidr!r})")
-    return DestinationPolicy(
+    return declared(  # type: ignore[no-any-return]
+        DestinationPolicy, d,
         allow_private=allow_private,
         allow_cidrs=tuple(n for n in networks if n is not None),
-        max_request_bytes=d.integer("max_request_bytes", DEFAULT_MAX_REQUEST_BYTES, 1024, 256 * 1024 * 1024),
-        max_connections=d.integer("max_connections", 0, 16, 1_000_000) if d.has("max_connections") else None,
+        max_connections=(d.integer("max_connections", 0, *bounds(DestinationPolicy, "max_connections"))
+                         if d.has("max_connections") else None),
     )
 
 
@@ -302,9 +303,6 @@ def _oidc(o: FieldReader) -> OidcIssuer | None:
     return OidcIssuer(issuer, tuple(keys))
 
 
-TOP_LEVEL_SECTIONS = frozenset({"log", "secrets"})  # worker.yaml's sections that are not a settings field
-
-
 def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
     """Validate a parsed config document (plus environment overrides) into `Settings`."""
     env = os.environ if env is None else env
@@ -314,7 +312,7 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError("", "config", f"must be a mapping of settings (pulsar, redis, subscriptions, ...), "
                                         f"not a {type(data).__name__}")
     r = FieldReader("config", data)
-    r.reject_unknown(yaml_fields(Settings) | TOP_LEVEL_SECTIONS)
+    r.reject_unknown(yaml_fields(Settings))
 
     p = r.sub("pulsar")
     p.reject_unknown(yaml_fields(PulsarSettings))  # before a field read by hand is judged
@@ -385,7 +383,7 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
         subs.append(sub)
 
     settings: Settings = declared(
-        Settings, r, TOP_LEVEL_SECTIONS,
+        Settings, r,
         pulsar=pulsar,
         redis=redis,
         # Absolute at load: the embedded broker runs with the state dir as its working directory.
@@ -398,8 +396,8 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
         else None,
         secrets_dir=secrets_dir,
         oidc=oidc,
-        log_format=log.choice("format", ("auto", "json", "console"), "auto"),
-        log_level=log.choice("level", ("debug", "info", "warning", "error"), "info"),
+        log_format=read(Settings, log, "log_format"),
+        log_level=read(Settings, log, "log_level"),
     )
     return settings
 

@@ -23,6 +23,7 @@ from aiohttp.resolver import DefaultResolver
 from yarl import URL
 
 from worker.errors import DestinationRefused
+from worker.fields import setting
 
 # Cloud instance metadata services: never a push destination, whatever the policy says.
 METADATA_ADDRESSES = frozenset(
@@ -104,10 +105,17 @@ class DestinationPolicy:
     token, a signature) go over plain http:// only to addresses this policy had to admit explicitly.
     """
 
-    allow_private: bool = False
-    allow_cidrs: tuple[IPNetwork, ...] = ()
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    max_connections: int | None = None  # open push connections; None: from the open-files limit at start
+    allow_private: bool = setting(False, read_by_hand=True, help="push URLs resolving to special-purpose "
+                                  "addresses (loopback, private, link-local, shared: IANA's registries) are refused "
+                                  "unless true")
+    allow_cidrs: tuple[IPNetwork, ...] = setting((), read_by_hand=True, kind="list of CIDRs",
+                                                 help="...or unless inside one of these")
+    max_request_bytes: int = setting(DEFAULT_MAX_REQUEST_BYTES, 1024, 256 * 1024 * 1024,
+                                     help="a larger payload or request body is never sent: dead-lettered as "
+                                          "payload_too_large")
+    max_connections: int | None = setting(None, 16, 1_000_000, read_by_hand=True,
+                                          help="open push connections, shared fairly by project (none: the "
+                                               "open-files limit, raised to its hard limit at start, less 512)")
 
     def _admitted(self, ip: IPAddress) -> bool:
         return any(ip.version == net.version and ip in net for net in self.allow_cidrs)

@@ -19,6 +19,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from worker.errors import ConfigError
+from worker.fields import FieldReader, bounds, declared, read, setting
 from worker.filters import Filter, FilterError, parse_filter
 from worker.oauth2 import OAuth2
 from worker.oidc import Oidc
@@ -60,8 +61,12 @@ class State(enum.StrEnum):
 class RetryPolicy:
     """Exponential backoff bounds between failed attempts."""
 
-    min_backoff_seconds: float = 1.0
-    max_backoff_seconds: float = 60.0
+    min_backoff_seconds: float = setting(1.0, 0.0, 3600.0, help="the delay before the first retry")
+    max_backoff_seconds: float = setting(60.0, 0.0, 3600.0, help="the longest delay between two attempts "
+                                         "(at least min_backoff_seconds; the worker waits at least 0.1 s)")
+
+
+MAX_RATE = 100_000.0  # requests a second: a bound on what one subscription may ask for, not a target
 
 
 @dataclass(frozen=True)
@@ -69,8 +74,10 @@ class RateLimit:
     """`deliver.push.rate_limit`: requests to the endpoint over any `t` seconds stay within
     `messages_per_second * t + burst`."""
 
-    messages_per_second: float
-    burst: float
+    messages_per_second: float = setting(low=0.001, high=MAX_RATE, read_by_hand=True,
+                                         help="requests a second to the endpoint, retries included")
+    burst: float = setting(low=1.0, high=MAX_RATE, read_by_hand=True, shown_default="messages_per_second",
+                           help="requests at once after a quiet spell (at least 1)")
 
 
 @dataclass(frozen=True)
@@ -87,8 +94,8 @@ class BreakerPolicy:
     """`deliver.push.breaker` (`breaker.py`): open after every attempt failed for
     `open_after_seconds`; then one probe every `probe_interval_seconds`."""
 
-    open_after_seconds: float = 300.0
-    probe_interval_seconds: float = 30.0
+    open_after_seconds: float = setting(300.0, 1.0, 86_400.0, help="every attempt failed this long: Suspended")
+    probe_interval_seconds: float = setting(30.0, 1.0, 3_600.0, help="one probe this often while Suspended")
 
 
 @dataclass(frozen=True)
@@ -96,9 +103,10 @@ class BatchPolicy:
     """`deliver.push.batch`: up to `max_messages` messages (and about `max_bytes` of request body) in
     one request, waiting at most `max_wait_ms` for it to fill."""
 
-    max_messages: int = 100
-    max_bytes: int = 1024 * 1024
-    max_wait_ms: int = 50
+    max_messages: int = setting(100, 1, 1000, help="messages a request at most")
+    max_bytes: int = setting(1024 * 1024, 1024, 64 * 1024 * 1024,
+                             help="request body at most (estimated; a larger message goes alone)")
+    max_wait_ms: int = setting(50, 0, 10_000, help="how long a batch may wait to fill after its first message")
 
 
 @dataclass(frozen=True)
@@ -106,37 +114,57 @@ class CloudEvents:
     """`deliver.push.cloudevents`: how `content: cloudevents` requests are made (CloudEvents 1.0, HTTP
     binding). `source` None: `//pulsar/<topic>`."""
 
-    mode: str = "binary"
-    type: str = "pubsub.message.published"
-    source: str | None = None
+    mode: str = setting("binary", choices=CLOUDEVENTS_MODES,
+                        help="binary: context in ce- headers, the payload as the body; structured: one JSON event")
+    type: str = setting("pubsub.message.published", read_by_hand=True, help="the events' type (visible ASCII)")
+    source: str | None = setting(None, read_by_hand=True, help="the events' source (none: //pulsar/<topic>)")
 
 
 @dataclass(frozen=True)
 class Subscription:
     """One push subscription: where messages come from, where they go, and how hard to try."""
 
-    name: str
-    topic: str
-    url: str
-    type: str = "shared"
-    content: str = "wrapped"
-    ack_deadline_seconds: int = 30
-    max_deliver: int = 5  # -1: retry forever; 0: dead-letter on the first failure, no retry
-    max_ack_pending: int = 1000
-    max_concurrency: int | None = None  # cap on requests in flight, below max_ack_pending
-    start_from: str = "all"
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
-    dead_letter_topic: str | None = None
-    signing_secrets: tuple[SecretRef, ...] = ()  # one, or two during a rotation
-    bearer_token: SecretRef | None = None
-    cloudevents: CloudEvents = field(default_factory=CloudEvents)
-    filter: Filter | None = None  # messages it does not match are acked without a request
-    oidc: Oidc | None = None  # Authorization: Bearer <a signed JWT>
-    rate_limit: RateLimit | None = None
-    breaker: BreakerPolicy | None = field(default_factory=BreakerPolicy)  # None: `breaker: off`
-    tls: ClientTls | None = None
-    oauth2: OAuth2 | None = None  # Authorization: Bearer <a token from the client credentials grant>
-    batch: BatchPolicy | None = None  # None: one message a request
+    name: str = setting(read_by_hand=True, help="the subscription's name in its project (" + NAME_RULE + ")")
+    topic: str = setting(read_by_hand=True, help="persistent://p-<project>/main/<topic> (immutable)")
+    url: str = setting(read_by_hand=True, yaml="deliver.push.url", help="the endpoint: http or https, an ASCII host, "
+                       "no credentials, at most 2,048 characters")
+    type: str = setting("shared", choices=TYPES, help="the Pulsar subscription type (immutable)")
+    content: str = setting("wrapped", choices=CONTENT_MODES, yaml="deliver.push.content",
+                           help="the request body (the delivery contract shows each)")
+    ack_deadline_seconds: int = setting(30, 1, 600, help="the per-request timeout")
+    max_deliver: int = setting(5, -1, 1000, help="attempts before dead-lettering; -1: retry forever; 0: "
+                               "dead-letter the first failure")
+    max_ack_pending: int = setting(1000, 1, 100_000, help="messages taken from the broker and not yet settled")
+    max_concurrency: int | None = setting(None, 1, 10_000, read_by_hand=True,
+                                          help="requests in flight at most (below max_ack_pending)")
+    start_from: str = setting("all", choices=START_FROM, help="where a new subscription starts (immutable)")
+    retry: RetryPolicy = setting(RetryPolicy, section=True, help="the backoff between attempts")
+    dead_letter_topic: str | None = setting(None, read_by_hand=True, yaml="dead_letter.topic",
+                                            help="where exhausted messages go, in the project's tenant ("
+                                                 "dead_letter.after_attempts overrides max_deliver)")
+    signing_secrets: tuple[SecretRef, ...] = setting((), read_by_hand=True, yaml="deliver.push.signing_secrets",
+                                                     kind="list of 1-2 secrets",
+                                                     help="Standard Webhooks signatures (two during a rotation)")
+    bearer_token: SecretRef | None = setting(None, read_by_hand=True, yaml="deliver.push.bearer_token",
+                                             kind="secret", help="Authorization: Bearer <token>")
+    cloudevents: CloudEvents = setting(CloudEvents, section=True, yaml="deliver.push.cloudevents",
+                                       help="content: cloudevents only")
+    filter: Filter | None = setting(None, read_by_hand=True, kind="filter",
+                                    help="Google Pub/Sub's filter syntax on attributes (immutable)")
+    oidc: Oidc | None = setting(None, read_by_hand=True, yaml="deliver.push.oidc", kind="{audience}",
+                                help="Authorization: Bearer <a JWT signed by the fleet's keys>")
+    rate_limit: RateLimit | None = setting(None, section=True, yaml="deliver.push.rate_limit",
+                                           help="requests over any t seconds within R t + B")
+    breaker: BreakerPolicy | None = setting(BreakerPolicy, section=True, yaml="deliver.push.breaker",
+                                            help="on by default; `off` disables it")  # None: `breaker: off`
+    tls: ClientTls | None = setting(None, read_by_hand=True, yaml="deliver.push.tls",
+                                    kind="{client_certificate, client_key}", help="mutual TLS (secrets)")
+    oauth2: OAuth2 | None = setting(None, read_by_hand=True, yaml="deliver.push.oauth2",
+                                    kind="{token_url, client_id, client_secret, scope, audience}",
+                                    help="Authorization: Bearer <a token from the client credentials grant>")
+    batch: BatchPolicy | None = setting(None, section=True, yaml="deliver.push.batch",
+                                        help="several messages a request (content wrapped or cloudevents)")
+    display_name: str | None = setting(None, read_by_hand=True, help="shown by subs get (at most 256 characters)")
     # The definition as written (secrets are references in it, never values): what a worker publishes
     # of its config file's subscriptions for the operator commands (fleet/published.py).
     definition: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
@@ -188,62 +216,6 @@ def topic_parts(topic: str) -> tuple[str, str, str, str]:
     if not m:
         raise ValueError(topic)
     return m.group(1), m.group(2), m.group(3), m.group(4)
-
-
-class FieldReader:
-    """Reads typed fields from an untrusted mapping, raising `ConfigError` naming the field path."""
-
-    def __init__(self, where: str, data: Any, prefix: str = "") -> None:
-        if not isinstance(data, dict):
-            raise ConfigError(where, prefix.rstrip(".") or "subscription", "must be a mapping")
-        self.where, self.data, self.prefix = where, data, prefix
-
-    def fail(self, name: str, rule: str) -> ConfigError:
-        return ConfigError(self.where, self.prefix + name, rule)
-
-    def sub(self, name: str) -> FieldReader:
-        value = self.data.get(name)
-        return FieldReader(self.where, {} if value is None else value, f"{self.prefix}{name}.")
-
-    def has(self, name: str) -> bool:
-        return self.data.get(name) is not None
-
-    def text(self, name: str, default: str | None = None) -> str:
-        value = self.data.get(name, default)
-        if value is None:
-            raise self.fail(name, "is required")
-        if not isinstance(value, str) or not value:
-            raise self.fail(name, "must be a non-empty string")
-        return value
-
-    def choice(self, name: str, options: tuple[str, ...], default: str) -> str:
-        value = self.text(name, default)
-        if value not in options:
-            raise self.fail(name, f"must be one of {', '.join(options)} (got {value!r})")
-        return value
-
-    def integer(self, name: str, default: int, low: int, high: int) -> int:
-        value = self.data.get(name, default)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self.fail(name, f"must be an integer in {low}..{high}")
-        if not low <= value <= high:
-            raise self.fail(name, f"must be in {low}..{high} (got {value})")
-        return value
-
-    def number(self, name: str, default: float, low: float, high: float) -> float:
-        value = self.data.get(name, default)
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise self.fail(name, f"must be a number in {low:g}..{high:g}")
-        if not low <= value <= high:
-            raise self.fail(name, f"must be in {low:g}..{high:g} (got {value})")
-        return float(value)
-
-    def reject_unknown(self, allowed: set[str]) -> None:
-        # repr() for keys that would not read clearly in a message (empty, spaces, not a string)
-        unknown = sorted(k if isinstance(k, str) and re.fullmatch(r"[\w.-]+", k) else repr(k)
-                         for k in self.data if k not in allowed)
-        if unknown:
-            raise self.fail(unknown[0], f"is not a known field (known: {', '.join(sorted(allowed))})")
 
 
 def _check_topic(r: FieldReader, name: str, value: str) -> tuple[str, str, str, str]:
@@ -359,7 +331,7 @@ def parse_subscription(data: Any, where: str = "", *, trusted: bool = False, sto
     push.reject_unknown({"url", "content", "signing_secrets", "bearer_token", "cloudevents", "oidc", "rate_limit",
                        "breaker", "tls", "oauth2", "batch"})
     url = _check_url(push, push.text("url"))
-    content = push.choice("content", CONTENT_MODES, "wrapped")
+    content = read(Subscription, push, "content")
     cloudevents = _cloudevents(push, content)
     signing_secrets, bearer_token = _auth(push, tenant, trusted)
     oidc = _oidc(push)
@@ -369,14 +341,13 @@ def parse_subscription(data: Any, where: str = "", *, trusted: bool = False, sto
     if oauth2 is not None and (oidc is not None or bearer_token is not None):
         raise push.fail("oauth2", "cannot be combined with bearer_token or oidc (each sets Authorization)")
 
-    retry = r.sub("retry")
-    retry.reject_unknown({"min_backoff_seconds", "max_backoff_seconds"})
-    lo = retry.number("min_backoff_seconds", 1.0, 0.0, 3600.0)
-    hi = retry.number("max_backoff_seconds", 60.0, 0.0, 3600.0)
-    if hi < lo:
-        raise retry.fail("max_backoff_seconds", f"must be >= min_backoff_seconds ({lo:g})")
+    retry_reader = r.sub("retry")
+    retry: RetryPolicy = declared(RetryPolicy, retry_reader)
+    if retry.max_backoff_seconds < retry.min_backoff_seconds:
+        raise retry_reader.fail("max_backoff_seconds",
+                                f"must be >= min_backoff_seconds ({retry.min_backoff_seconds:g})")
 
-    max_deliver = r.integer("max_deliver", 5, -1, 1000)
+    max_deliver = read(Subscription, r, "max_deliver")
     dead_letter_topic = None
     if r.has("dead_letter"):
         dl = r.sub("dead_letter")
@@ -392,20 +363,22 @@ def parse_subscription(data: Any, where: str = "", *, trusted: bool = False, sto
             if dl_tenant != tenant:
                 raise dl.fail("topic", f"must be in the subscription's project tenant {tenant!r}")
         if dl.has("after_attempts"):
-            max_deliver = dl.integer("after_attempts", max_deliver, -1, 1000)
+            max_deliver = dl.integer("after_attempts", max_deliver, *bounds(Subscription, "max_deliver"))
 
     return Subscription(
         name=name,
         topic=topic,
         url=url,
-        type=r.choice("type", TYPES, "shared"),
+        type=read(Subscription, r, "type"),
         content=content,
-        ack_deadline_seconds=r.integer("ack_deadline_seconds", 30, 1, 600),
+        ack_deadline_seconds=read(Subscription, r, "ack_deadline_seconds"),
         max_deliver=max_deliver,
-        max_ack_pending=r.integer("max_ack_pending", 1000, 1, 100_000),
-        max_concurrency=r.integer("max_concurrency", 0, 1, 10_000) if r.has("max_concurrency") else None,
-        start_from=r.choice("start_from", START_FROM, "all"),
-        retry=RetryPolicy(lo, hi),
+        max_ack_pending=read(Subscription, r, "max_ack_pending"),
+        max_concurrency=(r.integer("max_concurrency", 0, *bounds(Subscription, "max_concurrency"))
+                         if r.has("max_concurrency") else None),
+        start_from=read(Subscription, r, "start_from"),
+        retry=retry,
+        display_name=display_name,
         dead_letter_topic=dead_letter_topic,
         signing_secrets=signing_secrets,
         bearer_token=bearer_token,
@@ -421,9 +394,6 @@ def parse_subscription(data: Any, where: str = "", *, trusted: bool = False, sto
     )
 
 
-MAX_RATE = 100_000.0  # requests a second: a bound on what one subscription may ask for, not a target
-
-
 def _rate_limit(push: FieldReader) -> RateLimit | None:
     """`rate_limit: {messages_per_second: R, burst: B}` (B defaults to R, at least 1)."""
     if not push.has("rate_limit"):
@@ -432,11 +402,11 @@ def _rate_limit(push: FieldReader) -> RateLimit | None:
     rl.reject_unknown({"messages_per_second", "burst"})
     if not rl.has("messages_per_second"):
         raise rl.fail("messages_per_second", "is required (requests a second to the endpoint)")
-    rate = rl.number("messages_per_second", 0.0, 0.001, MAX_RATE)
+    low, high = bounds(RateLimit, "messages_per_second")
+    rate = rl.number("messages_per_second", 0.0, low, high)
     if rate <= 0:
-        raise rl.fail("messages_per_second", f"must be in 0.001..{MAX_RATE:g} (got {rate:g})")
-    burst = rl.number("burst", max(1.0, rate), 1.0, MAX_RATE)
-    return RateLimit(rate, burst)
+        raise rl.fail("messages_per_second", f"must be in {low:g}..{high:g} (got {rate:g})")
+    return RateLimit(rate, rl.number("burst", max(1.0, rate), *bounds(RateLimit, "burst")))
 
 
 BATCHED_CONTENT = ("wrapped", "cloudevents")  # the formats with a batch form
@@ -449,12 +419,7 @@ def _batch(push: FieldReader, content: str) -> BatchPolicy | None:
         return None
     if content not in BATCHED_CONTENT:
         raise push.fail("batch", f"needs content {' or '.join(BATCHED_CONTENT)} (content {content} has no batch form)")
-    b = push.sub("batch")
-    b.reject_unknown({"max_messages", "max_bytes", "max_wait_ms"})
-    default = BatchPolicy()
-    return BatchPolicy(b.integer("max_messages", default.max_messages, 1, 1000),
-                       b.integer("max_bytes", default.max_bytes, 1024, 64 * 1024 * 1024),
-                       b.integer("max_wait_ms", default.max_wait_ms, 0, 10_000))
+    return declared(BatchPolicy, push.sub("batch"))  # type: ignore[no-any-return]
 
 
 def _oauth2(push: FieldReader, project: str, trusted: bool) -> OAuth2 | None:
@@ -495,11 +460,7 @@ def _breaker(push: FieldReader) -> BreakerPolicy | None:
         return None
     if not isinstance(value, dict):
         raise push.fail("breaker", "must be off or {open_after_seconds: S, probe_interval_seconds: P}")
-    b = push.sub("breaker")
-    b.reject_unknown({"open_after_seconds", "probe_interval_seconds"})
-    default = BreakerPolicy()
-    return BreakerPolicy(b.number("open_after_seconds", default.open_after_seconds, 1.0, 86_400.0),
-                         b.number("probe_interval_seconds", default.probe_interval_seconds, 1.0, 3_600.0))
+    return declared(BreakerPolicy, push.sub("breaker"))  # type: ignore[no-any-return]
 
 
 def _oidc(push: FieldReader) -> Oidc | None:
@@ -538,11 +499,10 @@ def _cloudevents(push: FieldReader, content: str) -> CloudEvents:
     if content != "cloudevents":
         raise push.fail("cloudevents", "is only for content: cloudevents")
     ce = push.sub("cloudevents")
-    ce.reject_unknown({"mode", "type", "source"})
     values: dict[str, str] = {}
     for name in ("type", "source"):
         if ce.has(name):
             values[name] = ce.text(name)
             if not _HEADER_TEXT_RE.match(values[name]):
                 raise ce.fail(name, "must be 1-256 visible ASCII characters without spaces")
-    return CloudEvents(mode=ce.choice("mode", CLOUDEVENTS_MODES, "binary"), **values)
+    return declared(CloudEvents, ce, frozenset(), **values)  # type: ignore[no-any-return]
