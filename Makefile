@@ -8,10 +8,10 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install demo test test-fast lint docs bench soak clean compile uncompile apache-pulsar apache-pulsar-stop test-apache-pulsar image-lock
 
-$(STAMP): pyproject.toml requirements.lock tests/cloudevents-sdk2.txt
+$(STAMP): pyproject.toml setup.py setup.cfg requirements.lock tests/cloudevents-sdk2.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c requirements.lock -e '.[dev,embedded]'
+	PUSH_WORKER_COMPILE=0 $(BIN)/pip install --quiet -c requirements.lock -e '.[dev,embedded]'
 	$(PYTHON) -m venv $(VENV)/cloudevents2
 	$(VENV)/cloudevents2/bin/pip install --quiet -r tests/cloudevents-sdk2.txt
 	touch $(STAMP)
@@ -25,10 +25,13 @@ DEV := $(BIN)/python -m devtools
 demo: $(STAMP)
 	$(DEV) demo
 
-# The per-message path compiled with mypyc beside its sources (as the image ships it); `uncompile`
-# removes it again. Compiled modules older than any source refuse to import.
-COMPILE   := $(BIN)/python -m devtools.compile
-UNCOMPILE := $(COMPILE) --clean >/dev/null
+# The package as the image builds it (setup.py's hook: worker/core compiled with mypyc), installed
+# into .build/compiled, out of the checkout; built again when a source changed. ON_COMPILED runs a
+# command on it: that copy first on the path, and no working directory on it (PYTHONSAFEPATH: a
+# `python -m worker.cli` started from the checkout would import the sources instead).
+COMPILE     := $(BIN)/python -m devtools.compile
+COMPILED    := $(CURDIR)/.build/compiled
+ON_COMPILED := PYTHONPATH=$(COMPILED) PYTHONSAFEPATH=1
 
 compile: $(STAMP)
 	$(COMPILE)
@@ -50,11 +53,13 @@ lint: $(STAMP)
 test-fast: lint
 	PUSH_WORKER_TEST_FAST=1 $(BIN)/pytest -p no:cacheprovider -q
 
-# The suite runs on the compiled modules (what the image runs; built unless up to date), which are
-# removed after it (`UNCOMPILE=:` keeps them, as .ci/run does between its lanes).
+# The suite runs on the compiled package (what the image runs; built unless up to date). Test
+# modules are imported from the checkout after the package (--import-mode=append).
+PYTEST_COMPILED := $(ON_COMPILED) PUSH_WORKER_TEST_COMPILED=1 $(BIN)/pytest -p no:cacheprovider --import-mode=append
+
 test: lint
 	$(COMPILE)
-	PUSH_WORKER_TEST_COMPILED=1 $(BIN)/pytest -p no:cacheprovider; rc=$$?; $(UNCOMPILE); exit $$rc
+	$(PYTEST_COMPILED)
 
 # A real Apache Pulsar standalone (resolved from Maven Central by tools/apache-pulsar/pom.xml), in
 # the background on 127.0.0.1:$(PULSAR_PORT) with its admin API on $(PULSAR_HTTP_PORT); fresh data each start.
@@ -74,11 +79,11 @@ test-apache-pulsar: $(STAMP)
 	$(COMPILE)
 	PUSH_WORKER_TEST_PULSAR_URL=pulsar://127.0.0.1:$(PULSAR_PORT) \
 	PUSH_WORKER_TEST_PULSAR_ADMIN_URL=http://127.0.0.1:$(PULSAR_HTTP_PORT) \
-	PUSH_WORKER_TEST_COMPILED=1 $(BIN)/pytest -p no:cacheprovider; rc=$$?; $(UNCOMPILE); exit $$rc
+	$(PYTEST_COMPILED)
 
 bench: $(STAMP)
 	$(COMPILE)
-	$(DEV) bench $(BENCH_ARGS); rc=$$?; $(UNCOMPILE); exit $$rc
+	$(ON_COMPILED) $(DEV) bench $(BENCH_ARGS)
 
 soak: $(STAMP)
 	$(DEV) soak --seconds $(or $(SOAK_SECONDS),60)
@@ -95,4 +100,4 @@ image-lock: $(STAMP)
 	  --no-emit-find-links -c $(VENV)/lock-constraints.txt -o deploy/compile-requirements.txt deploy/compile-tools.in
 
 clean:
-	rm -rf $(VENV) worker/*.so .push-worker .pytest_cache .apache-pulsar tools/apache-pulsar/lib tools/apache-pulsar/target
+	rm -rf $(VENV) .build worker/*.so .push-worker .pytest_cache .apache-pulsar tools/apache-pulsar/lib tools/apache-pulsar/target

@@ -48,9 +48,9 @@ from devtools import BENCH_SECTIONS, apache_pulsar, dispatcher_bench, redis_topo
 from devtools.scratch import scratch_dir
 from worker import compiled, embedded
 from worker.consumer import CONSUMER_TYPES, PulsarConsumer, to_envelope
+from worker.core.http1 import Client
+from worker.core.messages import Envelope, build_batch_request, build_request
 from worker.destinations import DestinationPolicy, GuardedResolver
-from worker.http1 import Client
-from worker.messages import Envelope, build_batch_request, build_request
 from worker.ops.render import table
 from worker.subscriptions import parse_subscription
 

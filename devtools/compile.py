@@ -1,81 +1,115 @@
-"""Compile the per-message path with mypyc, in place: `python -m devtools.compile [--clean]`.
+"""The package as the image builds it, out of the checkout: `python -m devtools.compile [--clean|--check]`.
 
-The modules every message passes through are compiled from their own typed source (no second
-implementation of anything): a delivery in a burst or backlog costs about a sixth less CPU
-(docs/speed.md). The extension modules land beside their sources, where Python imports them
-first. `make test` runs the suite on them, and the image ships them; the sources alone still run
-as they are. Extensions older than any source of the package are refused at import
-(`worker.compiled.check_fresh`), so an edit is never shadowed; they are built again only then (or
-with --force).
+Builds a wheel of the package with its build hook on (setup.py: the per-message path, worker/core,
+compiled with mypyc) and installs it into .build/compiled, which `make test` and `make bench` put
+first on the path. Nothing is written into the package's sources, and the checkout's own install
+stays pure Python. The build is made again whenever a source of the package differs from the copy
+it was made from (`stale`): a test run never runs an edit's previous build.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
+import re
 import shutil
+import subprocess
 import sys
-import tempfile
+import tomllib
 from pathlib import Path
 
 from worker import compiled
-from worker.compiled import COMPILED_MODULES, GROUP, PACKAGE_DIR, compiled_files
+from worker.compiled import COMPILED_MODULES
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILD = ROOT / ".build"
+COMPILED_DIR = BUILD / "compiled"  # the installed package, compiled: first on the path of compiled runs
+WHEELS = BUILD / "wheels"
+BUILD_VENV = BUILD / "venv"
 
 
-def clean() -> int:
-    removed = compiled_files()
-    for path in removed:
-        path.unlink()
-    return len(removed)
+def _sources(package_parent: Path) -> dict[str, Path]:
+    return {path.relative_to(package_parent).as_posix(): path for path in (package_parent / "worker").rglob("*.py")
+            if "__pycache__" not in path.parts}
 
 
-def compile_in_place() -> None:
-    # Imported here: mypy is a build tool, absent where the compiled modules merely run (the image).
-    from mypyc.build import mypycify
-    from setuptools.dist import Distribution
+def stale(compiled_dir: Path = COMPILED_DIR, checkout: Path = ROOT) -> list[str]:
+    """The package's sources that the compiled build does not hold as they are now (changed,
+    added or removed since it was made); every one when there is no build."""
+    here, there = _sources(checkout), _sources(compiled_dir) if compiled_dir.exists() else {}
+    return sorted(name for name in here.keys() | there.keys()
+                  if name not in here or name not in there or here[name].read_bytes() != there[name].read_bytes())
 
-    clean()
-    options = ["--strict", "--ignore-missing-imports"]  # as `make test`'s mypy (pyproject.toml)
-    with tempfile.TemporaryDirectory(prefix="push-worker-mypyc-") as build:
-        # Built in a copy: mypy takes the directory above the package for user code, and where the
-        # package is installed that is site-packages, whose modules it then refuses as user modules.
-        root = Path(build) / "src"
-        shutil.copytree(PACKAGE_DIR, root / "worker", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-        here = Path.cwd()
-        os.chdir(root)  # mypyc names modules by their paths from here
-        try:
-            sources = [f"worker/{name}.py" for name in COMPILED_MODULES]
-            modules = mypycify(options + sources, group_name=GROUP, target_dir=str(Path(build) / "c"))
-            dist = Distribution({"name": "push-worker-compiled", "ext_modules": modules})
-            build_ext = dist.get_command_obj("build_ext")
-            build_ext.inplace = True
-            build_ext.build_temp = str(Path(build) / "temp")
-            build_ext.build_lib = str(Path(build) / "lib")
-            dist.run_command("build_ext")
-        finally:
-            os.chdir(here)
-        for built in sorted((root / "worker").glob("*.so")):
-            shutil.move(built, PACKAGE_DIR / built.name)
+
+def clean() -> None:
+    shutil.rmtree(BUILD, ignore_errors=True)  # the build venv too: made again with the next build
+    for legacy in (ROOT / "worker").glob("*.so"):  # built in place by earlier versions of this tool
+        legacy.unlink()
+
+
+def _image_pin(name: str) -> str:
+    """`name==version` as the image's build pins it (deploy/requirements.txt)."""
+    found = re.search(rf"^({re.escape(name)}==\S+)", (ROOT / "deploy" / "requirements.txt").read_text(), re.M)
+    assert found, f"{name} is not pinned in deploy/requirements.txt"
+    return found.group(1)
+
+
+def build_python() -> str:
+    """The interpreter of a venv of its own to build in, as the image's build stage has one: the build
+    backend the image builds with, mypy as requirements.lock pins it, and the runtime dependencies
+    (mypy reads their types). The checkout's venv keeps the setuptools it came with."""
+    python = BUILD_VENV / "bin" / "python"
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    pins = (ROOT / "requirements.lock").read_text() + (ROOT / "deploy" / "requirements.txt").read_text()
+    wanted = hashlib.sha256((pins + pyproject).encode()).hexdigest()
+    stamp = BUILD_VENV / ".installed"
+    if not stamp.exists() or stamp.read_text() != wanted:
+        shutil.rmtree(BUILD_VENV, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", str(BUILD_VENV)], check=True)
+        dependencies = tomllib.loads(pyproject)["project"]["dependencies"]
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                        "-c", "requirements.lock", _image_pin("setuptools"), "mypy", "types-PyYAML", *dependencies],
+                       check=True, cwd=ROOT)
+        stamp.write_text(wanted)
+    return str(python)
+
+
+def build() -> None:
+    """The wheel, by the package build with its hook on, installed into COMPILED_DIR."""
+    shutil.rmtree(COMPILED_DIR, ignore_errors=True)
+    shutil.rmtree(WHEELS, ignore_errors=True)
+    env = {**os.environ, "PUSH_WORKER_COMPILE": "1"}
+    subprocess.run([build_python(), "-m", "pip", "wheel", "--quiet", "--disable-pip-version-check", "--no-deps",
+                    "--no-build-isolation", "--wheel-dir", str(WHEELS), str(ROOT)], check=True, env=env, cwd=ROOT)
+    [wheel] = WHEELS.glob("push_worker-*.whl")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
+                    "--no-compile", "--target", str(COMPILED_DIR), str(wheel)], check=True)
+    built = [path.name for path in (COMPILED_DIR / "worker" / "core").glob("*.so")]
+    if not built:  # the hook fell back to pure Python (no mypy here): not what was asked for
+        raise SystemExit("devtools.compile: the build made no compiled module (is mypy installed?)")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m devtools.compile", description=__doc__.split("\n")[0])
-    parser.add_argument("--clean", action="store_true", help="remove the compiled modules instead")
-    parser.add_argument("--force", action="store_true", help="build even when the compiled modules are up to date")
-    parser.add_argument("--check", action="store_true", help="exit 1 unless every module runs compiled")
+    parser.add_argument("--clean", action="store_true", help="remove the build instead")
+    parser.add_argument("--force", action="store_true", help="build even when the build is up to date")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 unless this interpreter runs every per-message module compiled")
     args = parser.parse_args(argv)
     if args.check:
         state = compiled.state()
         print(f"per-message path: {state}")
         return 0 if compiled.loaded_compiled() == list(COMPILED_MODULES) else 1
     if args.clean:
-        print(f"removed {clean()} compiled files from {PACKAGE_DIR}")
+        clean()
+        print(f"removed {BUILD.relative_to(ROOT)}/")
         return 0
-    if compiled.fresh() and not args.force:
-        print(f"compiled modules in {PACKAGE_DIR} are up to date (--force builds them again)")
+    if not stale() and not args.force:
+        print(f"{COMPILED_DIR.relative_to(ROOT)} is up to date (--force builds it again)")
         return 0
-    compile_in_place()
-    print(f"compiled {len(COMPILED_MODULES)} modules in {PACKAGE_DIR}: {', '.join(COMPILED_MODULES)}")
+    build()
+    print(f"built {COMPILED_DIR.relative_to(ROOT)}: worker/core compiled ({', '.join(COMPILED_MODULES)})")
     return 0
 
 

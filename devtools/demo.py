@@ -21,8 +21,8 @@ from rich.progress import BarColumn, Progress, TextColumn
 from devtools.endpoints import serve_local
 from worker import embedded, logs
 from worker.config import HttpSettings, Settings
+from worker.core.messages import format_message_id
 from worker.destinations import DestinationPolicy
-from worker.messages import format_message_id
 from worker.service import Worker
 from worker.subscriptions import RetryPolicy, Subscription
 

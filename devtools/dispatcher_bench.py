@@ -20,13 +20,13 @@ from typing import Any
 import uvloop
 
 from worker import logs
-from worker.attempts import AttemptRecord
 from worker.collector import GC_THRESHOLD
+from worker.core.attempts import AttemptRecord
+from worker.core.delivery import Outcome, Result
+from worker.core.dispatcher import DeliveryContext, Dispatcher
+from worker.core.messages import Envelope, PushRequest
+from worker.core.metrics import Metrics
 from worker.deadletter import DeadLetterPublisher
-from worker.delivery import Outcome, Result
-from worker.dispatcher import DeliveryContext, Dispatcher
-from worker.messages import Envelope, PushRequest
-from worker.metrics import Metrics
 from worker.subscriptions import Subscription
 
 CASES = (("shared", 0), ("key-shared", 1000), ("exclusive", 0))  # (type, keys)

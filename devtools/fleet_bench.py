@@ -17,8 +17,8 @@ import yaml
 
 from devtools.scratch import scratch_dir
 from worker import embedded
+from worker.core.keys import lease_key
 from worker.fleet import assign
-from worker.keys import lease_key
 from worker.redis_client import safe_text
 
 

@@ -20,14 +20,15 @@ from typing import Any
 from devtools import redis_topologies
 from devtools.bench import _wait
 from devtools.scratch import scratch_dir
-from worker import keys, logs
-from worker.attempts import AttemptStore
+from worker import logs
 from worker.config import FleetSettings, RedisSettings
-from worker.dispatcher import Fence
+from worker.core import keys
+from worker.core.attempts import AttemptStore
+from worker.core.dispatcher import Fence
+from worker.core.metrics import Metrics
+from worker.core.redis_batch import Pipeliner
 from worker.fleet import Fleet
-from worker.metrics import Metrics
 from worker.ops.render import table
-from worker.redis_batch import Pipeliner
 from worker.redis_client import connect, connect_sync
 from worker.subscriptions import RetryPolicy, Subscription
 from worker.supervisor import Supervisor

@@ -32,6 +32,25 @@ from worker.config import RedisSettings
 from worker.service import Worker
 from worker.subscriptions import Subscription
 
+# -- the form under test -------------------------------------------------------------------
+
+def pytest_configure(config: pytest.Config) -> None:
+    """`make test` runs the compiled package of .build/compiled (PUSH_WORKER_TEST_COMPILED=1): it must
+    be the one imported, and made from the sources as they are now."""
+    if os.environ.get("PUSH_WORKER_TEST_COMPILED") != "1":
+        return
+    import worker
+    from devtools.compile import COMPILED_DIR, stale
+
+    if not Path(worker.__file__).resolve().is_relative_to(COMPILED_DIR):
+        pytest.exit(f"PUSH_WORKER_TEST_COMPILED=1 but worker is imported from {worker.__file__}, not "
+                    f"{COMPILED_DIR}: run the suite with `make test`", returncode=2)
+    changed = stale()
+    if changed:
+        pytest.exit(f"the compiled build is older than {', '.join(changed[:3])}: run `make compile` "
+                    "(make test does)", returncode=2)
+
+
 # -- CI: nothing may skip -------------------------------------------------------------------
 
 @pytest.hookimpl(tryfirst=True)

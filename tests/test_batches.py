@@ -25,14 +25,14 @@ from tests.support.builders import make_sub, push_sub
 from tests.support.endpoints import Endpoint, Received
 from tests.support.helpers import cli, eventually
 from tests.support.pulsar_client import Client
-from worker.batches import Forming
 from worker.config import HttpSettings
+from worker.core.batches import Forming
+from worker.core.messages import Envelope, batch_entry_bytes
+from worker.core.signing import SecretRef
 from worker.embedded import free_port
 from worker.errors import ConfigError
 from worker.fleet.registry import Registry
-from worker.messages import Envelope, batch_entry_bytes
 from worker.oidc import Oidc, OidcIssuer, OidcKey
-from worker.signing import SecretRef
 from worker.subscriptions import BatchPolicy, parse_subscription
 
 

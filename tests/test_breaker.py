@@ -19,7 +19,7 @@ from tests.support.endpoints import Endpoint, Received
 from tests.support.helpers import cli, eventually
 from tests.support.pulsar_client import Client
 from worker.breaker import Breaker
-from worker.endpoint_health import EndpointHealth
+from worker.core.endpoint_health import EndpointHealth
 from worker.errors import ConfigError
 from worker.fleet.registry import Registry
 from worker.subscriptions import BreakerPolicy, State, parse_subscription

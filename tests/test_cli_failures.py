@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import redis as redis_sync
 
-from worker import keys
+from tests.support.helpers import code_path
+from worker.core import keys
+from worker.core.keys import fleet_key
 from worker.embedded import free_port
-from worker.keys import fleet_key
 
 pytestmark = pytest.mark.broker_independent  # every broker URL here is one nothing listens on
 
@@ -48,7 +49,7 @@ def run_all(tmp_path: Path, redis_url: str, broker_url: str, config: dict | None
         extra += ["--service-url", broker_url] if command[1] else []
         extra += ["--redis-url", redis_url] if argv[0] != "publish" else []
         result = subprocess.run([sys.executable, "-m", "worker.cli", *argv, *extra], capture_output=True, timeout=120,
-                                env={**os.environ, "PYTHONPATH": str(Path.cwd())}, stdin=subprocess.DEVNULL)
+                                env={**os.environ, **code_path()}, stdin=subprocess.DEVNULL)
         return " ".join(argv), result.returncode, result.stderr.decode()
 
     with ThreadPoolExecutor(6) as pool:
@@ -106,7 +107,7 @@ def test_against_a_dead_broker_and_a_registry_full_of_garbage(redis_url, tmp_pat
     assert by_command["subs delete p-cli/nosuch"][0] == 3  # not found
 
     listing = subprocess.run([sys.executable, "-m", "worker.cli", "subs", "list", "--redis-url", redis_url, "--json"],
-                             capture_output=True, timeout=60, env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+                             capture_output=True, timeout=60, env={**os.environ, **code_path()})
     assert listing.returncode == 0, listing.stderr.decode()
     rows = {r["name"]: r for r in json.loads(listing.stdout)}
     assert rows["valid"]["state"] != "Invalid"

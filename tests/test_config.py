@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support.helpers import code_path
 from worker.config import load_settings, parse_settings
 from worker.errors import ConfigError
 
@@ -215,7 +216,7 @@ def test_a_key_given_twice_is_refused_with_its_line(tmp_path: Path):
 
 def _cli(*args: str, cwd: Path, **environment: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "worker.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path.cwd()), **environment})
+                          timeout=60, env={"PATH": "/usr/bin:/bin", **code_path(), **environment})
 
 
 @pytest.mark.parametrize("command", ["run", "check"])

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.helpers import wait_sync
+from tests.support.helpers import code_path, wait_sync
 
 pytestmark = pytest.mark.broker_independent
 
 
 def test_demo_delivers_retries_and_dead_letters_and_loses_nothing(tmp_path: Path):
-    environment = {**os.environ, "PYTHONPATH": str(Path.cwd())}
+    environment = {**os.environ, **code_path()}
     started = time.monotonic()
     demo = subprocess.Popen([sys.executable, "-m", "devtools", "demo"], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=environment)

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from worker.config import parse_settings
-from worker.metrics import Metrics
+from worker.core.metrics import Metrics
 
 pytestmark = pytest.mark.broker_independent
 
@@ -151,44 +151,51 @@ def test_the_image_lock_pins_every_runtime_dependency_with_hashes_at_the_tested_
 @pytest.mark.slow
 def test_the_image_build_steps_install_from_the_hashed_lock(tmp_path):
     """The Dockerfile's install steps, run here (no container engine on the build machines): the
-    hashed lock installs with --require-hashes, the package on top without resolving, pip check; then
-    the per-message path is compiled in the installed package from a build venv of its own."""
+    hashed lock installs with --require-hashes; the package is built as a wheel by its build hook
+    (worker/core compiled with mypyc) in a build venv of its own, installed on top without
+    resolving, pip check; every per-message module then imports compiled."""
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     assert "--require-hashes --no-deps -r deploy/requirements.txt" in dockerfile
     assert "-r deploy/requirements.txt -r deploy/compile-requirements.txt" in dockerfile
-    assert "COPY devtools /opt/devtools/devtools" in dockerfile
-    assert "PYTHONPATH=/opt/devtools /opt/compile/bin/python -m devtools.compile \\" in dockerfile
-    assert "PYTHONPATH=/opt/devtools /opt/push-worker/bin/python -m devtools.compile --check" in dockerfile
+    assert "COPY pyproject.toml setup.py setup.cfg README.md ./" in dockerfile
+    assert "PUSH_WORKER_COMPILE=1 /opt/compile/bin/python -m pip wheel" in dockerfile
+    assert "/opt/push-worker/bin/python -m pip install --no-cache-dir --no-deps /wheels/push_worker-*.whl" in dockerfile
+    check = re.search(r'^ARG COMPILED_CHECK="(.*)"$', dockerfile, re.M)
+    assert check and 'python -c "$COMPILED_CHECK"' in dockerfile
+    assert "devtools" not in dockerfile.split("FROM ${PYTHON_IMAGE}\n")[-1]  # nothing of the tools ships
     assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11-slim@sha256:[0-9a-f]{64}$", dockerfile, re.M)
     src = tmp_path / "src"  # what the Dockerfile copies
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "setup.cfg", "README.md"):
         shutil.copy(ROOT / name, src / name)
     shutil.copytree(ROOT / "worker", src / "worker", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-    tools = tmp_path / "opt-devtools"  # COPY devtools /opt/devtools/devtools: beside, never in, the package
-    shutil.copytree(ROOT / "devtools", tools / "devtools", ignore=shutil.ignore_patterns("__pycache__"))
     venv, build = tmp_path / "image", tmp_path / "compile"
     for where in (venv, build):
         subprocess.run([sys.executable, "-m", "venv", str(where)], check=True)
     python, build_python = str(venv / "bin" / "python"), str(build / "bin" / "python")
     site_packages = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
     env = {**os.environ, "PIP_FIND_LINKS": "", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-    env.pop("PYTHONPATH", None)
-    steps = [[python, "-m", "pip", "install", "--quiet", "--no-cache-dir", "--require-hashes", "--no-deps",
-              "-r", str(DEPLOY / "requirements.txt")],
-             [python, "-m", "pip", "install", "--quiet", "--no-cache-dir", "--no-deps", "--no-build-isolation",
-              str(src)],
-             [python, "-m", "pip", "check"],
-             [build_python, "-m", "pip", "install", "--quiet", "--no-cache-dir", "--require-hashes", "--no-deps",
-              "-r", str(DEPLOY / "requirements.txt"), "-r", str(DEPLOY / "compile-requirements.txt")],
-             [build_python, "-m", "devtools.compile"],
-             [python, "-m", "devtools.compile", "--check"],  # exit 1 unless every module is compiled
-             [str(venv / "bin" / "push-worker"), "--version"]]
-    for step in steps:
-        cwd = site_packages if step[0] == build_python and "devtools.compile" in step else tmp_path
-        step_env = {**env, "PYTHONPATH": str(tools)} if "devtools.compile" in step else env
-        done = subprocess.run(step, capture_output=True, text=True, env=step_env, timeout=600, cwd=cwd)
+    for inherited in ("PYTHONPATH", "PYTHONSAFEPATH", "PUSH_WORKER_COMPILE"):
+        env.pop(inherited, None)
+    wheels = tmp_path / "wheels"
+
+    def run(*step: str, cwd: Path = tmp_path, compile: bool = False) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(step, capture_output=True, text=True, timeout=600, cwd=cwd,
+                              env={**env, "PUSH_WORKER_COMPILE": "1"} if compile else env)
         assert done.returncode == 0, (step, done.stdout[-2000:], done.stderr[-2000:])
+        return done
+
+    run(python, "-m", "pip", "install", "--quiet", "--no-cache-dir", "--require-hashes", "--no-deps",
+        "-r", str(DEPLOY / "requirements.txt"))
+    run(build_python, "-m", "pip", "install", "--quiet", "--no-cache-dir", "--require-hashes", "--no-deps",
+        "-r", str(DEPLOY / "requirements.txt"), "-r", str(DEPLOY / "compile-requirements.txt"))
+    run(build_python, "-m", "pip", "wheel", "--quiet", "--no-cache-dir", "--no-deps", "--no-build-isolation",
+        "--wheel-dir", str(wheels), ".", cwd=src, compile=True)
+    [wheel] = wheels.glob("push_worker-*.whl")
+    run(python, "-m", "pip", "install", "--quiet", "--no-cache-dir", "--no-deps", str(wheel))
+    run(python, "-m", "pip", "check")
+    assert run(python, "-c", check.group(1)).stdout.strip() == "compiled (mypyc)"  # every module compiled
+    run(str(venv / "bin" / "push-worker"), "--version")
     # What ships is the product: no development tools in the package, none on its command line.
     assert not (site_packages / "devtools").exists() and not (site_packages / "worker" / "devtools").exists()
     offered = subprocess.run([str(venv / "bin" / "push-worker"), "--help"], capture_output=True, text=True,

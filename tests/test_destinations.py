@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 from tests.support.endpoints import catcher
 from worker.admission import admit
-from worker.delivery import Deliverer, Result
+from worker.core.delivery import Deliverer, Result
+from worker.core.messages import PushRequest
 from worker.destinations import DestinationPolicy, endpoint_host, literal_address
 from worker.errors import ConfigError
-from worker.messages import PushRequest
 from worker.subscriptions import parse_subscription
 
 pytestmark = pytest.mark.broker_independent

@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry
 import worker.subscriptions as subscriptions
 from devtools import config_reference
 from worker.config import Settings, load_settings
+from worker.core.metrics import Metrics
 from worker.fields import reference
-from worker.metrics import Metrics
 from worker.subscriptions import Subscription
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,16 +11,16 @@ import redis.asyncio as aioredis
 from tests.support.builders import make_sub
 from tests.support.endpoints import Endpoint
 from tests.support.helpers import assert_stays, eventually
-from worker.attempts import AttemptStore
 from worker.config import RedisSettings
+from worker.core.attempts import AttemptStore
+from worker.core.delivery import Deliverer
+from worker.core.dispatcher import DeliveryContext, Dispatcher
+from worker.core.messages import Envelope
+from worker.core.metrics import Metrics
+from worker.core.redis_batch import Pipeliner
 from worker.deadletter import DeadLetterPublisher
-from worker.delivery import Deliverer
 from worker.destinations import DestinationPolicy
-from worker.dispatcher import DeliveryContext, Dispatcher
 from worker.fleet.leases import Lease
-from worker.messages import Envelope
-from worker.metrics import Metrics
-from worker.redis_batch import Pipeliner
 
 
 class OneMessage:

@@ -14,8 +14,9 @@ import redis
 from devtools.fleet_scale import SimulatedWorker, scale_subscription
 from tests.support.helpers import eventually
 from tests.support.redis_targets import ALL_REDIS, RedisTarget
-from worker import keys, redis_client
+from worker import redis_client
 from worker.config import FleetSettings, RedisSettings
+from worker.core import keys
 from worker.fleet import Fleet
 
 COUNT = 1000

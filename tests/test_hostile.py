@@ -22,11 +22,11 @@ from tests.support.endpoints import Endpoint
 from tests.support.helpers import assert_numbering_never_repeats, eventually
 from tests.support.pulsar_client import Client
 from worker.config import parse_settings
-from worker.delivery import RESPONSE_BODY_CAP, Deliverer, Result
+from worker.core.delivery import RESPONSE_BODY_CAP, Deliverer, Result
+from worker.core.messages import PushRequest
 from worker.destinations import DestinationPolicy
 from worker.errors import ConfigError
 from worker.fleet.registry import Registry
-from worker.messages import PushRequest
 from worker.subscriptions import RetryPolicy, parse_subscription
 
 Behaviour = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

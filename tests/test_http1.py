@@ -16,10 +16,10 @@ import pytest
 from yarl import URL
 
 from tests.support.helpers import eventually, self_signed
-from worker import http1
-from worker.delivery import Deliverer, Result
+from worker.core import http1
+from worker.core.delivery import Deliverer, Result
+from worker.core.messages import PushRequest
 from worker.destinations import DestinationPolicy, GuardedResolver
-from worker.messages import PushRequest
 
 pytestmark = pytest.mark.broker_independent
 

@@ -19,9 +19,9 @@ from tests.support.builders import make_sub
 from tests.support.endpoints import Endpoint
 from tests.support.helpers import eventually
 from tests.support.pulsar_client import Client
+from worker.core.messages import Envelope, build_request, rfc3339
 from worker.embedded import free_port, terminate, wait_for_port
 from worker.errors import ConfigError
-from worker.messages import Envelope, build_request, rfc3339
 from worker.subscriptions import CloudEvents, parse_subscription
 
 ATTRIBUTES = {"content-type": "application/json", "region": "eu1", "Bad-Name": "x", "id": "spoof",

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from worker import keys
+from worker.core import keys
 
 pytestmark = pytest.mark.broker_independent
 

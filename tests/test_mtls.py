@@ -17,8 +17,8 @@ from tests.support.builders import make_sub
 from tests.support.helpers import eventually
 from tests.support.pulsar_client import Client
 from worker.client_tls import ClientCertificates
+from worker.core.signing import SecretRef, SecretStore, SecretUnavailable
 from worker.destinations import DestinationPolicy
-from worker.signing import SecretRef, SecretStore, SecretUnavailable
 from worker.subscriptions import ClientTls
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")

@@ -26,19 +26,20 @@ from tests.support.endpoints import Endpoint
 from tests.support.helpers import cli, eventually
 from tests.support.pulsar_client import Client
 from tests.support.redis_targets import ALL_REDIS, RedisTarget
-from worker import keys, redis_client
-from worker.attempts import AttemptStore
-from worker.backoff import MIN_BACKOFF_SECONDS, retry_delay
+from worker import redis_client
 from worker.config import PulsarSettings, RedisSettings
 from worker.consumer import make_client
+from worker.core import keys
+from worker.core.attempts import AttemptStore
+from worker.core.backoff import MIN_BACKOFF_SECONDS, retry_delay
+from worker.core.delivery import Deliverer
+from worker.core.dispatcher import DeliveryContext, Dispatcher
+from worker.core.messages import Envelope
+from worker.core.metrics import Metrics
+from worker.core.redis_batch import Pipeliner
 from worker.deadletter import DeadLetterPublisher
-from worker.delivery import Deliverer
 from worker.destinations import DestinationPolicy
-from worker.dispatcher import DeliveryContext, Dispatcher
 from worker.logs import Throttled
-from worker.messages import Envelope
-from worker.metrics import Metrics
-from worker.redis_batch import Pipeliner
 from worker.subscriptions import RetryPolicy
 
 
@@ -260,7 +261,7 @@ async def test_a_registry_change_parses_only_what_changed(redis_url):
 
 
 async def test_a_shared_budget_lends_what_is_unused_and_keeps_room_for_fair_shares():
-    from worker.budgets import ByteBudget, SharedBudget
+    from worker.core.budgets import ByteBudget, SharedBudget
 
     pool = SharedBudget(100)
     a, b = ByteBudget(1000, pool), ByteBudget(1000, pool)  # fair share: 50 each

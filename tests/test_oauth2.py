@@ -17,10 +17,10 @@ from tests.support.endpoints import serve
 from tests.support.helpers import eventually
 from tests.support.pulsar_client import Client
 from worker.admission import admit
+from worker.core.signing import SecretRef
 from worker.destinations import DestinationPolicy
 from worker.errors import ConfigError
 from worker.oauth2 import OAuth2
-from worker.signing import SecretRef
 from worker.subscriptions import parse_subscription
 
 LIFETIME = 6  # seconds: a token is renewed when 5 s are left, so about every second here

@@ -24,8 +24,8 @@ from tests.support.builders import make_sub, push_sub
 from tests.support.helpers import cli, wait_sync
 from tests.support.pulsar_client import Client
 from worker.config import FleetSettings, PulsarSettings
+from worker.core.keys import lease_key
 from worker.embedded import free_port, wait_for_port
-from worker.keys import lease_key
 from worker.subscriptions import BreakerPolicy, RetryPolicy
 
 ROOT = Path(__file__).resolve().parent.parent

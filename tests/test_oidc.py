@@ -20,10 +20,10 @@ from tests.support.helpers import eventually
 from tests.support.pulsar_client import Client
 from worker.admission import preflight
 from worker.config import HttpSettings, parse_settings
+from worker.core.signing import SecretRef, SecretStore
 from worker.embedded import free_port
 from worker.errors import ConfigError
 from worker.oidc import Oidc, OidcIssuer, OidcKey, Tokens
-from worker.signing import SecretRef, SecretStore
 from worker.subscriptions import parse_subscription
 
 

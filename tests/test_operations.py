@@ -17,8 +17,8 @@ from tests.support.endpoints import Endpoint
 from tests.support.helpers import cli, eventually
 from tests.support.pulsar_client import Client
 from tests.support.redis_targets import ALL_REDIS, RedisTarget
-from worker import keys
 from worker.config import RedisSettings
+from worker.core import keys
 from worker.subscriptions import RetryPolicy
 
 

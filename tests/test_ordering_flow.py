@@ -14,8 +14,8 @@ from tests.support.builders import make_sub
 from tests.support.endpoints import Endpoint, serve
 from tests.support.helpers import assert_stays, eventually
 from tests.support.pulsar_client import Client
-from worker.delivery import Outcome, Result
-from worker.flow import AdaptiveLimit
+from worker.core.delivery import Outcome, Result
+from worker.core.flow import AdaptiveLimit
 from worker.subscriptions import RetryPolicy
 
 

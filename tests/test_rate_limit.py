@@ -15,9 +15,9 @@ from tests.support.builders import push_sub
 from tests.support.endpoints import Endpoint
 from tests.support.helpers import cli, eventually
 from tests.support.pulsar_client import Client
+from worker.core.flow import RateLimit
 from worker.errors import ConfigError
 from worker.fleet.registry import Registry
-from worker.flow import RateLimit
 from worker.subscriptions import parse_subscription
 
 

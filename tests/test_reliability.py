@@ -22,11 +22,11 @@ from aiohttp import web
 
 from tests.support import brokers
 from tests.support.endpoints import Endpoint
-from tests.support.helpers import eventually, http_get, spawn_worker, stop_worker
+from tests.support.helpers import code_path, eventually, http_get, spawn_worker, stop_worker
 from tests.support.pulsar_client import Client
 from worker import embedded
+from worker.core.messages import format_message_id
 from worker.embedded import free_port
-from worker.messages import format_message_id
 
 
 def config_file(path: Path, broker_url: str | None, redis_url: str | None, topic: str, url: str,
@@ -292,7 +292,7 @@ async def test_start_that_fails_for_good_exits_in_one_line_and_leaves_no_process
         before = {p.pid for p in psutil.process_iter()}
         result = await asyncio.to_thread(
             subprocess.run, [sys.executable, "-m", "worker.cli", "run", "--config", str(config)],
-            capture_output=True, env={**os.environ, "PYTHONPATH": str(Path.cwd()), "PUSH_WORKER_LOG_FORMAT": "json"},
+            capture_output=True, env={**os.environ, **code_path(), "PUSH_WORKER_LOG_FORMAT": "json"},
             timeout=120)
     finally:
         secret.stop()
@@ -311,6 +311,6 @@ async def test_invalid_url_in_the_environment_exits_2_in_one_line(tmp_path, topi
         for command in ("run", "check"):
             result = await asyncio.to_thread(
                 subprocess.run, [sys.executable, "-m", "worker.cli", command, "--config", str(config)],
-                capture_output=True, env={**os.environ, "PYTHONPATH": str(Path.cwd()), name: value}, timeout=60)
+                capture_output=True, env={**os.environ, **code_path(), name: value}, timeout=60)
             err = result.stderr.decode().strip()
             assert result.returncode == 2 and len(err.splitlines()) == 1 and name in err, (command, err)

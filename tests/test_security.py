@@ -14,15 +14,15 @@ from tests.support.builders import make_sub
 from tests.support.endpoints import Endpoint
 from tests.support.helpers import TlsTerminator, cli, eventually
 from tests.support.pulsar_client import Client
+from worker.core.signing import SecretRef, verify
 from worker.destinations import DestinationPolicy
-from worker.signing import SecretRef, verify
 
 NEW_SECRET = "whsec_" + base64.b64encode(b"new-secret-32-bytes-long-enough!").decode()
 OLD_SECRET = "old plain secret"
 
 
 def spec_signature(secret_key: bytes, headers: dict[str, str], body: bytes) -> str:
-    """The Standard Webhooks recipe, written out independently of worker.signing."""
+    """The Standard Webhooks recipe, written out independently of worker.core.signing."""
     signed = f"{headers['webhook-id']}.{headers['webhook-timestamp']}.".encode() + body
     return "v1," + base64.b64encode(hmac.new(secret_key, signed, hashlib.sha256).digest()).decode()
 

@@ -25,11 +25,11 @@ from tests.support.builders import make_sub, push_sub
 from tests.support.endpoints import Endpoint, Received, catcher
 from tests.support.helpers import cli, eventually
 from tests.support.pulsar_client import Client
-from worker import keys
 from worker.config import FleetSettings
+from worker.core import keys
+from worker.core.signing import SecretRef
 from worker.destinations import DestinationPolicy
 from worker.oidc import OidcIssuer, OidcKey
-from worker.signing import SecretRef
 
 WORKER_SECRET = "redis://:worker-only-password@127.0.0.1:1/0"
 VICTIM_TOKEN = "victim-bearer-token"
@@ -238,10 +238,10 @@ class PublicResolver:
 async def test_credentials_never_go_over_plain_http_to_a_public_address(monkeypatch):
     """Checked where the client connects: a public address may receive pushes, never credentials in
     clear. The connection attempt is recorded instead of made, so this test sends nothing anywhere."""
-    from worker import http1
-    from worker.delivery import Deliverer, Result
+    from worker.core import http1
+    from worker.core.delivery import Deliverer, Result
+    from worker.core.messages import PushRequest
     from worker.destinations import GuardedResolver
-    from worker.messages import PushRequest
 
     tried: list[object] = []
 

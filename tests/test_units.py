@@ -14,16 +14,16 @@ import pytest
 from structlog.testing import capture_logs
 
 from devtools.dispatcher_bench import _Attempts, _Backlog, _Endpoint
-from worker import dispatcher as dispatcher_module
-from worker.backoff import retry_delay
-from worker.budgets import ByteBudget
 from worker.consumer import to_envelope
+from worker.core import dispatcher as dispatcher_module
+from worker.core.backoff import retry_delay
+from worker.core.budgets import ByteBudget
+from worker.core.delivery import is_ack_status, parse_retry_after
+from worker.core.dispatcher import DeliveryContext, Dispatcher, lane_of
+from worker.core.messages import Envelope, build_request, format_message_id, header_safe, rfc3339
+from worker.core.metrics import Metrics
 from worker.deadletter import DeadLetterPublisher
-from worker.delivery import is_ack_status, parse_retry_after
 from worker.destinations import DestinationPolicy
-from worker.dispatcher import DeliveryContext, Dispatcher, lane_of
-from worker.messages import Envelope, build_request, format_message_id, header_safe, rfc3339
-from worker.metrics import Metrics
 from worker.prefetch import prefetch_for, too_large
 from worker.subscriptions import RetryPolicy, Subscription
 

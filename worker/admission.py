@@ -13,10 +13,10 @@ from urllib.parse import urlsplit
 
 from worker.client_tls import ClientCertificates
 from worker.config import Settings
+from worker.core.signing import SecretStore, SecretUnavailable, bearer, signing_key
 from worker.destinations import DestinationPolicy, check_host, endpoint_host, literal_address
 from worker.errors import ConfigError, DestinationRefused
 from worker.oidc import OidcIssuer, Tokens
-from worker.signing import SecretStore, SecretUnavailable, bearer, signing_key
 from worker.subscriptions import Subscription
 
 Admit = Callable[[Subscription], None]  # raises ConfigError naming the field and the rule

@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from worker.aio import wait_event
 from worker.broker_admin import BODY_CAP, AdminError, read_capped, refusal, subscription_stats
+from worker.core.metrics import Metrics
 from worker.fleet.expiry import ExpiryWatch
-from worker.metrics import Metrics
 from worker.subscriptions import Subscription, topic_parts
 
 _METRIC = "pulsar_subscription_back_log"

@@ -15,7 +15,7 @@ import itertools
 import time
 from collections.abc import Callable
 
-from worker.endpoint_health import ERROR_MIN_FAILURES, EndpointHealth
+from worker.core.endpoint_health import ERROR_MIN_FAILURES, EndpointHealth
 from worker.subscriptions import BreakerPolicy
 
 

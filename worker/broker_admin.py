@@ -21,7 +21,7 @@ from urllib.parse import quote
 import aiohttp
 from yarl import URL
 
-from worker.delivery import USER_AGENT
+from worker.core.delivery import USER_AGENT
 from worker.subscriptions import Subscription, topic_parts
 
 OPERATOR_CONSUMERS = "push-worker-"  # seek, purge and redrive consumers of the operator commands

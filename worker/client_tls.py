@@ -14,7 +14,7 @@ import os
 import ssl
 from collections.abc import Callable
 
-from worker.signing import SecretRef, SecretStore, SecretUnavailable
+from worker.core.signing import SecretRef, SecretStore, SecretUnavailable
 
 MAX_CONTEXTS = 1000  # distinct certificates held at once (a rotation leaves the old one until this many)
 

@@ -27,12 +27,12 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from worker.core.endpoint_health import ERROR_AFTER_SECONDS
+from worker.core.signing import SecretRef
 from worker.destinations import DestinationPolicy
-from worker.endpoint_health import ERROR_AFTER_SECONDS
 from worker.errors import ConfigError
 from worker.fields import FieldReader, bounds, declared, read, setting, yaml_fields
 from worker.oidc import OidcIssuer, OidcKey
-from worker.signing import SecretRef
 from worker.subscriptions import NAME_PATTERN, NAME_RULE, Subscription, is_push, parse_subscription
 
 PULSAR_SCHEMES = ("pulsar", "pulsar+ssl")

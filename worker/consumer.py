@@ -17,7 +17,7 @@ import pulsar.asyncio as pulsar_async
 
 from worker import logs
 from worker.config import PulsarSettings
-from worker.messages import PAYLOAD_TOO_LARGE, Envelope, base64_text, format_message_id
+from worker.core.messages import PAYLOAD_TOO_LARGE, Envelope, base64_text, format_message_id
 from worker.prefetch import default_prefetch
 from worker.subscriptions import Subscription
 

@@ -13,8 +13,8 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wai
 
 from worker.aio import wait_event
 from worker.consumer import broker_error_text
+from worker.core.messages import Envelope
 from worker.failing import Failing
-from worker.messages import Envelope
 
 BrokerError = (pulsar_async.PulsarException, OSError, asyncio.TimeoutError)
 # A durable subscription the fleet keeps on every dead-letter topic: it retains dead letters even when

@@ -9,8 +9,8 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from worker.core.metrics import Metrics
 from worker.errors import StartupError
-from worker.metrics import Metrics
 from worker.oidc import Tokens, openid_configuration
 
 ReadyCheck = Callable[[], Awaitable[tuple[bool, str]]]

@@ -24,8 +24,8 @@ from typing import Any
 import orjson
 from yarl import URL
 
-from worker import http1
-from worker.signing import SecretRef, SecretStore, SecretUnavailable
+from worker.core import http1
+from worker.core.signing import SecretRef, SecretStore, SecretUnavailable
 
 TOKEN_ANSWER_CAP = 64 * 1024  # bytes of a token endpoint's answer read at most
 FETCH_SECONDS = 10.0  # a token endpoint's whole answer, at most

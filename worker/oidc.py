@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from jwt.algorithms import ECAlgorithm, RSAAlgorithm
 
-from worker.signing import SecretRef, SecretStore, SecretUnavailable
+from worker.core.signing import SecretRef, SecretStore, SecretUnavailable
 
 TOKEN_SECONDS = 3600
 RENEW_BEFORE_SECONDS = 300

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import asyncio
 
-from worker import keys
-from worker.redis_batch import Pipeliner
+from worker.core import keys
+from worker.core.redis_batch import Pipeliner
 from worker.redis_client import REDIS_DOWN
 
 MAX_PREFETCH = 1000

@@ -20,23 +20,23 @@ from worker import broker_admin, compiled, logs, redis_client, redis_start, reso
 from worker import consumer as pulsar_adapter
 from worker.admission import admit_for, secret_store
 from worker.aio import wait_event
-from worker.attempts import AttemptStore
 from worker.backlog import BacklogReader, BacklogReport
-from worker.budgets import SharedBudget
 from worker.config import Settings
+from worker.core.attempts import AttemptStore
+from worker.core.budgets import SharedBudget
+from worker.core.delivery import Deliverer
+from worker.core.dispatcher import DeliveryContext
+from worker.core.metrics import Metrics
+from worker.core.redis_batch import Pipeliner
 from worker.deadletter import DeadLetterPublisher
-from worker.delivery import Deliverer
-from worker.dispatcher import DeliveryContext
 from worker.errors import strip_userinfo
 from worker.fleet import Fleet
 from worker.fleet.expiry import ExpiryWatch
 from worker.http_server import StatusServer
 from worker.local_services import LocalServices
-from worker.metrics import Metrics
 from worker.oauth2 import OAuth2Tokens
 from worker.oidc import Tokens
 from worker.prefetch import LargestMessages
-from worker.redis_batch import Pipeliner
 from worker.serving import Serving
 from worker.supervisor import Supervisor
 

@@ -16,11 +16,11 @@ from worker import consumer as pulsar_adapter
 from worker.aio import cancel_within
 from worker.collector import Collector
 from worker.config import Settings
-from worker.dispatcher import CLOSE_TIMEOUT, DeliveryContext, Dispatcher, Fence, Stats
+from worker.core.dispatcher import CLOSE_TIMEOUT, DeliveryContext, Dispatcher, Fence, Stats
+from worker.core.messages import Envelope
 from worker.errors import PushWorkerError
 from worker.fleet import seek
 from worker.fleet.seek import SeekTarget
-from worker.messages import Envelope
 from worker.prefetch import LargestMessages, prefetch_bytes, prefetch_for
 from worker.redis_client import AsyncClient
 from worker.subscriptions import State, Subscription

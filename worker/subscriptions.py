@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from worker.core.signing import SECRET_NAME_RULE, SecretRef, secret_name_ok
 from worker.errors import ConfigError
 from worker.fields import FieldReader, bounds, declared, read, setting
 from worker.filters import Filter, FilterError, parse_filter
 from worker.oauth2 import OAuth2
 from worker.oidc import Oidc
-from worker.signing import SECRET_NAME_RULE, SecretRef, secret_name_ok
 
 NAME_RULE = "lowercase letters, digits and dashes; starts with a letter, does not end with a dash; 63 max"
 _NAME = r"[a-z]([a-z0-9-]{0,61}[a-z0-9])?"

@@ -17,11 +17,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.builders import push_sub
 from tests.support.endpoints import Endpoint
-from tests.support.helpers import http_get, spawn_worker, stays_sync, stop_worker, wait_sync
+from tests.support.helpers import code_path, http_get, spawn_worker, stays_sync, stop_worker, wait_sync
 from tests.support.redis_targets import RedisTarget
 from worker.config import RedisSettings
+from worker.core.keys import lease_key
 from worker.embedded import free_port
-from worker.keys import lease_key
 
 
 class WorkerProcess:
@@ -103,7 +103,7 @@ class FleetHarness:
         """`push-worker ARGS --config ...`; `code`: another version's (as for `start`)."""
         return subprocess.run([sys.executable, "-m", "worker.cli", *args, "--config", str(self.config)],
                               capture_output=True, text=True, timeout=60, cwd=code,
-                              env={**os.environ, "PYTHONPATH": str(code or Path.cwd())})
+                              env={**os.environ, **code_path(code)})
 
     def owners(self, keys: list[str]) -> dict[str, str | None]:
         values = [self.redis.get(lease_key(k)) for k in keys]  # one slot each: no MGET on a cluster

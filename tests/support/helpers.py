@@ -74,10 +74,21 @@ def stays_sync(predicate: Callable[[], bool], seconds: float, what: str = "condi
 
 # -- processes and the command line -----------------------------------------------------------
 
+def code_path(code: Path | None = None) -> dict[str, str]:
+    """How a Python process finds the code under test: `code` (another release's checkout), or the
+    compiled build `make test` runs on (its PYTHONPATH and PYTHONSAFEPATH, inherited) before the
+    checkout."""
+    if code is not None:
+        return {"PYTHONPATH": str(code)}
+    first = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
+    safe = {"PYTHONSAFEPATH": "1"} if os.environ.get("PYTHONSAFEPATH") else {}
+    return {"PYTHONPATH": os.pathsep.join([*first, str(ROOT)]), **safe}
+
+
 def env(**extra: str) -> dict[str, str]:
     """The environment for a `push-worker` process run from the checkout."""
     # faulthandler: a worker that stop_worker has to abort prints every thread's stack first.
-    return {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1", **extra}
+    return {**os.environ, **code_path(), "PYTHONFAULTHANDLER": "1", **extra}
 
 
 def spawn_worker(config: Path | str, log: Path, cwd: Path | None = None, **extra_env: str) -> subprocess.Popen[bytes]:

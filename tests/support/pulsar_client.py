@@ -9,7 +9,7 @@ from typing import Any
 
 import pulsar
 
-from worker.messages import format_message_id
+from worker.core.messages import format_message_id
 
 
 def quiet_logger() -> Any:

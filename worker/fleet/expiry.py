@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from worker import keys
+from worker.core import keys
 from worker.redis_client import AsyncClient
 
 

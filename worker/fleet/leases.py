@@ -15,9 +15,9 @@ import hashlib
 import time
 from collections.abc import AsyncIterator, Iterable
 
-from worker import keys
+from worker.core import keys
+from worker.core.redis_batch import BatchScript
 from worker.errors import InfrastructureError
-from worker.redis_batch import BatchScript
 from worker.redis_client import AsyncClient
 
 # The renewal of leases, many in one call (`redis_batch`; `hold` renews one): ARGV the holder and the

@@ -17,9 +17,11 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from worker import keys, logs
+from worker import logs
 from worker.aio import cancel_within, wait_event
 from worker.config import FleetSettings
+from worker.core import keys
+from worker.core.redis_batch import Pipeliner
 from worker.fleet import seek
 from worker.fleet.leases import ACQUIRE, RELEASE, RENEW, Lease, assign
 from worker.fleet.published import ConfigDefinitions
@@ -27,7 +29,6 @@ from worker.fleet.registry import Admit, Registry, clear_state
 from worker.fleet.registry_follower import RegistryFollower
 from worker.fleet.status import StatusReports
 from worker.fleet.worker_protocol import ServingWorker
-from worker.redis_batch import Pipeliner
 from worker.redis_client import REDIS_DOWN, AsyncClient, describe, safe_text
 from worker.subscriptions import State, Subscription
 from worker.supervisor import log_task_failure

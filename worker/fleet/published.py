@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from worker import keys
+from worker.core import keys
 from worker.redis_client import AsyncClient
 from worker.subscriptions import Subscription
 

@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 from redis.exceptions import WatchError
 
-from worker import keys
+from worker.core import keys
 from worker.errors import ConfigError, NotFound
 from worker.redis_client import AsyncClient, safe_text
 from worker.subscriptions import Subscription, is_push, parse_subscription, valid_key

@@ -20,8 +20,8 @@ from typing import Any
 import orjson
 import pulsar.asyncio as pulsar_async
 
-from worker import keys
 from worker.config import PulsarSettings
+from worker.core import keys
 from worker.errors import PushWorkerError
 from worker.fleet import leases
 from worker.fleet.registry import delete_matching
@@ -47,7 +47,7 @@ class SeekTarget:
 
     def describe(self) -> str:
         if isinstance(self.to, int):
-            from worker.messages import rfc3339
+            from worker.core.messages import rfc3339
 
             return rfc3339(self.to)
         return str(self.to)

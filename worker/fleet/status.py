@@ -7,9 +7,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from worker import keys
+from worker.core import keys
+from worker.core.redis_batch import BATCH_LIMIT, BatchScript, Pipeliner
 from worker.fleet.worker_protocol import ServingWorker
-from worker.redis_batch import BATCH_LIMIT, BatchScript, Pipeliner
 
 STATUS_EVERY = 5.0  # seconds between status refreshes for `subs list`
 STATUS_REFRESH = 30.0  # an unchanged status is rewritten this often (it expires after 3x this)

@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from worker.dispatcher import Fence
+from worker.core.dispatcher import Fence
+from worker.core.metrics import Metrics
 from worker.fleet.seek import SeekTarget
-from worker.metrics import Metrics
 from worker.subscriptions import Subscription
 from worker.supervisor import Supervisor
 

@@ -20,7 +20,6 @@ from typing import Any
 import yaml
 from redis.exceptions import ResponseError
 
-from worker import attempts, keys
 from worker.admission import admit_for
 from worker.config import (
     PULSAR_SCHEMES,
@@ -32,13 +31,14 @@ from worker.config import (
     parse_settings,
     read_yaml,
 )
+from worker.core import attempts, keys
+from worker.core.messages import rfc3339
 from worker.embedded import recorded_endpoints
 from worker.errors import ConfigError, NotFound, PushWorkerError, UsageError
 from worker.filters import MIXED
 from worker.fleet.published import published
 from worker.fleet.registry import Registry, clear_state
 from worker.fleet.seek import SeekTarget, seek_by_command
-from worker.messages import rfc3339
 from worker.ops.render import Output, table
 from worker.redis_client import AsyncClient, connect, safe_text
 from worker.subscriptions import State, Subscription, is_push, parse_subscription, valid_key

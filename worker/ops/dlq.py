@@ -34,20 +34,21 @@ import pulsar.asyncio as pulsar_async
 from aiolimiter import AsyncLimiter
 
 from worker import consumer as pulsar_adapter
-from worker import keys, logs
+from worker import logs
 from worker.admission import check_secrets, secret_store
-from worker.attempts import AttemptStore
 from worker.config import PulsarSettings
+from worker.core import keys
+from worker.core.attempts import AttemptStore
+from worker.core.delivery import Deliverer
+from worker.core.dispatcher import DeliveryContext, Dispatcher
+from worker.core.messages import Envelope, base64_text, rfc3339
+from worker.core.metrics import Metrics
+from worker.core.redis_batch import Pipeliner
 from worker.deadletter import DeadLetterPublisher, subscribe_cursor
-from worker.delivery import Deliverer
-from worker.dispatcher import DeliveryContext, Dispatcher
 from worker.errors import NotFound
-from worker.messages import Envelope, base64_text, rfc3339
-from worker.metrics import Metrics
 from worker.oidc import Tokens
 from worker.ops.admin import Admin, Target
 from worker.ops.render import Output, inert, table
-from worker.redis_batch import Pipeliner
 from worker.subscriptions import Subscription
 
 QUIET_SECONDS = 2.0  # no message for this long: the cursor holds nothing more for us

@@ -9,8 +9,8 @@ import pulsar
 
 from worker.config import PulsarSettings
 from worker.consumer import client_options
+from worker.core.messages import format_message_id
 from worker.errors import InfrastructureError, strip_userinfo
-from worker.messages import format_message_id
 
 CONNECT_SECONDS = 3.0  # a broker that does not take a connection within this is said at once
 

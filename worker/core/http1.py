@@ -26,7 +26,7 @@ import aiohappyeyeballs
 import httptools
 from yarl import URL
 
-from worker.budgets import ByteBudget, SharedBudget
+from worker.core.budgets import ByteBudget, SharedBudget
 from worker.destinations import GuardedResolver
 from worker.errors import DestinationRefused
 

@@ -9,7 +9,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from worker.delivery import Outcome, Result
+from worker.core.delivery import Outcome, Result
 
 
 class _Slots:

@@ -12,7 +12,7 @@ import time
 from collections import deque
 from typing import Any
 
-from worker.messages import Envelope, batch_entry_bytes
+from worker.core.messages import Envelope, batch_entry_bytes
 
 Item = tuple[Any, Envelope]  # a Pulsar message and what the worker read of it
 OVERDUE = float("-inf")  # the arrival of messages that already waited behind their lane's batch

@@ -10,10 +10,10 @@ from email.utils import parsedate_to_datetime
 
 from yarl import URL
 
-from worker import http1
+from worker.core import http1
+from worker.core.messages import PushRequest
 from worker.destinations import DestinationPolicy, GuardedResolver
 from worker.errors import DestinationRefused
-from worker.messages import PushRequest
 
 USER_AGENT = "push-worker/0.1"
 RESPONSE_BODY_CAP = 64 * 1024  # read at most this much of an endpoint's answer, then drop the connection

@@ -23,19 +23,18 @@ from typing import Any, Protocol
 
 from worker import logs
 from worker.aio import cancel_within, wait_any, wait_event
-from worker.attempts import AttemptRecord
-from worker.backoff import retry_delay
-from worker.batches import Forming, Item
 from worker.breaker import Breaker
-from worker.budgets import ByteBudget, SharedBudget
 from worker.client_tls import ClientCertificates
 from worker.config import DEFAULT_MAX_HELD_BYTES
-from worker.deadletter import DeadLetterPublisher, dead_letter_properties, failing_publishes
-from worker.delivery import Outcome, Result
-from worker.endpoint_health import ERROR_AFTER_SECONDS, EndpointHealth
-from worker.flow import AdaptiveLimit, RateLimit, Window
-from worker.history import attempt_entry, event_entry
-from worker.messages import (
+from worker.core.attempts import AttemptRecord
+from worker.core.backoff import retry_delay
+from worker.core.batches import Forming, Item
+from worker.core.budgets import ByteBudget, SharedBudget
+from worker.core.delivery import Outcome, Result
+from worker.core.endpoint_health import ERROR_AFTER_SECONDS, EndpointHealth
+from worker.core.flow import AdaptiveLimit, RateLimit, Window
+from worker.core.history import attempt_entry, event_entry
+from worker.core.messages import (
     Envelope,
     PushRequest,
     batch_id,
@@ -45,11 +44,12 @@ from worker.messages import (
     memory_per_payload_byte,
     rfc3339,
 )
-from worker.metrics import Metrics
+from worker.core.metrics import Metrics
+from worker.core.signing import SecretStore, SecretUnavailable, auth_headers
+from worker.deadletter import DeadLetterPublisher, dead_letter_properties, failing_publishes
 from worker.oauth2 import OAuth2Tokens
 from worker.oidc import Tokens
 from worker.prefetch import MAX_PREFETCH, prefetch_bytes, too_large
-from worker.signing import SecretStore, SecretUnavailable, auth_headers
 from worker.subscriptions import BatchPolicy, State, Subscription
 from worker.supervisor import Supervisor
 

@@ -22,10 +22,11 @@ import orjson
 from redis.exceptions import ResponseError
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
 
-from worker import keys, logs
+from worker import logs
 from worker.config import RedisSettings
+from worker.core import keys
+from worker.core.redis_batch import BatchScript, Pipeliner
 from worker.failing import Failing
-from worker.redis_batch import BatchScript, Pipeliner
 from worker.redis_client import REDIS_DOWN, AsyncClient, describe, safe_text
 
 # Corrupt state (a key of the wrong type, a counter that is not an integer) must not fail the whole

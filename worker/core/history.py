@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from worker.delivery import Outcome
+from worker.core.delivery import Outcome
 
 
 def attempt_entry(attempt: int, outcome: Outcome, worker_id: str) -> dict[str, Any]:
