@@ -32,9 +32,6 @@ class Forming:
     def __bool__(self) -> bool:
         return self.count > 0
 
-    def has_lane(self, lane: str) -> bool:
-        return lane in self._lanes
-
     def add(self, item: Item, lane: str | None) -> None:
         if lane is None:
             self._loose.append((time.monotonic(), item))
@@ -61,37 +58,33 @@ class Forming:
         """The next batch: at least one message, at most `max_messages`, and no more than `max_bytes`
         (estimated) unless a single message is larger; and for each lane it holds messages of, the
         lane's messages that did not fit (they wait behind the batch, in the dispatcher's lane queue)."""
-        items: list[Item] = []
-        lanes: dict[str, deque[Item]] = {}
-        total = 0
+        batch = _Batch(max_messages, max_bytes)
         self._lanes_first = not self._lanes_first
-        for source in ("lanes", "loose") if self._lanes_first else ("loose", "lanes"):
-            if source == "loose":
-                while self._loose:
-                    size = batch_entry_bytes(self._loose[0][1][1])
-                    if items and (len(items) >= max_messages or total + size > max_bytes):
-                        break
-                    items.append(self._loose.popleft()[1])
-                    total += size
-                continue
-            while self._lanes:
-                lane, (_, queue) = next(iter(self._lanes.items()))
-                size = batch_entry_bytes(queue[0][1])
-                if items and (len(items) >= max_messages or total + size > max_bytes):
-                    break
-                del self._lanes[lane]
-                while queue:
-                    size = batch_entry_bytes(queue[0][1])
-                    if items and (len(items) >= max_messages or total + size > max_bytes):
-                        break
-                    items.append(queue.popleft())
-                    total += size
-                lanes[lane] = queue  # what did not fit waits behind the batch
-                self.count -= len(queue)
-                self.bytes -= sum(batch_entry_bytes(env) for _, env in queue)
-        self.count -= len(items)
-        self.bytes -= total
-        return items, lanes
+        if self._lanes_first:
+            self._take_lanes(batch)
+            self._take_loose(batch)
+        else:
+            self._take_loose(batch)
+            self._take_lanes(batch)
+        self.count -= len(batch.items)
+        self.bytes -= batch.size
+        return batch.items, batch.lanes
+
+    def _take_loose(self, batch: _Batch) -> None:
+        while self._loose and batch.fits(self._loose[0][1][1]):
+            batch.add(self._loose.popleft()[1])
+
+    def _take_lanes(self, batch: _Batch) -> None:
+        while self._lanes:
+            lane, (_, queue) = next(iter(self._lanes.items()))
+            if not batch.fits(queue[0][1]):
+                return
+            del self._lanes[lane]
+            while queue and batch.fits(queue[0][1]):
+                batch.add(queue.popleft())
+            batch.lanes[lane] = queue  # what did not fit waits behind the batch
+            self.count -= len(queue)
+            self.bytes -= sum(batch_entry_bytes(env) for _, env in queue)
 
     def drain(self) -> list[Item]:
         """Everything here (the dispatcher stops: released to the broker)."""
@@ -100,3 +93,22 @@ class Forming:
         self._lanes.clear()
         self.count = self.bytes = 0
         return items
+
+
+class _Batch:
+    """A batch being taken: its messages, their estimated size, the lanes it holds, its bounds."""
+
+    def __init__(self, max_messages: int, max_bytes: int) -> None:
+        self.max_messages, self.max_bytes = max_messages, max_bytes
+        self.items: list[Item] = []
+        self.lanes: dict[str, deque[Item]] = {}
+        self.size = 0
+
+    def fits(self, env: Envelope) -> bool:
+        """Whether `env` may join (the first message always may)."""
+        return not self.items or (len(self.items) < self.max_messages
+                                  and self.size + batch_entry_bytes(env) <= self.max_bytes)
+
+    def add(self, item: Item) -> None:
+        self.items.append(item)
+        self.size += batch_entry_bytes(item[1])

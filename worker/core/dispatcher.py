@@ -546,13 +546,13 @@ class Dispatcher:
         together after the retry delay of the most tried among them."""
         pending: list[Item] = []
         for message, env in items:
-            if env.defect is None and (self.sub.filter is None or self.sub.filter.matches(env.attributes)):
+            if self._sendable(env):
                 pending.append((message, env))
-                continue
-            record = await self._deliver_until_settled(message, env)  # sent nothing: dead-lettered or filtered
-            del unsettled[env.message_id]
-            if record is not None:
-                records.append(record)
+            else:
+                record = await self._settle_unsent(message, env)
+                del unsettled[env.message_id]
+                if record is not None:
+                    records.append(record)
         while pending and not self._stopping.is_set():
             sub = self.sub
             if not (self.may_deliver() or await self._wait_until_may_deliver()):
@@ -561,13 +561,7 @@ class Dispatcher:
             probe = await self.breaker.turn(oldest) if self.breaker.holds() else 0
             pending, delay = await self._try_batch_once(pending, sub, probe, records, unsettled)
             if pending and delay is not None:
-                self.stats.retried += len(pending)
-                self.m.retries.inc(len(pending))
-                self.m.held_for_retry.inc(len(pending))
-                try:
-                    await self._pause(delay)
-                finally:
-                    self.m.held_for_retry.dec(len(pending))
+                await self._hold_for_retry(delay, len(pending))
 
     async def _try_batch_once(self, pending: list[Item], sub: Subscription, probe: int,
                               records: list[Awaitable[None]],
@@ -677,23 +671,39 @@ class Dispatcher:
                 self._spawn(record)
             message, env = following
 
+    def _sendable(self, env: Envelope) -> bool:
+        """Whether `env` is to be sent at all; else `_settle_unsent` settles it."""
+        return env.defect is None and (self.sub.filter is None or self.sub.filter.matches(env.attributes))
+
+    async def _settle_unsent(self, message: Any, env: Envelope) -> Awaitable[None] | None:
+        """Settle a message no request is made for: dead-lettered with its defect, or filtered out."""
+        if not (self.may_deliver() or await self._wait_until_may_deliver()):
+            return None
+        if env.defect is not None:  # no request could carry it faithfully: dead-letter it with the reason
+            self.failure_log.error("undeliverable message", message_id=env.message_id, defect=env.defect)
+            return await self._give_up(message, env, self.sub, 0, env.defect_status,
+                                       [event_entry("unreadable", self.ctx.worker_id, detail=env.defect)])
+        # Not for this subscription (filters are immutable): acked without a request, recorded.
+        self.m.filtered.inc()
+        self.stats.filtered += 1
+        # Kept like a first-time ack (redis.acked_history_ttl_seconds): a filter may skip most of a topic.
+        return await self._ack(message, env, self.sub, [event_entry("filtered", self.ctx.worker_id)],
+                               acked_first_time=True)
+
+    async def _hold_for_retry(self, delay: float, messages: int = 1) -> None:
+        """Wait `delay` before the next attempt of `messages` (counted retries), or until the stop."""
+        self.stats.retried += messages
+        self.m.retries.inc(messages)
+        self.m.held_for_retry.inc(messages)
+        try:
+            await self._pause(delay)
+        finally:
+            self.m.held_for_retry.dec(messages)
+
     async def _deliver_until_settled(self, message: Any, env: Envelope) -> Awaitable[None] | None:
         """Deliver until acked, dead-lettered or dropped; returns the settled record still to write."""
-        if env.defect is not None:  # no request could carry it faithfully: dead-letter it with the reason
-            if self.may_deliver() or await self._wait_until_may_deliver():
-                self.failure_log.error("undeliverable message", message_id=env.message_id, defect=env.defect)
-                return await self._give_up(message, env, self.sub, 0, env.defect_status,
-                                           [event_entry("unreadable", self.ctx.worker_id, detail=env.defect)])
-            return None
-        if self.sub.filter is not None and not self.sub.filter.matches(env.attributes):
-            # Not for this subscription (filters are immutable): acked without a request, recorded.
-            if not (self.may_deliver() or await self._wait_until_may_deliver()):
-                return None
-            self.m.filtered.inc()
-            self.stats.filtered += 1
-            # Kept like a first-time ack (redis.acked_history_ttl_seconds): a filter may skip most of a topic.
-            return await self._ack(message, env, self.sub, [event_entry("filtered", self.ctx.worker_id)],
-                                   acked_first_time=True)
+        if not self._sendable(env):
+            return await self._settle_unsent(message, env)
         while not self._stopping.is_set():
             sub = self.sub  # an edit applies from the next attempt on
             if not (self.may_deliver() or await self._wait_until_may_deliver()):
@@ -705,13 +715,7 @@ class Dispatcher:
             if not isinstance(step, _Again):
                 return step
             if step.retry_delay is not None:
-                self.stats.retried += 1
-                self.m.retries.inc()
-                self.m.held_for_retry.inc()
-                try:
-                    await self._pause(step.retry_delay)
-                finally:
-                    self.m.held_for_retry.dec()
+                await self._hold_for_retry(step.retry_delay)
         return None
 
     async def _try_once(self, message: Any, env: Envelope, sub: Subscription,
