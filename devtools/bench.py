@@ -957,7 +957,7 @@ class Run:
                                         batch=None if m is None else {"max_messages": m, "max_wait_ms": 20})
                            for _, m in cases])
             floors.append(b.batch_floor(f"batch-floor-{r + 1}", 100))
-        ratios = [figures[-1].cpu_us and figures[0].cpu_us / figures[-1].cpu_us for figures in rounds]
+        ratios = [figures[0].cpu_us / figures[-1].cpu_us for figures in rounds]
         median = rounds[ratios.index(statistics.median_low(ratios))]
         print(f"batch: {b.messages} messages of 1 KiB, shared, content wrapped, max_wait_ms 20, max_ack_pending "
               f"the larger of {b.concurrency} and 2 M; msg/s per core = 1e6 / worker CPU us per message "

@@ -15,9 +15,14 @@ import types
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from worker.errors import ConfigError
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance  # a type for checking only: typeshed has no runtime module
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 class FieldReader:
@@ -96,9 +101,12 @@ def setting(default: Any = dataclasses.MISSING, low: float | None = None, high: 
     return field(default=default, metadata=meta, repr=not hidden)
 
 
-def yaml_fields(section: type) -> set[str]:
-    """The names a mapping of `section` may hold: its declared fields (top-level names of a `yaml` path)."""
-    return {(f.metadata["yaml"] or f.name).split(".")[0] for f in fields(section) if "help" in f.metadata}
+def yaml_fields(section: type, under: str = "") -> set[str]:
+    """The names a mapping of `section` may hold: its declared fields (the first name of each `yaml`
+    path); `under`: those of the mapping at that path (`deliver.push`)."""
+    prefix = under + "." if under else ""
+    paths = [f.metadata["yaml"] or f.name for f in fields(section) if "help" in f.metadata]
+    return {path[len(prefix):].split(".")[0] for path in paths if path.startswith(prefix)}
 
 
 def bounds(section: type, name: str) -> tuple[int, int]:
@@ -133,10 +141,10 @@ def read(section: type, r: FieldReader, name: str) -> Any:
     return r.number(key, value, meta["low"], meta["high"])
 
 
-def declared(section: type, r: FieldReader, extra: frozenset[str] = frozenset(), **by_hand: Any) -> Any:
+def declared(section: type[T], r: FieldReader, **by_hand: Any) -> T:
     """A mapping of `section` read from `r` by its declarations: every field not read by hand by its
-    declaration, the others from `by_hand`; a name neither declared nor in `extra` is refused."""
-    r.reject_unknown(yaml_fields(section) | extra)
+    declaration, the others from `by_hand`; a name not declared is refused."""
+    r.reject_unknown(yaml_fields(section))
     values = dict(by_hand)
     for f in fields(section):
         if f.name not in values and "help" in f.metadata and not f.metadata["by_hand"]:

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from worker.core.signing import SECRET_NAME_RULE, SecretRef, secret_name_ok
 from worker.errors import ConfigError
-from worker.fields import FieldReader, bounds, declared, read, setting
+from worker.fields import FieldReader, bounds, declared, read, setting, yaml_fields
 from worker.filters import Filter, FilterError, parse_filter
 from worker.oauth2 import OAuth2
 from worker.oidc import Oidc
@@ -311,9 +311,7 @@ def parse_subscription(data: Any, where: str = "", *, trusted: bool = False, sto
     name_value = data.get("name")
     where = f"subscription {name_value!r}" if isinstance(name_value, str) else (where or "subscription")
     r = FieldReader(where, data)
-    r.reject_unknown({"name", "topic", "type", "ack_deadline_seconds", "max_deliver", "max_ack_pending",
-                      "max_concurrency", "start_from", "retry", "deliver", "dead_letter", "display_name",
-                      "filter"})
+    r.reject_unknown(yaml_fields(Subscription))
     name = r.text("name")
     if not NAME_PATTERN.match(name):
         raise r.fail("name", NAME_RULE)
@@ -328,8 +326,7 @@ def parse_subscription(data: Any, where: str = "", *, trusted: bool = False, sto
     if deliver.choice("mode", MODES, "pull") != "push":
         raise deliver.fail("mode", "must be push for this fleet (pull subscriptions are ignored)")
     push = deliver.sub("push")
-    push.reject_unknown({"url", "content", "signing_secrets", "bearer_token", "cloudevents", "oidc", "rate_limit",
-                       "breaker", "tls", "oauth2", "batch"})
+    push.reject_unknown(yaml_fields(Subscription, under="deliver.push"))
     url = _check_url(push, push.text("url"))
     content = read(Subscription, push, "content")
     cloudevents = _cloudevents(push, content)
@@ -342,7 +339,7 @@ def parse_subscription(data: Any, where: str = "", *, trusted: bool = False, sto
         raise push.fail("oauth2", "cannot be combined with bearer_token or oidc (each sets Authorization)")
 
     retry_reader = r.sub("retry")
-    retry: RetryPolicy = declared(RetryPolicy, retry_reader)
+    retry = declared(RetryPolicy, retry_reader)
     if retry.max_backoff_seconds < retry.min_backoff_seconds:
         raise retry_reader.fail("max_backoff_seconds",
                                 f"must be >= min_backoff_seconds ({retry.min_backoff_seconds:g})")
@@ -419,7 +416,7 @@ def _batch(push: FieldReader, content: str) -> BatchPolicy | None:
         return None
     if content not in BATCHED_CONTENT:
         raise push.fail("batch", f"needs content {' or '.join(BATCHED_CONTENT)} (content {content} has no batch form)")
-    return declared(BatchPolicy, push.sub("batch"))  # type: ignore[no-any-return]
+    return declared(BatchPolicy, push.sub("batch"))
 
 
 def _oauth2(push: FieldReader, project: str, trusted: bool) -> OAuth2 | None:
@@ -460,7 +457,7 @@ def _breaker(push: FieldReader) -> BreakerPolicy | None:
         return None
     if not isinstance(value, dict):
         raise push.fail("breaker", "must be off or {open_after_seconds: S, probe_interval_seconds: P}")
-    return declared(BreakerPolicy, push.sub("breaker"))  # type: ignore[no-any-return]
+    return declared(BreakerPolicy, push.sub("breaker"))
 
 
 def _oidc(push: FieldReader) -> Oidc | None:
@@ -505,4 +502,4 @@ def _cloudevents(push: FieldReader, content: str) -> CloudEvents:
             values[name] = ce.text(name)
             if not _HEADER_TEXT_RE.match(values[name]):
                 raise ce.fail(name, "must be 1-256 visible ASCII characters without spaces")
-    return declared(CloudEvents, ce, frozenset(), **values)  # type: ignore[no-any-return]
+    return declared(CloudEvents, ce, **values)
