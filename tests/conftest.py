@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 from aiohttp import web
 
 from devtools import redis_topologies
@@ -29,6 +30,7 @@ from tests.support.pulsar_client import Client
 from tests.support.redis_targets import RedisTarget
 from worker import embedded
 from worker.config import RedisSettings
+from worker.fleet.registry import Registry
 from worker.service import Worker
 from worker.subscriptions import Subscription
 
@@ -157,6 +159,14 @@ def redis_url(redis_service: embedded.Service) -> str:
     client.flushall()
     client.close()
     return redis_service.url
+
+
+@pytest.fixture
+async def registry(redis_url: str) -> AsyncIterator[Registry]:
+    """The default fleet's registry on the test's Redis, written as `subs apply` writes it."""
+    client = aioredis.Redis.from_url(redis_url)
+    yield Registry(client, "default")
+    await client.aclose()
 
 
 def _topology(start: Callable[[Path], Any], directory: Path) -> Iterator[Any]:

@@ -15,7 +15,6 @@ from typing import Any
 
 import jwt
 import pytest
-import redis.asyncio as aioredis
 from aiohttp import web
 from cloudevents.http import from_json
 from cryptography.hazmat.primitives import serialization
@@ -198,10 +197,8 @@ async def test_cloudevents_batches_use_the_json_batch_format_read_by_the_officia
 
 
 async def test_a_batch_applied_through_the_registry_is_shown_by_subs_get_and_edited_live(
-        start_worker, endpoint: Endpoint, client: Client, topic, redis_url):
+        start_worker, endpoint: Endpoint, client: Client, topic, redis_url, registry: Registry):
     definition = batched(topic, endpoint.url, {"max_messages": 5, "max_wait_ms": 100}) | {"name": "batched"}
-    redis = aioredis.Redis.from_url(redis_url)
-    registry = Registry(redis, "default")
     await registry.apply_all([definition])
     client.publish(topic, [b"a%d" % i for i in range(20)])
     w = await start_worker()
@@ -227,7 +224,6 @@ async def test_a_batch_applied_through_the_registry_is_shown_by_subs_get_and_edi
     await eventually(lambda: w.dispatchers[key].stats.acked == 41, what="delivered alone")
     [rec] = endpoint.requests[before:]
     assert rec.headers["Pubsub-Message-Id"] == mid and json.loads(rec.body)["message"]["message_id"] == mid
-    await redis.aclose()
 
 
 async def test_an_oidc_token_goes_with_each_batch_and_verifies_with_the_published_keys(

@@ -9,7 +9,6 @@ import json
 import time
 
 import pytest
-import redis.asyncio as aioredis
 
 from tests.support.builders import push_sub
 from tests.support.endpoints import Endpoint
@@ -68,13 +67,11 @@ def test_a_rate_limit_is_checked_at_load_and_its_burst_defaults_to_the_rate():
 
 
 async def test_requests_stay_within_the_rate_limit_at_every_instant_and_a_registry_edit_applies(
-        start_worker, endpoint: Endpoint, client: Client, topic, redis_url):
+        start_worker, endpoint: Endpoint, client: Client, topic, redis_url, registry: Registry):
     """R = 20 with a backlog: over 20 s the endpoint's arrivals stay within 20 t + B at every instant
     (and keep up with the rate); the registry lowers it to 5 and the next arrivals keep to that."""
     definition = push_sub("limited", topic, endpoint.url)
     definition["deliver"]["push"]["rate_limit"] = {"messages_per_second": 20, "burst": 10}
-    redis = aioredis.Redis.from_url(redis_url)
-    registry = Registry(redis, "default")
     await registry.apply_all([definition])
     client.publish(topic, [b"m%d" % i for i in range(600)])
     w = await start_worker()
@@ -102,4 +99,3 @@ async def test_requests_stay_within_the_rate_limit_at_every_instant_and_a_regist
     assert after and within_bucket([changed, *after], 5, 2 + 1, slack=2) == [], after
     code, out, err = await cli("subs", "get", "limited", "--redis-url", redis_url, "--json")
     assert code == 0 and json.loads(out)["rate_limit"] == {"messages_per_second": 5, "burst": 2}, (out, err)
-    await redis.aclose()
