@@ -55,6 +55,9 @@ class SimulatedWorker:
     async def seek(self, key: str, target: Any) -> int:
         return 0
 
+    async def partitions(self, topic: str) -> int:
+        return 1
+
 
 def scale_subscription(i: int) -> Subscription:
     """The i-th of the scale run's subscriptions (its endpoint never answers: nothing is delivered)."""

@@ -73,7 +73,7 @@ def fleet() -> dict[str, Any]:
              "p99"),
         ], 0, 8, "s"),
         panel(4, "Backlog by subscription", [(
-            f"sum by (project, subscription) (pushworker_subscription_backlog{{{f}}})",
+            f"max by (project, subscription) (pushworker_subscription_backlog{{{f}}})",
             "{{project}}/{{subscription}}")], 12, 8),
         panel(5, "Dead-lettered per second", [(
             f"sum by (project, subscription) (rate(pushworker_messages_dead_lettered_total{{{f}}}[{R}]))",
@@ -116,7 +116,8 @@ def subscription() -> dict[str, Any]:
             (f"histogram_quantile(0.99, sum by (le, {by}) "
              f"(rate(pushworker_delivery_duration_seconds_bucket{{{sel}}}[{R}])))", f"{name} p99"),
         ], 12, 0, "s"),
-        panel(3, "Backlog", [(f"sum by ({by}) (pushworker_subscription_backlog{{{sel}}})", name)], 0, 8),
+        # Every worker serving a spread subscription reports its backlog: max, not sum.
+        panel(3, "Backlog", [(f"max by ({by}) (pushworker_subscription_backlog{{{sel}}})", name)], 0, 8),
         panel(4, "Retries, dead-letters and drops per second", [
             (f"sum by ({by}) (rate(pushworker_retries_total{{{sel}}}[{R}]))", f"{name} retries"),
             (f"sum by ({by}) (rate(pushworker_messages_dead_lettered_total{{{sel}}}[{R}]))", f"{name} dead-lettered"),
@@ -134,6 +135,8 @@ def subscription() -> dict[str, Any]:
         panel(8, "State (Active, Error, Suspended, Seeking, Starting, Paused, Expired)", [(
             f"max by ({by}, state) (pushworker_subscription_state{{{sel}}})", f"{name} {{{{state}}}}")],
             12, 24, kind="table", w=12),
+        panel(9, "Workers serving it (max_workers above 1)", [(
+            f"max by ({by}) (pushworker_subscription_workers{{{sel}}})", name)], 0, 32),
     ], [JOB_VAR, PROJECT_VAR, SUB_VAR])
 
 

@@ -28,7 +28,8 @@ def hash_tag(key: str) -> str:
        st.from_regex(r"[0-9]{1,6}:[0-9]{1,6}:-?[0-9]{1,3}:-?[0-9]{1,3}", fullmatch=True))
 def test_every_key_of_a_subscription_shares_its_hash_tag(sub_key, message_id):
     built = [f(sub_key) for f in SUB_KEY_BUILDERS]
-    built += [keys.message_key(sub_key, message_id), keys.history_key(sub_key, message_id)]
+    built += [keys.message_key(sub_key, message_id), keys.history_key(sub_key, message_id), keys.workers_key(sub_key),
+              keys.lease_key(sub_key, 1), keys.lease_key(sub_key, 63), keys.status_key(sub_key, 2)]
     assert {hash_tag(k) for k in built} == {sub_key}
     assert len(set(built)) == len(built)  # no two builders collide
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.fleet.leases import Lease, assign
+from worker.fleet.leases import Lease, assign, unit, unit_parts, units
 
 pytestmark = pytest.mark.broker_independent
 
@@ -52,3 +52,24 @@ def test_a_lease_is_fenced_before_it_could_expire_in_redis():
     assert lease.due(sent + 3.5)  # less than half the lease left (8 - 3.5 < 5): renew
     lease.renewed(sent - 10)
     assert not lease.valid()
+
+
+widths_ = st.dictionaries(st.from_regex(r"p-[a-z]{1,6}/[a-z]{1,8}", fullmatch=True), st.integers(1, 6), max_size=30)
+
+
+@settings(max_examples=200, deadline=None)
+@given(widths_, members_)
+def test_a_subscriptions_slots_go_to_distinct_workers_as_many_as_there_are(widths, members):
+    owners = assign(units(widths), members)
+    for key, width in widths.items():
+        holders = [owners[unit(key, slot)] for slot in range(width) if unit(key, slot) in owners]
+        assert len(holders) == len(set(holders)) == min(width, len(members))
+    assert assign(units(widths), members) == assign(list(reversed(units(widths))), list(reversed(members)))
+
+
+def test_subscriptions_of_one_slot_are_assigned_as_before_slots_existed():
+    """Slot 0 is spelt as the subscription's key: the previous release's workers, which know no
+    slots, compute the same owners in a mixed fleet."""
+    sub_keys = [f"p-x/s{i:03d}" for i in range(200)]
+    assert units(dict.fromkeys(sub_keys, 1)) == sub_keys
+    assert unit_parts("p-x/s001") == ("p-x/s001", 0) and unit_parts(unit("p-x/s001", 3)) == ("p-x/s001", 3)

@@ -105,7 +105,8 @@ async def test_every_panel_query_and_alert_returns_series_against_a_scraped_work
         return web.Response(status=500 if name.startswith("failing") else 204)
 
     endpoint.behaviour = behave
-    good = make_sub(topic, endpoint.url, name="healthy-" + topic[-6:])
+    # May spread (pushworker_subscription_workers); served by the one worker here.
+    good = make_sub(topic, endpoint.url, name="healthy-" + topic[-6:], max_workers=2)
     stuck = make_sub(topic + "-k", endpoint.url, name="stuck-" + topic[-6:], max_ack_pending=1,
                      ack_deadline_seconds=600)
     bad = make_sub(topic + "-b", endpoint.url, name="failing-" + topic[-6:], max_deliver=2,

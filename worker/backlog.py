@@ -8,6 +8,7 @@ Two sources, whichever is configured: the Pulsar admin REST API (topic stats, `m
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -101,7 +102,8 @@ class BacklogReport:
     interval, so it has a figure from its start. Its failures never stop delivery."""
 
     def __init__(self, reader: BacklogReader, expiry: ExpiryWatch, served: Mapping[str, Any], metrics: Metrics,
-                 expire: Callable[[str], Awaitable[Any]], interval: float, log: Any) -> None:
+                 expire: Callable[[str], Awaitable[Any]], interval: float, log: Any,
+                 readings: dict[str, tuple[float, float]] | None = None) -> None:
         self.reader = reader
         self.expiry = expiry
         self.served = served  # key -> its dispatcher (with `.sub`)
@@ -110,6 +112,8 @@ class BacklogReport:
         self.interval = interval
         self.log = log
         self.newly_served = asyncio.Event()
+        # Every reading, (backlog, monotonic time), by key: how the fleet decides a spread subscription's width.
+        self.readings: dict[str, tuple[float, float]] = {} if readings is None else readings
 
     async def run(self) -> None:
         while True:
@@ -125,7 +129,11 @@ class BacklogReport:
 
     async def read_once(self) -> None:
         backlogs = await self.reader.read([d.sub for d in self.served.values()])
+        read_at = time.monotonic()
+        for key in [k for k in self.readings if k not in self.served]:
+            del self.readings[key]
         for key, value in backlogs.items():
+            self.readings[key] = (value, read_at)
             served = self.served.get(key)
             if served is not None:
                 self.metrics.backlog.labels(served.sub.tenant, served.sub.name).set(value)

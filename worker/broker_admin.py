@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import ssl
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import quote
 
@@ -22,6 +23,7 @@ import aiohttp
 from yarl import URL
 
 from worker.core.delivery import USER_AGENT
+from worker.redis_client import REDIS_DOWN
 from worker.subscriptions import Subscription, topic_parts
 
 OPERATOR_CONSUMERS = "push-worker-"  # seek, purge and redrive consumers of the operator commands
@@ -158,16 +160,22 @@ async def unload(session: aiohttp.ClientSession, admin_url: str, topic: str) -> 
 
 
 async def evict_stale_consumers(session: aiohttp.ClientSession, admin_url: str, sub: Subscription,
-                                worker_id: str, log: Any, metrics: Any) -> None:
+                                worker_id: str, log: Any, metrics: Any,
+                                holders: Callable[[], Awaitable[set[str]]] | None = None) -> None:
     """Once this worker serves `sub`: a consumer of another worker still on it is a frozen one (see
-    above); unload the topic so its messages come back now, not when the broker's keepalive drops
-    it. Best effort: a failure is logged and delivery goes on."""
+    above), unless that worker holds another of the subscription's slots (`holders`, read after the
+    broker's list, so a worker that joined meanwhile is in it); unload the topic so its messages come
+    back now, not when the broker's keepalive drops it. Best effort: a failure is logged and
+    delivery goes on."""
     try:
         stale = await stale_consumers(session, admin_url, sub, worker_id)
+        if stale and holders is not None:
+            serving = await holders()
+            stale = [name for name in stale if name not in serving]
         if stale:
             log.warning("stale consumers on the broker; unloading the topic to reclaim their messages",
                         subscription=sub.key, consumers=stale)
             await unload(session, admin_url, sub.topic)
-    except (aiohttp.ClientError, TimeoutError, AdminError, ValueError) as e:
+    except (aiohttp.ClientError, TimeoutError, AdminError, ValueError, *REDIS_DOWN) as e:
         metrics.broker_errors.labels("admin").inc()
         log.warning("stale consumer check failed", subscription=sub.key, error=f"{type(e).__name__}: {e}")

@@ -130,6 +130,11 @@ class FleetSettings:
                                           help="...for this long: state Expired (the platform's policy)")
     max_subscriptions_per_project: int = setting(1000, 1, 100_000,
                                                  help="a project's registry entries beyond this are Invalid")
+    backlog_per_worker: int = setting(5000, 1, 10**12, help="a subscription with max_workers > 1 gets one more "
+                                                            "worker while its backlog exceeds this per serving "
+                                                            "worker (the HPA's per-replica target)")
+    spread_quiet_seconds: float = setting(300.0, 0.0, 86_400.0, help="...and one fewer after its backlog stayed "
+                                                                     "below what one fewer is for this long")
 
 
 # Payload bytes of the messages one subscription holds at once (taken from the broker, not settled):

@@ -21,8 +21,8 @@ from worker.core.messages import PAYLOAD_TOO_LARGE, Envelope, base64_text, forma
 from worker.prefetch import default_prefetch
 from worker.subscriptions import Subscription
 
-# The fleet holds exactly one consumer per subscription and enforces per-key order itself (the
-# dispatcher's lanes), so key-shared needs no broker-side key routing: a Shared consumer redelivers
+# A subscription served by one worker has one consumer, and the worker enforces per-key order itself
+# (the dispatcher's lanes), so key-shared needs no broker-side key routing there: a Shared consumer redelivers
 # unacked messages in position order, which keeps per-key order across a handover. Measured on
 # pulsar-lite: its Key_Shared stalls redelivery after a reconnect (4 of 50 unacked came back) and
 # its Failover redelivers when individual acks arrive out of order (1,000 published, 1,488
@@ -33,6 +33,16 @@ CONSUMER_TYPES = {
     "exclusive": pulsar.ConsumerType.Exclusive,
     "failover": pulsar.ConsumerType.Failover,
 }
+
+
+def consumer_type(sub: Subscription) -> Any:
+    """The Pulsar consumer type `sub` is consumed with. A key-shared subscription that may spread
+    over several workers (`max_workers` > 1) needs the broker's key routing to keep a key on one of
+    them: Key_Shared (auto-split), whose rules for a joining consumer keep per-key order while workers
+    come and go. Its producers must batch by key, or not at all (Pulsar's rule for Key_Shared)."""
+    if sub.type == "key-shared" and sub.max_workers > 1:
+        return pulsar.ConsumerType.KeyShared
+    return CONSUMER_TYPES[sub.type]
 
 
 def quiet_logger() -> Any:
@@ -330,7 +340,7 @@ async def subscribe(client: pulsar_async.Client, sub: Subscription, consumer_nam
     return PulsarConsumer(await client.subscribe(
         sub.topic,
         sub.pulsar_subscription,
-        consumer_type=CONSUMER_TYPES[sub.type],
+        consumer_type=consumer_type(sub),
         initial_position=(pulsar.InitialPosition.Earliest if sub.start_from == "all"
                           else pulsar.InitialPosition.Latest),
         receiver_queue_size=receiver_queue_size or default_prefetch(sub.max_ack_pending),

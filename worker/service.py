@@ -134,7 +134,7 @@ class Worker:
             self.backlog = BacklogReport(reader, ExpiryWatch(self.redis, s.fleet.expire_backlog,
                                                              s.fleet.expire_after_seconds),
                                          self.served.dispatchers, self.metrics, self.fleet.registry.expire,
-                                         s.pulsar.backlog_interval_seconds, self.log)
+                                         s.pulsar.backlog_interval_seconds, self.log, readings=self.fleet.backlogs)
             self.supervisor.spawn("backlog", self.backlog.run)
         else:
             self.log.warning("no backlog source: set pulsar.admin_url (or pulsar.metrics_url); without it there is "

@@ -19,12 +19,14 @@ from worker.config import Settings
 from worker.core.dispatcher import CLOSE_TIMEOUT, DeliveryContext, Dispatcher, Fence, Stats
 from worker.core.messages import Envelope
 from worker.errors import PushWorkerError
-from worker.fleet import seek
+from worker.fleet import leases, seek
 from worker.fleet.seek import SeekTarget
 from worker.prefetch import LargestMessages, prefetch_bytes, prefetch_for
 from worker.redis_client import AsyncClient
 from worker.subscriptions import State, Subscription
 from worker.supervisor import log_task_failure
+
+PARTITIONS_TTL = 300.0  # seconds a topic's partition count is used before it is looked up again
 
 
 class Serving:
@@ -64,6 +66,7 @@ class Serving:
         self._orphans: set[asyncio.Future[None]] = set()
         self.broker_answered = False  # a subscribe succeeded, or the broker refused one (it is reachable)
         self.collector = Collector()
+        self._partitions: dict[str, tuple[int, float]] = {}  # topic -> (partitions, when looked up)
 
     @property
     def stopping(self) -> bool:
@@ -109,8 +112,11 @@ class Serving:
         dispatcher.start()
         self.on_served()
         if self.settings.pulsar.admin_url:
+            # A spread subscription's other consumers are its other slots' holders, not stale ones.
+            holders = functools.partial(leases.holders, self.redis, sub.key, sub.max_workers) \
+                if sub.max_workers > 1 else None
             self._spawn(broker_admin.evict_stale_consumers(self.session, self.settings.pulsar.admin_url, sub,
-                                                           self.worker_id, self.log, self.metrics),
+                                                           self.worker_id, self.log, self.metrics, holders),
                         f"evict {sub.key}", "evict")
 
     async def _subscribe(self, sub: Subscription, prefetch: int) -> pulsar_adapter.PulsarConsumer:
@@ -185,6 +191,22 @@ class Serving:
         else:
             self.broker_answered = True
         return self.broker_answered
+
+    async def partitions(self, topic: str) -> int:
+        """How many partitions `topic` has (1 when it is not partitioned, or the broker does not say),
+        looked up at most every PARTITIONS_TTL: a failover subscription spreads over at most that many."""
+        known = self._partitions.get(topic)
+        now = asyncio.get_running_loop().time()
+        if known is not None and now - known[1] < PARTITIONS_TTL:
+            return known[0]
+        try:
+            count = len(await asyncio.wait_for(self.pulsar.get_topic_partitions(topic), timeout=5))
+        except Exception as e:
+            self.metrics.broker_errors.labels("lookup").inc()
+            self.log.warning("partition lookup failed", topic=topic, error=pulsar_adapter.broker_error_text(e))
+            return known[0] if known is not None else 1
+        self._partitions[topic] = (max(1, count), now)
+        return max(1, count)
 
     # -- replace -----------------------------------------------------------------------------
 

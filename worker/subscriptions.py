@@ -66,6 +66,7 @@ class RetryPolicy:
                                          "(at least min_backoff_seconds; the worker waits at least 0.1 s)")
 
 
+MAX_WORKERS = 64  # workers one subscription may spread over
 MAX_RATE = 100_000.0  # requests a second: a bound on what one subscription may ask for, not a target
 
 
@@ -138,6 +139,8 @@ class Subscription:
     max_concurrency: int | None = setting(None, 1, 10_000, read_by_hand=True,
                                           help="requests in flight at most (below max_ack_pending)")
     start_from: str = setting("all", choices=START_FROM, help="where a new subscription starts (immutable)")
+    max_workers: int = setting(1, 1, MAX_WORKERS, help="workers that may serve it at once, each with a consumer "
+                               "(exclusive: 1; failover: up to the topic's partitions)")
     retry: RetryPolicy = setting(RetryPolicy, section=True, help="the backoff between attempts")
     dead_letter_topic: str | None = setting(None, read_by_hand=True, yaml="dead_letter.topic",
                                             help="where exhausted messages go, in the project's tenant ("
@@ -345,6 +348,11 @@ def parse_subscription(data: Any, where: str = "", *, trusted: bool = False, sto
                                 f"must be >= min_backoff_seconds ({retry.min_backoff_seconds:g})")
 
     max_deliver = read(Subscription, r, "max_deliver")
+    kind = read(Subscription, r, "type")
+    max_workers = read(Subscription, r, "max_workers")
+    if kind == "exclusive" and max_workers > 1:
+        raise r.fail("max_workers", f"must be 1 for type exclusive (one consumer at a time; got {max_workers}): "
+                                    "use shared or key-shared to spread a subscription over several workers")
     dead_letter_topic = None
     if r.has("dead_letter"):
         dl = r.sub("dead_letter")
@@ -366,7 +374,7 @@ def parse_subscription(data: Any, where: str = "", *, trusted: bool = False, sto
         name=name,
         topic=topic,
         url=url,
-        type=read(Subscription, r, "type"),
+        type=kind,
         content=content,
         ack_deadline_seconds=read(Subscription, r, "ack_deadline_seconds"),
         max_deliver=max_deliver,
@@ -374,6 +382,7 @@ def parse_subscription(data: Any, where: str = "", *, trusted: bool = False, sto
         max_concurrency=(r.integer("max_concurrency", 0, *bounds(Subscription, "max_concurrency"))
                          if r.has("max_concurrency") else None),
         start_from=read(Subscription, r, "start_from"),
+        max_workers=max_workers,
         retry=retry,
         display_name=display_name,
         dead_letter_topic=dead_letter_topic,

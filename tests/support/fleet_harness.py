@@ -70,14 +70,16 @@ class WorkerProcess:
 
 
 class FleetHarness:
-    def __init__(self, tmp: Path, broker_url: str, redis: str | RedisTarget, admin_url: str = "", **fleet: Any) -> None:
+    def __init__(self, tmp: Path, broker_url: str, redis: str | RedisTarget, admin_url: str = "",
+                 pulsar: dict[str, Any] | None = None, **fleet: Any) -> None:
+        """`pulsar`: more of the workers' pulsar settings (a backlog source, say); `fleet`: their fleet settings."""
         self.tmp = tmp
         target = redis if isinstance(redis, RedisTarget) else RedisTarget("standalone", RedisSettings(url=redis),
                                                                           {"url": redis})
         self.redis = target.client()
         self.config = tmp / "worker.yaml"
         self.config.write_text(yaml.safe_dump({
-            "pulsar": {"service_url": broker_url, **({"admin_url": admin_url} if admin_url else {})},
+            "pulsar": {"service_url": broker_url, **({"admin_url": admin_url} if admin_url else {}), **(pulsar or {})},
             "redis": target.config,
             "destinations": {"allow_private": True}, "shutdown_grace_seconds": 10,
             "log": {"format": "json", "level": "debug"},
@@ -104,6 +106,11 @@ class FleetHarness:
         return subprocess.run([sys.executable, "-m", "worker.cli", *args, "--config", str(self.config)],
                               capture_output=True, text=True, timeout=60, cwd=code,
                               env={**os.environ, **code_path(code)})
+
+    def holders(self, key: str, slots: int) -> list[str]:
+        """The workers holding the subscription's slots, by slot ("" where none does)."""
+        values = self.redis.mget([lease_key(key, slot) for slot in range(slots)])  # one hash tag
+        return [v.decode() if v else "" for v in values]
 
     def owners(self, keys: list[str]) -> dict[str, str | None]:
         values = [self.redis.get(lease_key(k)) for k in keys]  # one slot each: no MGET on a cluster

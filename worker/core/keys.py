@@ -55,9 +55,15 @@ def settled_key(subscription_key: str) -> str:
     return f"{PREFIX}:{tag(subscription_key)}:settled"
 
 
-def lease_key(subscription_key: str) -> str:
-    """Who serves the subscription: the owner's worker id, with the lease's expiry."""
-    return f"{PREFIX}:{tag(subscription_key)}:lease"
+def lease_key(subscription_key: str, slot: int = 0) -> str:
+    """Who serves the subscription's `slot`: the holder's worker id, with the lease's expiry. Slot 0
+    is the subscription's own lease (the only one of a subscription on one worker, as before slots)."""
+    return f"{PREFIX}:{tag(subscription_key)}:lease" + (f":{slot}" if slot else "")
+
+
+def workers_key(subscription_key: str) -> str:
+    """How many workers serve the subscription now (1..max_workers), as its slot 0's holder decides."""
+    return f"{PREFIX}:{tag(subscription_key)}:workers"
 
 
 def config_definition_key(subscription_key: str) -> str:
@@ -66,9 +72,10 @@ def config_definition_key(subscription_key: str) -> str:
     return f"{PREFIX}:{tag(subscription_key)}:config-definition"
 
 
-def status_key(subscription_key: str) -> str:
-    """The owner's status report for `subs list`: a hash (state, counters), expiring."""
-    return f"{PREFIX}:{tag(subscription_key)}:status"
+def status_key(subscription_key: str, slot: int = 0) -> str:
+    """The status report of the holder of the subscription's `slot`, for `subs list`: a hash (state,
+    counters), expiring."""
+    return f"{PREFIX}:{tag(subscription_key)}:status" + (f":{slot}" if slot else "")
 
 
 def seek_key(subscription_key: str) -> str:

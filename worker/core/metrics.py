@@ -9,7 +9,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 SUB = ("project", "subscription")
-BROKER_OPERATIONS = ("receive", "ack", "subscribe", "backlog", "admin", "dead_letter")
+BROKER_OPERATIONS = ("receive", "ack", "subscribe", "backlog", "admin", "dead_letter", "lookup")
 
 
 class Metrics:
@@ -84,6 +84,8 @@ class Metrics:
         self.assigned = Gauge("pushworker_subscription_assigned", "1 for each subscription the fleet assigns to "
                               "this worker (served, paused or expired): one worker reports each existing one",
                               SUB, registry=r)
+        self.workers = Gauge("pushworker_subscription_workers", "Workers the fleet has decided serve the "
+                             "subscription (max_workers), reported by the holder of its slot 0", SUB, registry=r)
         self.state = Gauge("pushworker_subscription_state", "1 for the subscription's state (Active, Error, "
                            "Seeking; Paused and Expired from the worker it is assigned to)", (*SUB, "state"),
                            registry=r)

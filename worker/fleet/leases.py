@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import hashlib
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 
 from worker.core import keys
 from worker.core.redis_batch import BatchScript
@@ -42,28 +42,57 @@ return 0
 """
 
 
-def _weight(member: str, sub_key: str) -> int:
-    return int.from_bytes(hashlib.blake2b(f"{member}\0{sub_key}".encode(), digest_size=8).digest(), "big")
+def _weight(member: str, unit: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{member}\0{unit}".encode(), digest_size=8).digest(), "big")
 
 
-def assign(sub_keys: Iterable[str], members: Iterable[str]) -> dict[str, str]:
-    """Rendezvous hashing with bounded loads: each subscription goes to its highest-ranked member
-    that has fewer than ceil(S/M). Every worker computes the same answer; spread is even (within
-    one); a join or leave moves about 1/N of the subscriptions."""
+# A unit of assignment is one slot of a subscription: slot 0 is spelt as the subscription's key (so
+# a fleet whose subscriptions all have one slot assigns exactly as before slots existed, and the
+# previous release's workers agree with this one's), slot i > 0 as `<key>#<i>` ('#' is in no key).
+def unit(sub_key: str, slot: int) -> str:
+    return f"{sub_key}#{slot}" if slot else sub_key
+
+
+def unit_parts(name: str) -> tuple[str, int]:
+    """(subscription key, slot) of a unit."""
+    key, _, slot = name.partition("#")
+    return key, int(slot) if slot else 0
+
+
+def units(widths: Mapping[str, int]) -> list[str]:
+    """Every slot of every subscription: `widths` maps a key to how many workers serve it now."""
+    return [unit(key, slot) for key, width in widths.items() for slot in range(max(1, width))]
+
+
+def assign(unit_names: Iterable[str], members: Iterable[str]) -> dict[str, str]:
+    """Rendezvous hashing with bounded loads: each unit goes to its highest-ranked member that has
+    fewer than ceil(U/M) and holds no other slot of the same subscription (two slots on one worker
+    would be one consumer's work done twice over). Every worker computes the same answer; spread is
+    even (within one); a join or leave moves about 1/N of the units. A slot no member can take (more
+    slots than members) is left out; one only over-full members could take goes over the bound."""
     ranked_members = sorted(set(members))
-    keys_sorted = sorted(set(sub_keys))
+    names = sorted(set(unit_names))
     if not ranked_members:
         return {}
-    cap = -(-len(keys_sorted) // len(ranked_members))
+    cap = -(-len(names) // len(ranked_members))
     load = dict.fromkeys(ranked_members, 0)
+    holding: dict[str, set[str]] = {}  # subscription key -> members holding one of its slots
     out: dict[str, str] = {}
-    for key in keys_sorted:
-        for member in sorted(ranked_members, key=lambda m: _weight(m, key), reverse=True):
-            if load[member] < cap:
-                out[key] = member
-                load[member] += 1
-                break
+    for name in names:
+        taken = holding.setdefault(unit_parts(name)[0], set())
+        eligible = sorted((m for m in ranked_members if m not in taken), key=lambda m: _weight(m, name), reverse=True)
+        chosen = next((m for m in eligible if load[m] < cap), eligible[0] if eligible else None)
+        if chosen is not None:
+            out[name] = chosen
+            load[chosen] += 1
+            taken.add(chosen)
     return out
+
+
+async def holders(client: AsyncClient, sub_key: str, slots: int) -> set[str]:
+    """The workers holding one of the subscription's first `slots` slots (one Cluster slot: MGET)."""
+    values = await client.mget([keys.lease_key(sub_key, slot) for slot in range(slots)])
+    return {v.decode("utf-8", "replace") for v in values if isinstance(v, bytes)}
 
 
 class Lease:

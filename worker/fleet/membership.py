@@ -20,13 +20,15 @@ from redis.exceptions import ResponseError
 from worker import logs
 from worker.aio import cancel_within, wait_event
 from worker.config import FleetSettings
+from worker.consumer import consumer_type
 from worker.core import keys
 from worker.core.redis_batch import Pipeliner
 from worker.fleet import seek
-from worker.fleet.leases import ACQUIRE, RELEASE, RENEW, Lease, assign
+from worker.fleet.leases import ACQUIRE, RELEASE, RENEW, Lease, assign, holders, unit_parts, units
 from worker.fleet.published import ConfigDefinitions
 from worker.fleet.registry import Admit, Registry, clear_state
 from worker.fleet.registry_follower import RegistryFollower
+from worker.fleet.spread import Spread, partitions_limit, share
 from worker.fleet.status import StatusReports
 from worker.fleet.worker_protocol import ServingWorker
 from worker.redis_client import REDIS_DOWN, AsyncClient, describe, safe_text
@@ -58,6 +60,7 @@ members[#members + 1] = type(previous) == 'string' and previous or ''
 return members
 """
 DELETE_GRACE = 1.0  # seconds requests under way get when their subscription is deleted
+NARROW_WAIT = 60.0  # seconds a seek waits for a spread subscription's other workers to let go
 # GET of a key that is not a string fails: a lease key holding a hash (corrupt) is simply not ours.
 class Fleet:
     """Runs the ownership loop of one worker."""
@@ -72,6 +75,8 @@ class Fleet:
         self.follower = RegistryFollower(self.registry)
         self.published = ConfigDefinitions(client, worker.worker_id, self.static)
         self.members_key = keys.fleet_key(settings.name, "members")
+        # Held leases by unit: a subscription's key for its slot 0, `<key>#<slot>` for another slot
+        # (`leases.unit`). A worker serves at most one slot of a subscription.
         self.leases: dict[str, Lease] = {}
         self.members: list[str] = []
         self.subscriptions: dict[str, Subscription] = dict(self.static)
@@ -79,7 +84,10 @@ class Fleet:
         self.expired: set[str] = set()
         self._state_reported: set[str] = set()  # paused/expired keys assigned here, exported as a state metric
         self._assigned_reported: set[str] = set()  # keys exported as pushworker_subscription_assigned
+        self._widths: dict[str, int] = {}  # spread subscriptions (max_workers > 1): how many workers serve each
+        self._widths_reported: dict[str, int] = {}  # as exported in pushworker_subscription_workers
         self._seeks: set[asyncio.Task[None]] = set()
+        self._narrowed: set[str] = set()  # spread subscriptions held to one worker while it seeks them
         # Hand-overs draining in the background, by key: the lease stays held (and renewed) until the
         # drain ends. Drained inside the round, one after another, they held up the heartbeat and the
         # renewals of every other lease: a drain longer than the lease lost the subscriptions this
@@ -88,7 +96,7 @@ class Fleet:
         self._registry_version: object = None  # as read from Redis (compared, never parsed)
         self._ignored: set[tuple[str, str]] = set()  # what was logged as ignored (once each)
         self._assignment: dict[str, str] = {}
-        self._assignment_basis: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+        self._assignment_basis: tuple[object, ...] = ()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self.log = logs.get(worker=worker.worker_id, fleet=settings.name)
@@ -99,6 +107,10 @@ class Fleet:
         # event loop for tens of milliseconds at a time, and every delivery waited.
         self.batch = Pipeliner(client)
         self.status = StatusReports(worker, self.batch, self.ttl_ms)
+        self.spread = Spread(self.batch, settings.backlog_per_worker, settings.spread_quiet_seconds)
+        # The last backlog reading of each served subscription (value, monotonic time read), written
+        # by the backlog report: the holder of a spread subscription's slot 0 decides its width by it.
+        self.backlogs: dict[str, tuple[float, float]] = {}
         # The last round that went through, and why the rounds since failed: a Redis that answers
         # PING but refuses writes (full at maxmemory: OOM) stops every round, and with it the leases.
         self.last_round_ok = time.monotonic()
@@ -224,7 +236,10 @@ class Fleet:
         if version != self._registry_version:
             await self._read_registry()
             self._registry_version = version
+        for key in await self.spread.read(self.subscriptions):
+            self._ignore("workers", f"{key}: not a number of workers; served by one until it is decided again")
         await self._reconcile()
+        await self._decide_widths()
         await self._resume_breakers()
         await self.published.publish_if_due()
 
@@ -247,8 +262,9 @@ class Fleet:
             if served.resume(resumed_at_ms):
                 self.log.info("breaker closed by hand (subs resume)", subscription=key)
 
-    def _renewal(self, key: str) -> asyncio.Future[Any]:
-        return self.batch.operation(RENEW, (), (self.me, self.ttl_ms), (keys.lease_key(key),), (), key)
+    def _renewal(self, name: str) -> asyncio.Future[Any]:
+        return self.batch.operation(RENEW, (), (self.me, self.ttl_ms), (keys.lease_key(*unit_parts(name)),), (),
+                                    unit_parts(name)[0])
 
     def _renewed(self, held: list[str], results: Sequence[Any], sent_at: float) -> list[str]:
         """Mark the leases renewed; returns those that were not (someone else's now, or Redis failed)."""
@@ -282,88 +298,126 @@ class Fleet:
         self.expired = set(self.follower.expired)
 
     def _owners(self) -> dict[str, str]:
-        basis = (tuple(self.members), tuple(sorted(self.subscriptions)))
+        """The member each unit (a subscription's slot) goes to."""
+        members = len(self.members)
+        widths = {k: self.spread.width(sub, members) for k, sub in self.subscriptions.items() if sub.max_workers > 1}
+        basis = (tuple(self.members), tuple(sorted(self.subscriptions)), tuple(sorted(widths.items())))
         if basis != self._assignment_basis:
-            self._assignment = assign(self.subscriptions, self.members)
+            self._assignment = assign(units({**dict.fromkeys(self.subscriptions, 1), **widths}), self.members)
             self._assignment_basis = basis
+        self._widths = widths
         return self._assignment
+
+    def _share(self, name: str) -> Subscription:
+        """The definition the holder of unit `name` serves: its share of the subscription's totals."""
+        key, slot = unit_parts(name)
+        return share(self.subscriptions[key], slot, self._widths.get(key, 1))
 
     async def _reconcile(self) -> None:
         owners = self._owners()
         # A paused subscription keeps its owner in the assignment (resuming moves nothing else);
         # the owner just does not serve it, so its backlog waits in the broker.
         held_back = self.paused | self.expired
-        wanted = {k for k in self.subscriptions if owners.get(k) == self.me and k not in held_back}
+        wanted = {u for u, member in owners.items() if member == self.me and unit_parts(u)[0] not in held_back}
         self._report_held_back_states({k for k in held_back if owners.get(k) == self.me})
         self._report_assigned({k for k in self.subscriptions if owners.get(k) == self.me})
-        for key in [k for k in self.leases if k not in wanted and k not in self._handovers]:
-            self._start_hand_over(key)
-        for key in sorted(wanted - set(self.leases) - set(self._handovers)):
+        for name in [u for u in self.leases if u not in wanted and u not in self._handovers]:
+            self._start_hand_over(name)
+        # One consumer of a subscription per worker: another of its slots is taken here only once the
+        # slot held before has drained (a width change can move a worker from one slot to another).
+        busy = {unit_parts(u)[0] for u in (*self.leases, *self._handovers)}
+        for name in sorted(wanted - set(self.leases) - set(self._handovers)):
             if self.worker.stopping:
                 break  # leaving: take on nothing new
-            await self._try_acquire(key)
-        for key in self.worker.serving - set(self.leases):  # safety net: nothing runs without a lease
+            if unit_parts(name)[0] not in busy:
+                await self._try_acquire(name)
+        held = {unit_parts(u)[0] for u in self.leases}
+        for key in self.worker.serving - held:  # safety net: nothing runs without a lease
             await self.worker.remove(key, grace=0)
         settled = set(self.leases) - set(self._handovers)  # wanted again mid-drain: acquired anew after it
-        for key in (wanted & settled) - self.worker.serving:  # a start that failed: try again
-            self.worker.add(self.subscriptions[key], lease=self.leases[key])
-        for key in wanted & settled:
+        for name in wanted & settled:
+            key, sub = unit_parts(name)[0], self._share(name)
+            if key not in self.worker.serving:  # a start that failed: try again
+                self.worker.add(sub, lease=self.leases[name])
+                continue
             dispatcher = self.worker.dispatchers.get(key)
-            sub = self.subscriptions[key]
-            if dispatcher is not None and dispatcher.sub != sub:
+            if dispatcher is not None and consumer_type(dispatcher.sub) != consumer_type(sub):
+                # max_workers of a key-shared subscription crossed 1: served anew with the other
+                # consumer type (the lease is released after the drain and taken again next round).
+                self._start_hand_over(name)
+            elif dispatcher is not None and dispatcher.sub != sub:
                 dispatcher.update(sub)
                 self.log.info("subscription updated", subscription=key)
         await self.status.publish(self.leases)
 
-    async def _try_acquire(self, key: str) -> None:
+    async def _decide_widths(self) -> None:
+        """For the spread subscriptions whose slot 0 this worker holds: how many workers serve them."""
+        first_slots = [k for k in self._widths if k in self.leases and k not in self._handovers]
+        self._report_widths(first_slots)
+        for key in first_slots:
+            if key in self._narrowed:
+                continue
+            sub = self.subscriptions[key]
+            partitions = await self.worker.partitions(sub.topic) if sub.type == "failover" else None
+            limit = min(partitions_limit(sub, partitions), sub.max_workers, max(1, len(self.members)))
+            width = await self.spread.decide(sub, self.backlogs.get(key), limit)
+            if width is not None:
+                self.log.info("subscription spread", subscription=key, workers=width,
+                              backlog=self.backlogs[key][0])
+                self._wake.set()  # take the new slots (or let one go) now, not next round
+
+    async def _try_acquire(self, name: str) -> None:
+        key, slot = unit_parts(name)
         sent_at = time.monotonic()
-        acquired = await self.client.eval(ACQUIRE, 1, keys.lease_key(key), self.me, self.ttl_ms)
+        acquired = await self.client.eval(ACQUIRE, 1, keys.lease_key(key, slot), self.me, self.ttl_ms)
         if acquired == -1:
-            self._ignore("lease", f"{key}: a lease without an expiry; it now lapses in {self.settings.lease_seconds}s")
+            self._ignore("lease", f"{name}: a lease without an expiry; it now lapses in {self.settings.lease_seconds}s")
         if acquired != 1:
-            return  # the previous owner still holds it: it releases on handover, or it expires
+            return  # the previous holder still holds it: it releases on handover, or it expires
         lease = Lease(self.settings.lease_seconds, margin=min(2.0, self.settings.lease_seconds / 4))
         lease.renewed(sent_at)
-        self.leases[key] = lease
-        self.worker.add(self.subscriptions[key], lease=lease)
-        self.log.info("subscription acquired", subscription=key)
-        self._start_seek(key)  # a seek asked for while nobody held it
+        self.leases[name] = lease
+        self.worker.add(self._share(name), lease=lease)
+        self.log.info("subscription acquired", subscription=key, **({"slot": slot} if slot else {}))
+        self._start_seek(name)  # a seek asked for while nobody held it (slot 0's holder seeks)
 
-    def _start_hand_over(self, key: str) -> None:
-        task = asyncio.create_task(self._hand_over(key), name=f"hand over {key}")
-        self._handovers[key] = task
-        task.add_done_callback(lambda _: self._handovers.pop(key, None))
+    def _start_hand_over(self, name: str) -> None:
+        task = asyncio.create_task(self._hand_over(name), name=f"hand over {name}")
+        self._handovers[name] = task
+        task.add_done_callback(lambda _: self._handovers.pop(name, None))
         task.add_done_callback(log_task_failure(self.worker.supervisor, "hand over"))
 
-    async def _hand_over(self, key: str) -> None:
-        """Deleted, paused, or now someone else's: drain, then release at once so the next owner starts.
+    async def _hand_over(self, name: str) -> None:
+        """Deleted, paused, or now someone else's: drain, then release at once so the next holder starts.
         A deleted subscription (or one whose topic was deleted) stops within DELETE_GRACE and its Redis
         state is cleared."""
+        key, slot = unit_parts(name)
         deleted = key not in self.subscriptions
         expired = key in self.expired
         # Expired: "internal resources are deleted", so the broker subscription goes too.
         await self.worker.remove(key, grace=DELETE_GRACE if deleted or expired else None, unsubscribe=expired)
-        lease = self.leases.pop(key, None)
+        lease = self.leases.pop(name, None)
         if lease is not None:
             with contextlib.suppress(*REDIS_DOWN):
-                await self.client.eval(RELEASE, 1, keys.lease_key(key), self.me)
+                await self.client.eval(RELEASE, 1, keys.lease_key(key, slot), self.me)
         if deleted or expired:
             with contextlib.suppress(*REDIS_DOWN):
                 await clear_state(self.client, key)
-        elif key in self.paused:
+        elif key in self.paused or slot:  # a slot let go has no status (`subs list` shows who serves)
             with contextlib.suppress(*REDIS_DOWN):
-                await self.client.delete(keys.status_key(key))
-        self.log.info("subscription paused" if key in self.paused else "subscription released", subscription=key)
+                await self.client.delete(keys.status_key(key, slot))
+        self.log.info("subscription paused" if key in self.paused else "subscription released", subscription=key,
+                      **({"slot": slot} if slot else {}))
 
     async def _lose(self, lost: list[str]) -> None:
         """The leases are gone (expired while we were paused or cut off): stop at once, all together
         (one after another, a broker that does not answer closes would hold up the round for
         `dispatcher.CLOSE_TIMEOUT` per subscription)."""
-        for key in lost:
-            self.leases.pop(key, None)
-        await asyncio.gather(*(self.worker.remove(key, grace=0) for key in lost))
-        for key in lost:
-            self.log.warning("lease lost; stopped delivering", subscription=key)
+        for name in lost:
+            self.leases.pop(name, None)
+        await asyncio.gather(*(self.worker.remove(unit_parts(name)[0], grace=0) for name in lost))
+        for name in lost:
+            self.log.warning("lease lost; stopped delivering", subscription=unit_parts(name)[0])
 
     async def _drop_expired(self) -> None:
         await self._lose([k for k, lease in self.leases.items() if not lease.valid()])
@@ -379,6 +433,17 @@ class Fleet:
             project, name = key.split("/", 1)
             self.worker.metrics.set_state(project, name, State.EXPIRED if key in self.expired else State.PAUSED)
         self._state_reported = keys
+
+    def _report_widths(self, first_slots: list[str]) -> None:
+        """`pushworker_subscription_workers` of the spread subscriptions whose slot 0 this worker holds."""
+        for key in set(self._widths_reported) - set(first_slots):
+            del self._widths_reported[key]
+            with contextlib.suppress(KeyError):
+                self.worker.metrics.workers.remove(*key.split("/", 1))
+        for key in first_slots:
+            if self._widths_reported.get(key) != self._widths[key]:
+                self._widths_reported[key] = self._widths[key]
+                self.worker.metrics.workers.labels(*key.split("/", 1)).set(self._widths[key])
 
     def _report_assigned(self, keys: set[str]) -> None:
         """`pushworker_subscription_assigned`: an existing subscription that nobody owns for long
@@ -399,10 +464,28 @@ class Fleet:
         task.add_done_callback(log_task_failure(self.worker.supervisor, "seek"))
 
     async def _seek(self, key: str) -> None:
+        sub = self.subscriptions.get(key)
+        narrowed = sub is not None and sub.max_workers > 1 and bool(await self.client.exists(keys.seek_key(key)))
+        if narrowed:
+            await self._narrow(key, sub.max_workers if sub is not None else 1)
         try:
             await seek.run_seek_request(self.client, key, self.me, self.worker.seek, self.log)
         except seek.UnreadableSeekRequest as e:
             self._ignore("seek request", f"{key}: {e}")
+        finally:
+            self._narrowed.discard(key)  # the next backlog reading may spread it again
+
+    async def _narrow(self, key: str, slots: int) -> None:
+        """Before a spread subscription's seek: serve it with this worker alone (width 1), and wait
+        until the holders of its other slots have drained and let go, since a consumer still
+        attached would deliver what it holds from the old position with its counts forgotten."""
+        self._narrowed.add(key)
+        await self.client.set(keys.workers_key(key), 1)
+        self.spread.stored[key] = 1
+        await self.client.publish(self.registry.channel, b"members")  # the others let go now, not next round
+        deadline = time.monotonic() + NARROW_WAIT
+        while await holders(self.client, key, slots) - {self.me} and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.2)
 
     async def leave(self) -> None:
         """Clean scale-down: leave the member set at once, so the others take each subscription as

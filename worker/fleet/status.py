@@ -9,6 +9,7 @@ from typing import Any
 
 from worker.core import keys
 from worker.core.redis_batch import BATCH_LIMIT, BatchScript, Pipeliner
+from worker.fleet.leases import unit_parts
 from worker.fleet.worker_protocol import ServingWorker
 
 STATUS_EVERY = 5.0  # seconds between status refreshes for `subs list`
@@ -44,6 +45,7 @@ class StatusReports:
         self._sent: dict[str, tuple[float, dict[str, str | int]]] = {}
 
     async def publish(self, leases: Mapping[str, Any]) -> None:
+        """`leases` by unit (`leases.unit`): each slot held has a status of its own."""
         held = frozenset(leases)
         now = time.monotonic()
         if not held or (held == self._held and now - self._at < STATUS_EVERY):
@@ -58,8 +60,8 @@ class StatusReports:
                 continue
             self._sent[key] = (now, fields)
             items = [x for pair in {**fields, "updated_ms": updated_ms}.items() for x in pair]
-            writes.append(self.batch.operation(WRITE, (), (self.expire_ms,), (keys.status_key(key),),
-                                               (len(items), *items), key))
+            writes.append(self.batch.operation(WRITE, (), (self.expire_ms,), (keys.status_key(*unit_parts(key)),),
+                                               (len(items), *items), unit_parts(key)[0]))
             if len(writes) % BATCH_LIMIT == 0:
                 await asyncio.sleep(0)  # deliveries go on between the batches
         for key in [k for k in self._sent if k not in held]:
@@ -76,7 +78,8 @@ class StatusReports:
         resume, a handover), so `subs list` shows it Active within a heartbeat, not Starting for 5 s."""
         self._at = 0.0
 
-    def _fields(self, key: str) -> dict[str, str | int]:
+    def _fields(self, name: str) -> dict[str, str | int]:
+        key = unit_parts(name)[0]
         dispatcher = self.worker.dispatchers.get(key)
         fields: dict[str, str | int] = {"owner": self.worker.worker_id, "state": "Starting"}
         if dispatcher is not None:

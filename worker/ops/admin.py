@@ -36,12 +36,13 @@ from worker.core.messages import rfc3339
 from worker.embedded import recorded_endpoints
 from worker.errors import ConfigError, NotFound, PushWorkerError, UsageError
 from worker.filters import MIXED
+from worker.fleet.leases import holders
 from worker.fleet.published import published
 from worker.fleet.registry import Registry, clear_state
 from worker.fleet.seek import SeekTarget, seek_by_command
 from worker.ops.render import Output, table
 from worker.redis_client import AsyncClient, connect, safe_text
-from worker.subscriptions import State, Subscription, is_push, parse_subscription, valid_key
+from worker.subscriptions import MAX_WORKERS, State, Subscription, is_push, parse_subscription, valid_key
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,12 @@ def _what(entry: dict[str, Any]) -> str:
 def _status(entry: dict[str, Any]) -> str:
     """An attempt's status, or where a dead-letter event sent the message."""
     return str(entry.get("status", entry.get("topic", "")))
+
+
+def _max_workers(definition: dict[str, Any]) -> int:
+    """The slots whose holders serve a subscription, from its definition (garbage: one)."""
+    value = definition.get("max_workers", 1)
+    return value if isinstance(value, int) and 1 <= value <= MAX_WORKERS else 1
 
 
 def _not_in_registry(name: str) -> NotFound:
@@ -290,12 +297,14 @@ class Admin:
             await self.registry.mark_resumed(key)  # closes an open breaker too
         what = ("paused" if paused else "resumed") if changed else \
             ("already paused" if paused else "breaker closed" if suspended else "not paused")
-        owner = None
+        owner = ""
         if paused:
             deadline = time.monotonic() + wait
-            while (owner := await self.client.get(keys.lease_key(key))) and time.monotonic() < deadline:  # noqa: ASYNC110
-                await asyncio.sleep(0.2)  # the owner drains in-flight requests, then releases its lease
-        result = {"subscription": key, "result": what, "still_draining": safe_text(owner) if owner else None}
+            # Every slot's holder drains its requests under way, then releases its lease.
+            while (owner := ",".join(sorted(await holders(self.client, key, MAX_WORKERS)))) and \
+                    time.monotonic() < deadline:  # noqa: ASYNC110
+                await asyncio.sleep(0.2)
+        result = {"subscription": key, "result": what, "still_draining": owner or None}
         tail = f" (worker {result['still_draining']} is still draining)" if owner else ""
         return Output(result, f"{key}: {what}{tail}")
 
@@ -367,19 +376,29 @@ class Admin:
         except ResponseError:  # a status key of the wrong type
             return ""
 
-    async def _row(self, key: str, definition: dict[str, Any], held_back: dict[str, str]) -> dict[str, Any]:
-        owner = await self.client.get(keys.lease_key(key))
+    async def _status(self, key: str, slot: int) -> dict[str, str]:
         try:
-            status = {safe_text(k): safe_text(v) for k, v in (await self.client.hgetall(keys.status_key(key))).items()}
+            report = await self.client.hgetall(keys.status_key(key, slot))
         except ResponseError:  # a status key of the wrong type: no status to show
-            status = {}
+            return {}
+        return {safe_text(k): safe_text(v) for k, v in report.items()}
+
+    async def _row(self, key: str, definition: dict[str, Any], held_back: dict[str, str]) -> dict[str, Any]:
+        """The subscription's state and counters, as the workers serving its slots report them: every
+        one of them in `owner`, the counters summed, the state and reason of its slot 0."""
+        slots = _max_workers(definition)
+        # One hash tag: MGET is legal on a cluster too.
+        holders = await self.client.mget([keys.lease_key(key, slot) for slot in range(slots)])
+        status = await self._status(key, 0)
+        reports = [status] + [await self._status(key, slot) for slot in range(1, slots) if holders[slot]]
         project, _, name = key.partition("/")
-        state = held_back.get(key) or status.get("state") or ("Starting" if owner else "Unowned")
+        owners = [safe_text(h) for h in holders if h]
+        state = held_back.get(key) or status.get("state") or ("Starting" if owners else "Unowned")
         return {
             "project": project, "name": name, "type": definition.get("type", "shared"),
-            "owner": safe_text(owner) if owner else "-",
+            "owner": ",".join(owners) or "-",
             "state": state, "reason": status.get("reason", "") if key not in held_back else "",
-            **{field: attempts.counter(status.get(field))
+            **{field: sum(attempts.counter(report.get(field)) for report in reports)
                for field in ("acked", "retried", "dead_lettered", "unsettled")},
         }
 
@@ -401,8 +420,8 @@ class Admin:
         for key, source in [k for k in entries if k[1] == "worker"]:  # as its worker publishes it
             own = await published(self.client, key)
             if own is not None:
-                entries[(key, source)] = {"type": own.get("type", "shared")}
-        entries.update({(k, "config"): {"type": s.type} for k, s in self.static.items()})
+                entries[(key, source)] = {"type": own.get("type", "shared"), "max_workers": own.get("max_workers", 1)}
+        entries.update({(k, "config"): {"type": s.type, "max_workers": s.max_workers} for k, s in self.static.items()})
         # A registry entry that shadows a config subscription is a row of its own: Invalid, with why.
         entries.update({(k, "registry"): e if isinstance(e, str) else e[0] for k, e in registry.items()})
         held_back = await self._held_back()
@@ -430,7 +449,8 @@ class Admin:
         if key in definitions:
             definition, out = definitions[key], {"definition": definitions[key]}
         elif key in self.static:
-            definition, out = {"type": self.static[key].type}, {"source": "config"}
+            definition, out = {"type": self.static[key].type, "max_workers": self.static[key].max_workers}, \
+                {"source": "config"}
         elif own is not None:  # a worker's own, as it publishes it: read-only here
             definition, out = own, {"definition": own, "source": "worker"}
         else:

@@ -1,0 +1,127 @@
+"""A subscription bigger than one worker: how many workers serve it, and each one's share.
+
+A subscription with `max_workers: N > 1` is served by between 1 and N workers, each holding one of
+its slots (`leases.unit`) with a lease of its own and one consumer of the same Pulsar subscription.
+How many of the N serve it (its width, `pw:{key}:workers`) is decided by the holder of its slot 0
+from the backlog it reads: one more while the backlog exceeds `fleet.backlog_per_worker` per serving
+worker (one a backlog reading), one fewer once it has stayed below what one worker fewer is for
+during `fleet.spread_quiet_seconds` (the band between the two is the hysteresis). Every worker reads
+the widths each round, so all compute the same slots.
+
+What the subscription's definition bounds as a total stays a total: each slot serves a share of
+`max_ack_pending`, `max_concurrency` and the rate limit (`share`), so an endpoint served by four
+workers is not asked for four times as much.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Mapping
+
+from worker.core import keys
+from worker.core.redis_batch import Pipeliner
+from worker.subscriptions import RateLimit, Subscription
+
+
+def share(sub: Subscription, slot: int, width: int) -> Subscription:
+    """The definition slot `slot` of `width` serves: the totals split so that the slots add up to
+    them (the first slots take the remainder; every slot at least one)."""
+    if width <= 1:
+        return sub
+
+    def part(total: int) -> int:
+        return max(1, total // width + (1 if slot < total % width else 0))
+
+    limit = sub.rate_limit
+    if limit is not None:
+        limit = RateLimit(limit.messages_per_second / width, max(1.0, limit.burst / width))
+    return dataclasses.replace(
+        sub, max_ack_pending=part(sub.max_ack_pending), rate_limit=limit,
+        max_concurrency=None if sub.max_concurrency is None else part(sub.max_concurrency))
+
+
+def next_width(width: int, backlog: float, per_worker: float, limit: int, low_since: float | None, now: float,
+               quiet_seconds: float) -> tuple[int, float | None]:
+    """The width after one backlog reading, and since when the backlog has been low (None: it is not).
+    Up by one while the backlog exceeds `per_worker` a serving worker; down by one once it has stayed
+    below what one worker fewer is for during `quiet_seconds`; within `limit` always."""
+    if width > limit:
+        return limit, None
+    if backlog > per_worker * width:
+        return min(width + 1, limit), None
+    if width > 1 and backlog < per_worker * (width - 1):
+        if low_since is None:
+            return width, now
+        if now - low_since >= quiet_seconds:
+            return width - 1, now  # the next step down waits another quiet period
+        return width, low_since
+    return width, None
+
+
+class Spread:
+    """The widths of the fleet's spread subscriptions, read every round; and, for those whose slot 0
+    this worker holds, the decision (written to Redis)."""
+
+    def __init__(self, batch: Pipeliner, per_worker: float, quiet_seconds: float) -> None:
+        self.batch = batch
+        self.per_worker, self.quiet_seconds = per_worker, quiet_seconds
+        self.stored: dict[str, int] = {}  # key -> width as read from Redis (spread subscriptions only)
+        self._low_since: dict[str, float] = {}
+        self._last_reading: dict[str, float] = {}  # key -> when the last reading it decided on was taken
+
+    async def read(self, subscriptions: Mapping[str, Subscription]) -> list[str]:
+        """Read the width of every spread subscription; returns what was unreadable (ignored: width 1)."""
+        spread = sorted(k for k, s in subscriptions.items() if s.max_workers > 1)
+        values = await asyncio.gather(*(self.batch.submit("GET", keys.workers_key(k)) for k in spread),
+                                      return_exceptions=True)
+        stored, unreadable = {}, []
+        for key, value in zip(spread, values, strict=True):
+            if isinstance(value, BaseException):
+                raise value
+            try:
+                stored[key] = int(value) if value is not None else 1
+            except ValueError:
+                unreadable.append(key)  # garbage: served by one worker until the holder of slot 0 writes it again
+                stored[key] = 1
+        self.stored = stored
+        for gone in set(self._last_reading) - set(stored):
+            self._low_since.pop(gone, None)
+            del self._last_reading[gone]
+        return unreadable
+
+    def width(self, sub: Subscription, members: int) -> int:
+        """How many workers serve `sub` now: as decided, within its max_workers and the fleet's size."""
+        return max(1, min(self.stored.get(sub.key, 1), sub.max_workers, members))
+
+    async def decide(self, sub: Subscription, reading: tuple[float, float] | None, limit: int) -> int | None:
+        """For the holder of `sub`'s slot 0: the next width from a backlog `reading` (value, when read),
+        each reading once (a worker added needs a reading's time to show in the backlog); written to
+        Redis when it changes. Returns the new width, or None when unchanged."""
+        if reading is None or reading[1] == self._last_reading.get(sub.key):
+            return None
+        backlog, self._last_reading[sub.key] = reading
+        width = max(1, min(self.stored.get(sub.key, 1), sub.max_workers))
+        new, low_since = next_width(width, backlog, self.per_worker, limit, self._low_since.get(sub.key),
+                                    time.monotonic(), self.quiet_seconds)
+        if low_since is None:
+            self._low_since.pop(sub.key, None)
+        else:
+            self._low_since[sub.key] = low_since
+        if new == self.stored.get(sub.key, 1):
+            return None
+        await self.batch.submit("SET", keys.workers_key(sub.key), new)
+        self.stored[sub.key] = new
+        return new
+
+
+def partitions_limit(sub: Subscription, partitions: int | None) -> int:
+    """The most workers that can share `sub`'s work: failover gives each partition to one consumer
+    (a non-partitioned topic has one), exclusive one consumer; shared and key-shared any."""
+    if sub.type == "exclusive":
+        return 1
+    if sub.type == "failover":
+        return max(1, partitions or 1)
+    return sub.max_workers
+
