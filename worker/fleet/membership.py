@@ -335,17 +335,20 @@ class Fleet:
         for key in self.worker.serving - held:  # safety net: nothing runs without a lease
             await self.worker.remove(key, grace=0)
         settled = set(self.leases) - set(self._handovers)  # wanted again mid-drain: acquired anew after it
+        serving = self.worker.serving
         for name in wanted & settled:
             key, sub = unit_parts(name)[0], self._share(name)
-            if key not in self.worker.serving:  # a start that failed: try again
+            if key not in serving:  # a start that failed: try again
                 self.worker.add(sub, lease=self.leases[name])
                 continue
             dispatcher = self.worker.dispatchers.get(key)
-            if dispatcher is not None and consumer_type(dispatcher.sub) != consumer_type(sub):
+            if dispatcher is None or dispatcher.sub is sub or dispatcher.sub == sub:
+                continue
+            if consumer_type(dispatcher.sub) != consumer_type(sub):
                 # max_workers of a key-shared subscription crossed 1: served anew with the other
                 # consumer type (the lease is released after the drain and taken again next round).
                 self._start_hand_over(name)
-            elif dispatcher is not None and dispatcher.sub != sub:
+            else:
                 dispatcher.update(sub)
                 self.log.info("subscription updated", subscription=key)
         await self.status.publish(self.leases)
