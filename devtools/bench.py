@@ -823,7 +823,8 @@ def _metric(ps: psutil.Process, name: str, **labels: str) -> float:
                if s.name == name and labels.items() <= s.labels.items())
 
 
-SECTIONS = BENCH_SECTIONS
+# `spread` only when asked: it needs root, a cgroup cpu controller and Apache Pulsar (spread_bench.py).
+SECTIONS = tuple(s for s in BENCH_SECTIONS if s != "spread")
 KIB = 1024
 
 
@@ -1047,6 +1048,16 @@ async def run_bench(messages: int = 20000, concurrency: int = 64, sections: tupl
                                 ["misbehaviour", "p50 ms", "p99 ms", "alone p99 ms", "x alone p99", "lost",
                                  "peak RSS MiB", "worker"],
                                 right=("p50 ms", "p99 ms", "alone p99 ms", "x alone p99", "lost", "peak RSS MiB")))
+                    print()
+                if "spread" in sections:
+                    from devtools import spread_bench
+
+                    why = spread_bench.cgroups_available() or ("" if getattr(bench.broker, "admin_url", "") else
+                                                              "it needs Apache Pulsar: PULSAR_URL and PULSAR_ADMIN_URL")
+                    if why:
+                        print(f"spread: not run: {why}")
+                        return 2
+                    print(spread_bench.report(spread_bench.scale_out(bench), 0.25))
                     print()
                 if "idle" in sections:
                     ready, cpu, rss = bench.idle()

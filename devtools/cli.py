@@ -56,7 +56,8 @@ def register(cmds: Any) -> None:
     p.add_argument("--concurrency", type=positive_int, default=64, help="requests at once (default 64)")
     p.add_argument("--section", action="append",
                    choices=BENCH_SECTIONS,
-                   help="run only this section (repeatable; default: all)")
+                   help="run only this section (repeatable; default: all but spread, which needs root, "
+                        "a cgroup cpu controller and Apache Pulsar)")
     p.add_argument("--rounds", type=positive_int, default=3,
                    help="runs of the shared case, each between references of its own; the median is "
                         "reported (default 3: one run's ratio varies by tens of percent on a shared machine)")

@@ -130,6 +130,8 @@ class FleetSettings:
                                           help="...for this long: state Expired (the platform's policy)")
     max_subscriptions_per_project: int = setting(1000, 1, 100_000,
                                                  help="a project's registry entries beyond this are Invalid")
+    broker_lost_after_seconds: float = setting(30.0, 5.0, 3600.0, help="a worker whose broker has not answered "
+                                               "this long hands its subscriptions to the others until it does")
     backlog_per_worker: int = setting(5000, 1, 10**12, help="a subscription with max_workers > 1 gets one more "
                                                             "worker while its backlog exceeds this per serving "
                                                             "worker (the HPA's per-replica target)")

@@ -21,6 +21,7 @@ from worker import consumer as pulsar_adapter
 from worker.admission import admit_for, secret_store
 from worker.aio import wait_event
 from worker.backlog import BacklogReader, BacklogReport
+from worker.broker_watch import BrokerWatch
 from worker.config import Settings
 from worker.core.attempts import AttemptStore
 from worker.core.budgets import SharedBudget
@@ -139,6 +140,9 @@ class Worker:
         else:
             self.log.warning("no backlog source: set pulsar.admin_url (or pulsar.metrics_url); without it there is "
                              "no pushworker_subscription_backlog, no expiry, and nothing for the HPA to scale on")
+        watch = BrokerWatch(self.pulsar, lambda: next((d.sub.topic for d in self.dispatchers.values()), ""),
+                            s.fleet.broker_lost_after_seconds, self.fleet.step_out, self.fleet.step_in, self._stop)
+        self.supervisor.spawn("broker-watch", watch.run)
         self.supervisor.spawn("start", self._announce_start)
 
     def _delivery_context(self, pipeliner: Pipeliner) -> DeliveryContext:
@@ -223,6 +227,8 @@ class Worker:
             # client that is the same timeout as a dead broker's, so the reason names both.
             token = " or refusing PUSH_WORKER_PULSAR_TOKEN" if self.settings.pulsar.auth_token else ""
             return False, f"broker unreachable{token}"
+        if self.fleet is not None and self.fleet.stepped_out:
+            return False, f"cut off from the broker, serving nothing until it answers ({self.fleet.stepped_out})"
         if self.fleet is None or not self.fleet.members:
             why = self.fleet.round_error if self.fleet else ""
             return False, f"not yet in the fleet ({why})" if why else "not yet in the fleet"

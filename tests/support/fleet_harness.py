@@ -25,12 +25,15 @@ from worker.embedded import free_port
 
 
 class WorkerProcess:
-    def __init__(self, worker_id: str, config: Path, log: Path, code: Path | None = None) -> None:
-        """`code`: a directory holding another version's `worker` package (the previous release)."""
+    def __init__(self, worker_id: str, config: Path, log: Path, code: Path | None = None, gid: int | None = None,
+                 **env: str) -> None:
+        """`code`: a directory holding another version's `worker` package (the previous release);
+        `gid`: a group of its own (`spawn_worker`); `env`: more of its environment
+        (PUSH_WORKER_REDIS_URL through a fault point, say)."""
         self.id, self.log = worker_id, log
         self.port = free_port()
-        self.proc = spawn_worker(config, log, cwd=code, PUSH_WORKER_ID=worker_id,
-                                 PUSH_WORKER_HTTP_PORT=str(self.port))
+        self.proc = spawn_worker(config, log, cwd=code, gid=gid, PUSH_WORKER_ID=worker_id,
+                                 PUSH_WORKER_HTTP_PORT=str(self.port), **env)
 
     def metrics(self) -> dict[str, float]:
         """Samples of /metrics as {'name{labels}': value}."""
@@ -88,11 +91,12 @@ class FleetHarness:
         self.workers: dict[str, WorkerProcess] = {}
         self._n = 0
 
-    def start(self, worker_id: str | None = None, code: Path | None = None) -> WorkerProcess:
+    def start(self, worker_id: str | None = None, code: Path | None = None, gid: int | None = None,
+              **env: str) -> WorkerProcess:
         worker_id = worker_id or f"w{self._n}"
         self._n += 1
         name = worker_id if worker_id not in self.workers else f"{worker_id}#{self._n}"  # a twin (same id)
-        w = WorkerProcess(worker_id, self.config, self.tmp / f"{name}.log", code)
+        w = WorkerProcess(worker_id, self.config, self.tmp / f"{name}.log", code, gid, **env)
         self.workers[name] = w
         return w
 

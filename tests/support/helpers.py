@@ -91,10 +91,14 @@ def env(**extra: str) -> dict[str, str]:
     return {**os.environ, **code_path(), "PYTHONFAULTHANDLER": "1", **extra}
 
 
-def spawn_worker(config: Path | str, log: Path, cwd: Path | None = None, **extra_env: str) -> subprocess.Popen[bytes]:
-    """`push-worker run --config CONFIG` as its own process, its output appended to `log`."""
+def spawn_worker(config: Path | str, log: Path, cwd: Path | None = None, gid: int | None = None,
+                 **extra_env: str) -> subprocess.Popen[bytes]:
+    """`push-worker run --config CONFIG` as its own process, its output appended to `log`; with
+    `gid`, in a group of its own (still root), so that a firewall rule can single out its packets
+    (tests/support/faults.py)."""
+    group = ["setpriv", f"--regid={gid}", "--clear-groups", "--"] if gid is not None else []
     with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "worker.cli", "run", "--config", str(config)],
+        return subprocess.Popen([*group, sys.executable, "-m", "worker.cli", "run", "--config", str(config)],
                                 stdout=out, stderr=out, env=env(**extra_env), cwd=cwd)
 
 

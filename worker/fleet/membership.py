@@ -121,6 +121,7 @@ class Fleet:
         self.instance_key = keys.fleet_key(settings.name, f"instance:{worker.worker_id}")
         self._foreign_mark_at = -float("inf")
         self._twin_seen_at = 0.0
+        self.stepped_out = ""  # why this worker serves nothing and is no member, while it cannot reach the broker
 
     def twin_reason(self) -> str:
         """Why this worker's id is not its own, while another process heartbeats under it; else ''."""
@@ -207,10 +208,33 @@ class Fleet:
                 with contextlib.suppress(*REDIS_DOWN):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
 
+    async def step_out(self, why: str) -> None:
+        """Cut off from the broker (`broker_watch`): leave the member set so that the assignment
+        gives every subscription to the others, and hand over what is held (drained, then released)."""
+        self.stepped_out = why
+        self.log.error("cut off from the broker: handing every subscription to the others until it answers",
+                       reason=why, held=len(self.leases))
+        with contextlib.suppress(*REDIS_DOWN):
+            await self.client.zrem(self.members_key, self.me)
+            await self.client.publish(self.registry.channel, b"members")
+        for name in list(self.leases):
+            if name not in self._handovers:
+                self._start_hand_over(name)
+
+    def step_in(self) -> None:
+        self.log.info("the broker answers again: rejoining the fleet")
+        self.stepped_out = ""
+        self._wake.set()
+
     async def tick(self) -> None:
-        """One round: heartbeat, read the registry if it changed, renew, release, acquire."""
+        """One round: heartbeat, read the registry if it changed, renew, release, acquire. Stepped
+        out, only the leases still draining are renewed."""
         sent_at = time.monotonic()
         held = [key for key, lease in self.leases.items() if lease.due(sent_at)]
+        if self.stepped_out:
+            results = await asyncio.gather(*(self._renewal(key) for key in held), return_exceptions=True)
+            await self._lose(self._renewed(held, results, sent_at))
+            return
         results = await asyncio.gather(
             self.batch.submit("EVAL", _HEARTBEAT, 2, self.members_key, self.instance_key, self.me,
                               self.member_ttl_ms, self.instance),
