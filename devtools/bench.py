@@ -1057,7 +1057,8 @@ async def run_bench(messages: int = 20000, concurrency: int = 64, sections: tupl
                     if why:
                         print(f"spread: not run: {why}")
                         return 2
-                    print(spread_bench.report(spread_bench.scale_out(bench), 0.25))
+                    spread = [*spread_bench.scale_out(bench, "shared"), *spread_bench.scale_out(bench, "key-shared")]
+                    print(spread_bench.report(spread, 0.25))
                     print()
                 if "idle" in sections:
                     ready, cpu, rss = bench.idle()
