@@ -73,9 +73,22 @@ class SinkState:
         self.first: float | None = None
         self.last: float | None = None
         self.published: list[tuple[float, bytes, bytes]] = []  # (arrival, Pubsub-Publish-Time, path), parsed when asked
+        self.ids: set[bytes] = set()  # the message ids acked: none lost when every published one is here
+        self.last_of_key: dict[bytes, tuple[int, ...]] = {}  # ordering key -> the latest first delivery's id
+        self.out_of_order = 0  # first deliveries of a key that came after a later message's
 
     def counts(self) -> bytes:  # polled while the worker runs: kept cheap
-        return json.dumps({"count": self.count, "acked": self.acked, "first": self.first, "last": self.last}).encode()
+        return json.dumps({"count": self.count, "acked": self.acked, "first": self.first, "last": self.last,
+                           "unique": len(self.ids), "out_of_order": self.out_of_order}).encode()
+
+    def ordered(self, key: bytes, message_id: bytes) -> None:
+        """A first delivery of `key`'s message: in publish order unless a later one of the key came first
+        (ids of one non-partitioned topic grow with publish order)."""
+        position = tuple(int(part) for part in message_id.split(b":"))
+        if position < self.last_of_key.get(key, ()):
+            self.out_of_order += 1
+        else:
+            self.last_of_key[key] = position
 
     def latency(self, path: bytes = b"") -> bytes:
         """Publish-to-arrival seconds of the requests whose path ends with `path` (all: empty)."""
@@ -100,7 +113,7 @@ class SinkProtocol(asyncio.Protocol):
         self.buffer += data
         while (end := self.buffer.find(b"\r\n\r\n")) >= 0:
             head = bytes(self.buffer[:end])
-            length, published = 0, None
+            length, published, message_id, key, first = 0, None, b"", b"", False
             for line in head.split(b"\r\n")[1:]:
                 name, _, value = line.partition(b":")
                 name = name.lower()
@@ -108,6 +121,12 @@ class SinkProtocol(asyncio.Protocol):
                     length = int(value)
                 elif name == b"pubsub-publish-time":
                     published = value.strip()
+                elif name == b"pubsub-message-id":
+                    message_id = value.strip()
+                elif name == b"pubsub-ordering-key":
+                    key = value.strip()
+                elif name == b"pubsub-delivery-attempt":
+                    first = value.strip() == b"1"
             if len(self.buffer) < end + 4 + length:
                 return
             # A wrapped batch (deliver.push.batch) counts as the messages it carries.
@@ -116,7 +135,12 @@ class SinkProtocol(asyncio.Protocol):
                         if start.startswith(b'{"subscription"') and b'"messages":[' in start else 1)
             del self.buffer[:end + 4 + length]
             assert self.transport is not None
-            self.transport.write(self.answer(head.split(b" ", 2)[:2], published, messages))
+            answer = self.answer(head.split(b" ", 2)[:2], published, messages)
+            if message_id and answer is NO_CONTENT:
+                self.state.ids.add(message_id)
+                if key and first:
+                    self.state.ordered(key, message_id)
+            self.transport.write(answer)
 
     def answer(self, request: list[bytes], published: bytes | None, messages: int = 1) -> bytes:
         state = self.state
@@ -522,10 +546,13 @@ class Bench:
         self.publish(topic, messages, keys=keys, payload=payload)
         return topic
 
-    def publish(self, topic: str, n: int, keys: int = 0, rate: float = 0.0, payload: bytes = PAYLOAD) -> None:
-        # Batched when the payload is small and the rate free (the client's batches hold 128 KiB at most).
-        producer = self.client.create_producer(topic, batching_enabled=not rate and len(payload) < 64 * 1024,
-                                               batching_max_publish_delay_ms=5, block_if_queue_full=True)
+    def publish(self, topic: str, n: int, keys: int = 0, rate: float = 0.0, payload: bytes = PAYLOAD,
+                batched: bool = True) -> None:
+        # Batched when the payload is small and the rate free (the client's batches hold 128 KiB at most),
+        # unless `batched` is False: the broker's backlog counts a batch once (msgBacklog counts entries).
+        batching = batched and not rate and len(payload) < 64 * 1024
+        producer = self.client.create_producer(topic, batching_enabled=batching, batching_max_publish_delay_ms=5,
+                                               block_if_queue_full=True)
         failures: list[str] = []
         started = time.monotonic()
         for i in range(n):
@@ -823,6 +850,8 @@ def _metric(ps: psutil.Process, name: str, **labels: str) -> float:
                if s.name == name and labels.items() <= s.labels.items())
 
 
+ROOT = Path(__file__).resolve().parent.parent
+HPA_IMAGE = ROOT / "docs" / "images" / "autoscaling-loop.png"  # the spread section draws its loop here
 # `spread` only when asked: it needs root, a cgroup cpu controller and Apache Pulsar (spread_bench.py).
 SECTIONS = tuple(s for s in BENCH_SECTIONS if s != "spread")
 KIB = 1024
@@ -1059,6 +1088,8 @@ async def run_bench(messages: int = 20000, concurrency: int = 64, sections: tupl
                         return 2
                     spread = [*spread_bench.scale_out(bench, "shared"), *spread_bench.scale_out(bench, "key-shared")]
                     print(spread_bench.report(spread, 0.25))
+                    print(spread_bench.hpa_report(spread_bench.hpa_loop(bench, HPA_IMAGE)))
+                    print(f"(drawn into {HPA_IMAGE.relative_to(ROOT)})")
                     print()
                 if "idle" in sections:
                     ready, cpu, rss = bench.idle()

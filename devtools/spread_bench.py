@@ -7,6 +7,7 @@ whose id equals the first's, docs/testing.md)."""
 from __future__ import annotations
 
 import contextlib
+import math
 import subprocess
 import sys
 import time
@@ -126,3 +127,139 @@ def report(rows: list[dict[str, Any]], cores: float) -> str:
         lines.append(f"| {row['kind']} | {n} | {rate:,.0f} | {rate / one:.2f} | {share:.2f} | "
                      f"{'holds' if share >= 0.8 else 'NO'} |")
     return "\n".join(lines)
+
+
+HPA_TARGET = 20_000  # the HPA's averageValue in this run: backlog per replica
+HPA_SCALE_DOWN_WINDOW = 20.0  # seconds of lower recommendations before a scale-in (the HPA's stabilization)
+
+
+def hpa_loop(bench: Any, image: Path | None, max_replicas: int = 4, cores: float = 0.25, burst: int = 200_000,
+             keys: int = 1000) -> dict[str, Any]:
+    """The autoscaling loop end to end: a burst of `burst` messages (`keys` ordering keys) on one
+    key-shared subscription (max_workers `max_replicas`), stored before its first worker starts;
+    every 2 s, the HPA's formula on the fleet's backlog as prometheus-adapter serves it (the sum over
+    subscriptions of the max over workers of pushworker_subscription_backlog):
+    desired = ceil(current x (backlog / current) / target), within 1..max_replicas. A scale-up goes
+    at once (the deployed HPA's 60 s window and doubling policy are left out to keep the run short),
+    a scale-in only once every recommendation of the last HPA_SCALE_DOWN_WINDOW seconds allows it.
+    Workers (each a cgroup of `cores`) are started and stopped by it. Returns the time series and
+    what the sink saw; draws them into `image`."""
+    from devtools.bench import _get, _metric, _status_port, _wait, _worker_ready
+    from worker.core.keys import workers_key
+
+    name = f"hpa-{time.monotonic_ns() % 10**6}"
+    sink = bench.sink()
+    topic = bench.backlog(name, "key-shared", 0)
+    config = bench.dir / f"spread-{name}.yaml"
+    config.write_text(yaml.safe_dump({
+        "pulsar": {"service_url": bench.broker.url, "admin_url": bench.broker.admin_url,
+                   "backlog_interval_seconds": 1},
+        "redis": {"url": bench.redis_service.url}, "http": {"port": 0},
+        "destinations": {"allow_private": True}, "log": {"format": "json", "level": "warning"},
+        "state_dir": str(bench.dir / "worker"),
+        "fleet": {"name": name, "lease_seconds": 5, "heartbeat_seconds": 0.5, "backlog_per_worker": HPA_TARGET,
+                  "spread_quiet_seconds": 10},
+        "subscriptions": [{**bench.sub(name, topic, sink + "/push", "key-shared", concurrency=64 * max_replicas),
+                           "max_workers": max_replicas}]}))
+    workers: list[tuple[subprocess.Popen[bytes], contextlib.ExitStack]] = []
+    stopped: list[tuple[subprocess.Popen[bytes], contextlib.ExitStack]] = []
+
+    def start() -> None:
+        stack = contextlib.ExitStack()
+        cgroup = stack.enter_context(pod(f"pw-bench-{name}-{len(workers) + len(stopped)}", cores))
+        proc = start_in(cgroup, [sys.executable, "-m", "worker.cli", "run", "--config", str(config)],
+                        bench.dir / f"{name}.log", PUSH_WORKER_ID=f"{name}-w{len(workers) + len(stopped)}")
+        workers.append((proc, stack))
+
+    def fleet_backlog() -> float:
+        readings = []
+        for proc, _ in workers:
+            with contextlib.suppress(Exception):
+                readings.append(_metric(psutil.Process(proc.pid), "pushworker_subscription_backlog"))
+        return max(readings, default=0.0)  # one subscription: the max over workers is the adapter's figure
+
+    series: list[dict[str, float]] = []
+    # The burst, stored before the first worker starts; unbatched, so that the backlog counts each message.
+    bench.publish(topic, burst, keys=keys, batched=False)
+    start()
+    try:
+        _wait(lambda: _status_port(psutil.Process(workers[0][0].pid)) is not None
+              and _worker_ready(psutil.Process(workers[0][0].pid)), 120, "the first worker ready")
+        began = time.monotonic()
+        recommendations: list[tuple[float, int]] = []
+        drained_at: float | None = None
+        while time.monotonic() - began < 600:
+            now = time.monotonic() - began
+            backlog, current = fleet_backlog(), len(workers)
+            desired = max(1, min(max_replicas, math.ceil(current * (backlog / current) / HPA_TARGET)))
+            recommendations = [(t, d) for t, d in recommendations if now - t < HPA_SCALE_DOWN_WINDOW]
+            recommendations.append((now, desired))
+            if desired > current:
+                for _ in range(desired - current):
+                    start()
+            elif max(d for _, d in recommendations) < current:
+                proc, stack = workers.pop()
+                proc.terminate()  # a clean stop: it hands its slot over
+                stopped.append((proc, stack))
+            stats = _get(sink + "/stats")
+            width = bench.redis.get(workers_key(f"p-bench/{name}"))
+            series.append({"t": now, "replicas": len(workers), "backlog": backlog, "desired": desired,
+                           "serving": int(width) if width else 1, "acked": stats["unique"]})
+            if stats["unique"] >= burst:
+                drained_at = drained_at or now
+                if len(workers) == 1 and series[-1]["serving"] == 1:
+                    break
+            time.sleep(2.0)
+        stats = _get(sink + "/stats")
+    finally:
+        for proc, stack in [*workers, *stopped]:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(60)
+            stack.close()
+    result = {"series": series, "published": burst, "delivered": stats["unique"], "lost": burst - stats["unique"],
+              "out_of_order": stats["out_of_order"], "drained_at": drained_at,
+              "max_replicas": max(row["replicas"] for row in series)}
+    if image is not None:
+        draw(result, image)
+    return result
+
+
+def draw(result: dict[str, Any], image: Path) -> None:
+    """Replicas and serving workers over time above, the backlog below."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = result["series"]
+    t = [row["t"] for row in series]
+    figure, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(8, 5), dpi=100)
+    top.step(t, [row["replicas"] for row in series], where="post", label="replicas (the loop's HPA formula)")
+    top.step(t, [row["serving"] for row in series], where="post", linestyle="--",
+             label="workers serving the subscription")
+    top.set_ylabel("workers")
+    top.set_ylim(0, max(row["replicas"] for row in series) + 2)
+    top.legend(loc="upper center", ncol=2, fontsize="small")
+    bottom.plot(t, [row["backlog"] for row in series], label="backlog (pushworker_backlog)")
+    bottom.plot(t, [result["published"] - row["acked"] for row in series], linestyle=":",
+                label="published, not yet delivered")
+    bottom.set_ylabel("messages")
+    bottom.set_xlabel("seconds since the burst began")
+    bottom.legend(loc="upper right", fontsize="small")
+    figure.suptitle(f"{result['published']:,} messages on one key-shared subscription; lost {result['lost']}, "
+                    f"out of key order {result['out_of_order']}")
+    figure.tight_layout()
+    image.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(image)
+    plt.close(figure)
+
+
+def hpa_report(result: dict[str, Any]) -> str:
+    series = result["series"]
+    peak = max(series, key=lambda row: row["backlog"])
+    return (f"autoscaling loop: {result['published']:,} published on one key-shared subscription, "
+            f"{result['delivered']:,} delivered (lost {result['lost']}, first deliveries out of key order "
+            f"{result['out_of_order']}); replicas 1 -> {result['max_replicas']} -> {series[-1]['replicas']}; "
+            f"backlog peak {peak['backlog']:,.0f} at {peak['t']:.0f} s; drained at {result['drained_at'] or 0:.0f} s; "
+            f"back to one worker at {series[-1]['t']:.0f} s")
