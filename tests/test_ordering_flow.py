@@ -148,6 +148,19 @@ async def test_dead_endpoint_does_not_slow_another_subscription(start_worker, cl
     assert beside_dead >= 0.2 * alone, (alone, beside_dead)
 
 
+async def test_a_request_waiting_for_a_slot_waits_out_a_retry_after_that_came_meanwhile():
+    """The 429 frees the slot a queued request waits for: it must not go out during the pause."""
+    limit = AdaptiveLimit(ceiling=1, initial=1)
+    first = await limit.acquire()
+    waiting = asyncio.ensure_future(limit.acquire())
+    await asyncio.sleep(0)  # queued for the one slot
+    limit.release(Outcome(Result.NACK, status=429, latency=0.01, retry_after=0.3), first)
+    started = time.monotonic()
+    await waiting
+    assert time.monotonic() - started >= 0.25
+    assert limit.in_use == 1
+
+
 def test_adaptive_limit_slow_start_shrink_and_growth():
     async def scenario():
         limit = AdaptiveLimit(ceiling=64, initial=4, cooldown=0.0)

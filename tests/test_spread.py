@@ -15,10 +15,11 @@ from aiohttp import web
 from tests.support import brokers
 from tests.support.builders import make_sub, push_sub
 from tests.support.endpoints import Endpoint
-from tests.support.fleet_harness import FleetHarness, WorkerProcess, fleet_sub, topics
+from tests.support.fleet_harness import FleetHarness, WorkerProcess, delivered, fleet_sub, topics
 from tests.support.helpers import eventually
 from tests.support.pulsar_client import Client
 from worker.core import keys
+from worker.core.messages import format_message_id
 from worker.errors import ConfigError
 from worker.fleet.spread import next_width, partitions_limit, share
 from worker.subscriptions import RateLimit, parse_subscription
@@ -42,6 +43,19 @@ def deliveries(worker: WorkerProcess, name: str) -> float:
         return 0.0
     return sum(v for k, v in samples.items()
                if k.startswith("pushworker_deliveries_total{") and f'subscription="{name}"' in k)
+
+
+def publish_fast(client: Client, topic: str, n: int) -> set[str]:
+    """`n` messages sent without waiting for each (a backlog at once), unbatched: the broker's backlog
+    counts a batch once."""
+    producer = client.client.create_producer(topic, batching_enabled=False, block_if_queue_full=True)
+    ids: set[str] = set()
+    for i in range(n):
+        producer.send_async(b"m%d" % i, lambda result, message_id: ids.add(format_message_id(message_id)))
+    producer.flush()
+    producer.close()
+    assert len(ids) == n
+    return ids
 
 
 def log_lines(worker: WorkerProcess) -> list[dict]:
@@ -237,3 +251,39 @@ async def test_max_workers_raised_on_a_live_key_shared_subscription_then_a_seek_
                     if line.get("subscription") == key and line.get("event") in ("seeking", "subscription released"))
     seeking = next(at for at, event, _ in events if event == "seeking")
     assert any(event == "subscription released" and slot and at < seeking for at, event, slot in events), events
+
+
+@pytest.mark.slow
+@pytest.mark.apache_pulsar  # pulsar-lite refuses a second worker's consumer whose id equals the first's
+async def test_a_retry_after_one_worker_gets_holds_every_worker_of_the_subscription(
+        spread_fleet: FleetHarness, endpoint: Endpoint, client: Client):
+    """The endpoint answers one request `429 Retry-After: 4` while two workers serve the subscription:
+    within a round neither sends another request until the 4 s have passed."""
+    fleet = spread_fleet
+    refused_at: list[float] = []
+    both_serving = asyncio.Event()
+
+    async def once_busy(rec) -> web.Response:
+        await asyncio.sleep(0.01)
+        if not refused_at and both_serving.is_set():
+            refused_at.append(time.monotonic())
+            return web.Response(status=429, headers={"Retry-After": "4"})
+        return web.Response(status=204)
+
+    endpoint.behaviour = once_busy
+    [topic] = topics(1)
+    key = "p-fleet/polite"
+    assert fleet.apply([fleet_sub("polite", topic, endpoint.url, max_workers=2, max_concurrency=8)]).returncode == 0
+    workers = [fleet.start() for _ in range(2)]
+    await eventually(lambda: fleet.holders(key, 1) != [""], timeout=30, what="the subscription served")
+    sent = await asyncio.to_thread(publish_fast, client, topic, 6000)
+    await eventually(lambda: "" not in fleet.holders(key, 2), timeout=60, what="two workers serving it")
+    await eventually(lambda: deliveries(workers[0], "polite") > 0 and deliveries(workers[1], "polite") > 0,
+                     timeout=30, what="both delivering")
+    both_serving.set()
+    await eventually(lambda: bool(refused_at), timeout=60, what="the endpoint's 429")
+    await eventually(lambda: sent <= delivered(endpoint)["polite"], timeout=120, what="every message delivered")
+    # Requests under way, and those the other worker started before its next round, may arrive
+    # within a second of the 429; none after that until the pause is over.
+    during = [r.at - refused_at[0] for r in endpoint.requests if 1.0 < r.at - refused_at[0] < 3.8]
+    assert not during, f"{len(during)} requests during the pause, the first {min(during):.2f} s after the 429"

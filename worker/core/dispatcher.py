@@ -318,6 +318,15 @@ class Dispatcher:
                 f"{policy.open_after_seconds:g} s (last: {self.health.last_failure}); one probe every "
                 f"{policy.probe_interval_seconds:g} s, nothing else sent or counted")
 
+    def paused_for(self) -> float:
+        """Seconds new requests to the endpoint still wait for a `Retry-After`."""
+        return self.endpoint_limit.paused_for()
+
+    def pause(self, seconds: float) -> None:
+        """Hold new requests to the endpoint for `seconds`: another worker of the subscription got a
+        `Retry-After` (the fleet passes it on)."""
+        self.endpoint_limit.pause(seconds)
+
     def resume(self, resumed_at_ms: int) -> bool:
         """`subs resume` at `resumed_at_ms`: closes the breaker if it opened before then."""
         if not self.breaker.is_open or resumed_at_ms < self.breaker.opened_wall * 1000:

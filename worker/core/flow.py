@@ -88,6 +88,7 @@ SHARE_WEIGHT = 0.05  # weight of each answer in that share (about the last 20-40
 HUNG_AFTER_LATENCIES = 8  # a request under way this many typical answers long counts as overload...
 HUNG_AFTER_FLOOR = 1.0  # ...and at least this many seconds
 LATENCY_WEIGHT = 0.1  # weight of each acked answer's latency in the typical latency
+MAX_PAUSE = 60.0  # seconds a Retry-After holds new requests at most
 
 
 class AdaptiveLimit(_Slots):
@@ -132,13 +133,19 @@ class AdaptiveLimit(_Slots):
         return self.used
 
     async def acquire(self) -> int:
-        """Wait for a slot; returns the request's ticket, for `release`."""
-        pause = self._paused_until - self.clock()
-        while pause > 0:
-            await asyncio.sleep(pause)
+        """Wait for a slot, and for a `Retry-After` pause to pass; returns the request's ticket, for
+        `release`. A pause that began while it waited for the slot is waited out too (the slot is
+        given back meanwhile): the requests queued for slots would all have gone out during it."""
+        while True:
             pause = self._paused_until - self.clock()
-        self._notice_hung(self.clock())
-        await self._take()
+            if pause > 0:
+                await asyncio.sleep(pause)
+                continue
+            self._notice_hung(self.clock())
+            await self._take()
+            if self._paused_until <= self.clock():
+                break
+            self._give()
         ticket = next(self._tickets)
         self._under_way.add(ticket)
         self._unjudged.append((ticket, self.clock()))
@@ -162,6 +169,15 @@ class AdaptiveLimit(_Slots):
         if self._unjudged and now - self._unjudged[0][1] > self.hung_after() and self._cut(now):
             self._unjudged.popleft()
             self.limit = self.size
+
+    def paused_for(self) -> float:
+        """Seconds new requests still wait for a `Retry-After` (0 when none)."""
+        return max(0.0, self._paused_until - self.clock())
+
+    def pause(self, seconds: float) -> None:
+        """Hold new requests for `seconds` (at most MAX_PAUSE): a `Retry-After`, this worker's or one
+        another worker of the subscription got."""
+        self._paused_until = max(self._paused_until, self.clock() + min(seconds, MAX_PAUSE))
 
     def restart(self) -> None:
         """Slow start again from the initial window (an endpoint back after an outage)."""
@@ -191,7 +207,7 @@ class AdaptiveLimit(_Slots):
         now = self.clock()
         self._cut(now)
         if outcome.retry_after:
-            self._paused_until = max(self._paused_until, now + min(outcome.retry_after, 60.0))
+            self.pause(outcome.retry_after)
 
     def _cut(self, now: float) -> bool:
         """Halve the window, unless it was cut less than `cooldown` ago; whether it was."""

@@ -61,6 +61,12 @@ def lease_key(subscription_key: str, slot: int = 0) -> str:
     return f"{PREFIX}:{tag(subscription_key)}:lease" + (f":{slot}" if slot else "")
 
 
+def endpoint_pause_key(subscription_key: str) -> str:
+    """A `Retry-After` one of a spread subscription's workers got: exists (expiring with it) while every
+    worker of the subscription holds new requests."""
+    return f"{PREFIX}:{tag(subscription_key)}:endpoint-pause"
+
+
 def workers_key(subscription_key: str) -> str:
     """How many workers serve the subscription now (1..max_workers), as its slot 0's holder decides."""
     return f"{PREFIX}:{tag(subscription_key)}:workers"

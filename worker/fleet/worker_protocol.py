@@ -33,6 +33,10 @@ class Served(Protocol):
 
     def resume(self, resumed_at_ms: int) -> bool: ...  # `subs resume`: close a breaker opened before then
 
+    def paused_for(self) -> float: ...  # seconds new requests still wait for a Retry-After
+
+    def pause(self, seconds: float) -> None: ...  # another worker of the subscription got a Retry-After
+
     stats: Any
 
 
