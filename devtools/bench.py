@@ -852,6 +852,11 @@ def _metric(ps: psutil.Process, name: str, **labels: str) -> float:
 
 ROOT = Path(__file__).resolve().parent.parent
 HPA_IMAGE = ROOT / "docs" / "images" / "autoscaling-loop.png"  # the spread section draws its loop here
+# What was won, guarded (issue #48): a worker's CPU per message in bursts at most the bare loop's per
+# request, and at steady rates at most twice the paced reference's.
+BURST_GUARD = 1.0
+STEADY_GUARD = 2.0
+IDLE_GUARD = 0.05  # 1,000 idle subscriptions: at most 5% of a core
 # `spread` only when asked: it needs root, a cgroup cpu controller and Apache Pulsar (spread_bench.py).
 SECTIONS = tuple(s for s in BENCH_SECTIONS if s != "spread")
 KIB = 1024
@@ -887,6 +892,14 @@ class Run:
         self.rounds = rounds
         self.ref_sink = bench.sink()
         self.shared: Figures | None = None
+        self.broken_guards: list[str] = []
+
+    def guard(self, what: str, value: float, limit: float) -> None:
+        """What was won, kept: `value` at most `limit`, said either way; a broken guard fails the run."""
+        holds = value <= limit
+        print(f"guard: {what} at most {limit:.2f}: {value:.2f}, {'holds' if holds else 'DOES NOT HOLD'}")
+        if not holds:
+            self.broken_guards.append(f"{what}: {value:.2f} (at most {limit:.2f})")
 
     def against_reference(self, run_case: Any, body: bytes = PAYLOAD, messages: int | None = None,
                           concurrency: int | None = None) -> tuple[Figures, Reference]:
@@ -926,6 +939,8 @@ class Run:
         if len(rounds) > 1:
             print(f"shared, {len(rounds)} rounds (the table shows the median round): x ref cpu "
                   f"{', '.join(f'{x:.2f}' for x in ratios)}; median {statistics.median_low(ratios):.2f}")
+        self.guard("CPU per message in bursts (shared, median round) x the bare loop's per request",
+                   statistics.median_low(ratios), BURST_GUARD)
         cpu = [k.cpu_us / s.cpu_us for (s, _), (k, _) in pairs]
         print(f"key-shared (1,000 keys) / the shared round before it: deliveries "
               f"{', '.join(f'{x:.2f}' for x in keyed_ratios)}x (median {statistics.median_low(keyed_ratios):.2f}; "
@@ -975,7 +990,11 @@ class Run:
                     ["subscriptions", "msg/s each", "delivered/s", "cpu us/msg", "ref cpu us/req", "x ref cpu",
                      "x 1 subscription", "x core shared", "p50 ms", "p99 ms", "rss MiB"],
                     right=("subscriptions", "msg/s each", "delivered/s", "cpu us/msg", "ref cpu us/req", "x ref cpu",
-                           "x 1 subscription", "x core shared", "p50 ms", "p99 ms", "rss MiB")) + "\n")
+                           "x 1 subscription", "x core shared", "p50 ms", "p99 ms", "rss MiB")))
+        for s, ref in zip(rows, (Reference.around(a, b) for a, b in itertools.pairwise(refs)), strict=True):
+            self.guard(f"CPU per message of a steady stream over {s.subscriptions:,} subscription(s) x the paced "
+                       "reference's per request", s.cpu_us / ref.cpu_us, STEADY_GUARD)
+        print()
 
     def batch(self) -> None:
         """Messages a second per core (1e6 / the worker's CPU us per message) with `deliver.push.batch` at
@@ -1093,9 +1112,12 @@ async def run_bench(messages: int = 20000, concurrency: int = 64, sections: tupl
                     print()
                 if "idle" in sections:
                     ready, cpu, rss = bench.idle()
-                    print(f"idle: 1000 push subscriptions served in {ready:.1f}s; idle CPU {100 * cpu:.1f}% of a core "
-                          f"(30 s, from 10 s after; at most 5%: {'holds' if cpu <= 0.05 else 'DOES NOT HOLD'}); "
-                          f"RSS {rss:.0f} MiB")
+                    print(f"idle: 1000 push subscriptions served in {ready:.1f}s; RSS {rss:.0f} MiB")
+                    run.guard("idle CPU of 1,000 subscriptions (30 s, from 10 s after all served), share of a core",
+                              cpu, IDLE_GUARD)
+                if run.broken_guards:
+                    print(f"\nbench: {len(run.broken_guards)} guard(s) broken: " + "; ".join(run.broken_guards))
+                    return 1
                 return 0
             finally:
                 bench.close()
