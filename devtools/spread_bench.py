@@ -61,6 +61,20 @@ def start_in(cgroup: Path, command: list[str], log: Path, **env: str) -> subproc
         return subprocess.Popen(wrapper, stdout=out, stderr=out, env={**os.environ, **env})
 
 
+def fleet_config(bench: Any, name: str, fleet: dict[str, Any], sub: dict[str, Any]) -> Path:
+    """A worker.yaml for a fleet of its own (`name`) serving `sub`, its backlog read every second."""
+    config: Path = bench.dir / f"spread-{name}.yaml"
+    config.write_text(yaml.safe_dump({
+        "pulsar": {"service_url": bench.broker.url, "admin_url": bench.broker.admin_url,
+                   "backlog_interval_seconds": 1},
+        "redis": {"url": bench.redis_service.url}, "http": {"port": 0},
+        "destinations": {"allow_private": True}, "log": {"format": "json", "level": "warning"},
+        "state_dir": str(bench.dir / "worker"),
+        "fleet": {"name": name, "lease_seconds": 5, "heartbeat_seconds": 0.5, **fleet},
+        "subscriptions": [sub]}))
+    return config
+
+
 def scale_out(bench: Any, kind: str, counts: tuple[int, ...] = (1, 2, 4), cores: float = 0.25,
               window: float = 10.0) -> list[dict[str, Any]]:
     """For each N in `counts`: a backlog on one subscription of `kind` (key-shared: 1,000 keys) with
@@ -76,16 +90,9 @@ def _measure(bench: Any, kind: str, n: int, cores: float, window: float) -> floa
     name = f"hot-{n}-{time.monotonic_ns() % 10**6}"
     sink = bench.sink()
     topic = bench.backlog(name, kind, 0)
-    config = bench.dir / f"spread-{name}.yaml"
-    config.write_text(yaml.safe_dump({
-        "pulsar": {"service_url": bench.broker.url, "admin_url": bench.broker.admin_url,
-                   "backlog_interval_seconds": 1},
-        "redis": {"url": bench.redis_service.url}, "http": {"port": 0},
-        "destinations": {"allow_private": True}, "log": {"format": "json", "level": "warning"},
-        "state_dir": str(bench.dir / "worker"),
-        # Every reading asks for one more worker: the subscription spreads to N in about N seconds.
-        "fleet": {"name": name, "lease_seconds": 5, "heartbeat_seconds": 0.5, "backlog_per_worker": 1},
-        "subscriptions": [{**bench.sub(name, topic, sink + "/push", kind, concurrency=64 * n), "max_workers": n}]}))
+    # Every reading asks for one more worker: the subscription spreads to N in about N seconds.
+    config = fleet_config(bench, name, {"backlog_per_worker": 1},
+                          {**bench.sub(name, topic, sink + "/push", kind, concurrency=64 * n), "max_workers": n})
     backlog = 60_000 * n
     bench.publish(topic, backlog, keys=1000 if kind == "key-shared" else 0)
     leases = [lease_key(f"p-bench/{name}", slot) for slot in range(n)]
@@ -150,17 +157,9 @@ def hpa_loop(bench: Any, image: Path | None, max_replicas: int = 4, cores: float
     name = f"hpa-{time.monotonic_ns() % 10**6}"
     sink = bench.sink()
     topic = bench.backlog(name, "key-shared", 0)
-    config = bench.dir / f"spread-{name}.yaml"
-    config.write_text(yaml.safe_dump({
-        "pulsar": {"service_url": bench.broker.url, "admin_url": bench.broker.admin_url,
-                   "backlog_interval_seconds": 1},
-        "redis": {"url": bench.redis_service.url}, "http": {"port": 0},
-        "destinations": {"allow_private": True}, "log": {"format": "json", "level": "warning"},
-        "state_dir": str(bench.dir / "worker"),
-        "fleet": {"name": name, "lease_seconds": 5, "heartbeat_seconds": 0.5, "backlog_per_worker": HPA_TARGET,
-                  "spread_quiet_seconds": 10},
-        "subscriptions": [{**bench.sub(name, topic, sink + "/push", "key-shared", concurrency=64 * max_replicas),
-                           "max_workers": max_replicas}]}))
+    config = fleet_config(bench, name, {"backlog_per_worker": HPA_TARGET, "spread_quiet_seconds": 10},
+                          {**bench.sub(name, topic, sink + "/push", "key-shared", concurrency=64 * max_replicas),
+                           "max_workers": max_replicas})
     workers: list[tuple[subprocess.Popen[bytes], contextlib.ExitStack]] = []
     stopped: list[tuple[subprocess.Popen[bytes], contextlib.ExitStack]] = []
 

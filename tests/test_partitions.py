@@ -11,6 +11,7 @@ import os
 import shutil
 import time
 from datetime import datetime
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -43,6 +44,41 @@ def requests_made(worker: WorkerProcess, since: float = 0.0, until: float = floa
     return count
 
 
+async def three_workers(fleet: FleetHarness, endpoint: Endpoint, prefix: str, **cut: Any
+                        ) -> tuple[WorkerProcess, list[WorkerProcess], list[str], list[str]]:
+    """Six subscriptions over three workers, two each once settled: w0 started with `cut` (its fault
+    point), w1 and w2 as they are. Returns w0, the others, the subscriptions' keys and their topics."""
+    names = [f"{prefix}{i}" for i in range(6)]
+    ts = topics(len(names))
+    assert fleet.apply([fleet_sub(n, t, endpoint.url) for n, t in zip(names, ts, strict=True)]).returncode == 0
+    faulty = fleet.start("w0", **cut)
+    others = [fleet.start("w1"), fleet.start("w2")]
+    keys = [f"p-fleet/{n}" for n in names]
+    await asyncio.to_thread(settled_ownership, fleet, [faulty, *others], keys, 2)
+    return faulty, others, keys, ts
+
+
+async def steady_stream(client: Client, topics_: list[str], sent: list[str], stop: asyncio.Event) -> None:
+    """A message to every topic each 50 ms until `stop`, their ids into `sent`."""
+    i = 0
+    while not stop.is_set():
+        for t in topics_:
+            sent.extend(await asyncio.to_thread(client.publish, t, [b"m%d" % i]))
+        i += 1
+        await asyncio.sleep(0.05)
+
+
+async def delivered_once_each_attempt(endpoint: Endpoint, sent: list[str]) -> int:
+    """Once every message in `sent` has been acked: no attempt number used twice. Returns how many
+    requests repeated a message (a later attempt of one already sent)."""
+    await eventually(lambda: set(sent) <= {m for ids in delivered(endpoint).values() for m in ids}, timeout=90,
+                     what="every message delivered")
+    attempts = collections.Counter((r.headers["Pubsub-Message-Id"], r.headers["Pubsub-Delivery-Attempt"])
+                                   for r in endpoint.requests)
+    assert max(attempts.values()) == 1, "an attempt number was used twice"
+    return len(endpoint.requests) - len({r.headers["Pubsub-Message-Id"] for r in endpoint.requests})
+
+
 @pytest.fixture
 def fleet(tmp_path, broker, redis_url):
     h = FleetHarness(tmp_path, broker.url, redis_url, admin_url=brokers.admin_url(broker),
@@ -59,25 +95,10 @@ async def test_a_worker_cut_from_redis_stops_before_its_leases_lapse_and_rejoins
     the heal, nothing is lost and no attempt number is used twice."""
     link, through = FaultyLink.to_url(redis_url)
     try:
-        names = [f"cut{i}" for i in range(6)]
-        ts = topics(len(names))
-        assert fleet.apply([fleet_sub(n, t, endpoint.url) for n, t in zip(names, ts, strict=True)]).returncode == 0
-        cut = fleet.start("w0", PUSH_WORKER_REDIS_URL=through)
-        others = [fleet.start("w1"), fleet.start("w2")]
-        keys = [f"p-fleet/{n}" for n in names]
-        await asyncio.to_thread(settled_ownership, fleet, [cut, *others], keys, 2)
+        cut, others, keys, ts = await three_workers(fleet, endpoint, "cut", PUSH_WORKER_REDIS_URL=through)
         sent: list[str] = []
         stop = asyncio.Event()
-
-        async def publish() -> None:  # a steady stream to every subscription, the whole time
-            i = 0
-            while not stop.is_set():
-                for t in ts:
-                    sent.extend(await asyncio.to_thread(client.publish, t, [b"m%d" % i]))
-                i += 1
-                await asyncio.sleep(0.05)
-
-        publishing = asyncio.create_task(publish())
+        publishing = asyncio.create_task(steady_stream(client, ts, sent, stop))
         await eventually(lambda: requests_made(cut) >= 10, timeout=30, what="the worker delivering")
         link.cut()
         cut_at, cut_wall = time.monotonic(), time.time()
@@ -96,12 +117,7 @@ async def test_a_worker_cut_from_redis_stops_before_its_leases_lapse_and_rejoins
         rejoined = time.monotonic() - healed_at
         stop.set()
         await publishing
-        await eventually(lambda: set(sent) <= {m for ids in delivered(endpoint).values() for m in ids}, timeout=60,
-                         what="every message delivered")
-        attempts = collections.Counter((r.headers["Pubsub-Message-Id"], r.headers["Pubsub-Delivery-Attempt"])
-                                       for r in endpoint.requests)
-        assert max(attempts.values()) == 1, "an attempt number was used twice"
-        duplicates = len(endpoint.requests) - len({r.headers["Pubsub-Message-Id"] for r in endpoint.requests})
+        duplicates = await delivered_once_each_attempt(endpoint, sent)
         print(f"\ntaken over {taken_over:.1f}s after the cut (lease {LEASE:g}s, round {HEARTBEAT:g}s); "
               f"rejoined and balanced {rejoined:.1f}s after the heal; {len(sent)} messages, "
               f"{duplicates} delivered more than once")
@@ -179,25 +195,10 @@ async def test_a_worker_cut_from_the_broker_hands_its_subscriptions_over_and_rej
     broker_port = urlsplit(broker.url).port
     assert broker_port is not None
     try:
-        names = [f"bcut{i}" for i in range(6)]
-        ts = topics(len(names))
-        assert fleet.apply([fleet_sub(n, t, endpoint.url) for n, t in zip(names, ts, strict=True)]).returncode == 0
-        cut = fleet.start("w0", gid=firewall.gid)
-        others = [fleet.start("w1"), fleet.start("w2")]
-        keys = [f"p-fleet/{n}" for n in names]
-        await asyncio.to_thread(settled_ownership, fleet, [cut, *others], keys, 2)
+        cut, others, keys, ts = await three_workers(fleet, endpoint, "bcut", gid=firewall.gid)
         sent: list[str] = []
         stop = asyncio.Event()
-
-        async def publish() -> None:
-            i = 0
-            while not stop.is_set():
-                for t in ts:
-                    sent.extend(await asyncio.to_thread(client.publish, t, [b"m%d" % i]))
-                i += 1
-                await asyncio.sleep(0.05)
-
-        publishing = asyncio.create_task(publish())
+        publishing = asyncio.create_task(steady_stream(client, ts, sent, stop))
         await eventually(lambda: requests_made(cut) >= 10, timeout=30, what="the worker delivering")
         firewall.block(broker_port)
         cut_at = time.monotonic()
@@ -213,12 +214,7 @@ async def test_a_worker_cut_from_the_broker_hands_its_subscriptions_over_and_rej
         rejoined = time.monotonic() - healed_at
         stop.set()
         await publishing
-        await eventually(lambda: set(sent) <= {m for ids in delivered(endpoint).values() for m in ids}, timeout=90,
-                         what="every message delivered")
-        attempts = collections.Counter((r.headers["Pubsub-Message-Id"], r.headers["Pubsub-Delivery-Attempt"])
-                                       for r in endpoint.requests)
-        assert max(attempts.values()) == 1, "an attempt number was used twice"
-        duplicates = len(endpoint.requests) - len({r.headers["Pubsub-Message-Id"] for r in endpoint.requests})
+        duplicates = await delivered_once_each_attempt(endpoint, sent)
         print(f"\nhanded over {taken_over:.1f}s after the cut (broker_lost_after_seconds 5); rejoined and balanced "
               f"{rejoined:.1f}s after the heal; {len(sent)} messages, {duplicates} delivered more than once")
         assert taken_over <= 5 + 2 + 5 + 10 + LEASE  # lost after, a probe's period and timeout, a drain, a lease

@@ -58,6 +58,12 @@ def publish_fast(client: Client, topic: str, n: int) -> set[str]:
     return ids
 
 
+async def slowly(rec) -> web.Response:
+    """An endpoint's answer in 20 ms: a backlog builds up."""
+    await asyncio.sleep(0.02)
+    return web.Response(status=204)
+
+
 def log_lines(worker: WorkerProcess) -> list[dict]:
     """`worker`'s JSON log lines."""
     return [json.loads(line) for line in worker.log.read_text().splitlines() if line.startswith("{")]
@@ -129,10 +135,6 @@ async def test_a_backlog_spreads_a_subscription_over_its_workers_and_a_drained_o
     three workers (one a backlog reading), each delivering; every message arrives and no attempt
     number repeats; drained, it goes back to one worker."""
     fleet = spread_fleet
-
-    async def slowly(rec) -> web.Response:
-        await asyncio.sleep(0.02)
-        return web.Response(status=204)
 
     endpoint.behaviour = slowly
     [topic] = topics(1)
@@ -217,10 +219,6 @@ async def test_max_workers_raised_on_a_live_key_shared_subscription_then_a_seek_
     comes again."""
     fleet = spread_fleet
 
-    async def slowly(rec) -> web.Response:
-        await asyncio.sleep(0.02)
-        return web.Response(status=204)
-
     endpoint.behaviour = slowly
     [topic] = topics(1)
     key = "p-fleet/grows"
@@ -287,3 +285,31 @@ async def test_a_retry_after_one_worker_gets_holds_every_worker_of_the_subscript
     # within a second of the 429; none after that until the pause is over.
     during = [r.at - refused_at[0] for r in endpoint.requests if 1.0 < r.at - refused_at[0] < 3.8]
     assert not during, f"{len(during)} requests during the pause, the first {min(during):.2f} s after the 429"
+
+
+@pytest.mark.slow
+@pytest.mark.apache_pulsar  # pulsar-lite refuses a second worker's consumer whose id equals the first's
+async def test_a_spread_subscription_dead_letters_each_message_once(
+        spread_fleet: FleetHarness, endpoint: Endpoint, client: Client):
+    """Every request refused, max_deliver 3, two workers: each message gets attempts 1, 2, 3 in all
+    (whichever worker makes them) and is dead-lettered once."""
+    fleet = spread_fleet
+    endpoint.behaviour = lambda rec: web.Response(status=500)
+    [topic] = topics(1)
+    dead = topic + "-dlq"
+    key = "p-fleet/doomed"
+    assert fleet.apply([fleet_sub("doomed", topic, endpoint.url, max_workers=2, max_deliver=3,
+                                  dead_letter={"topic": dead})]).returncode == 0
+    watcher = client.watch(dead)
+    [fleet.start() for _ in range(2)]
+    await eventually(lambda: fleet.holders(key, 1) != [""], timeout=30, what="the subscription served")
+    sent = await asyncio.to_thread(publish_fast, client, topic, 2000)
+    await eventually(lambda: "" not in fleet.holders(key, 2), timeout=60, what="two workers serving it")
+    letters = await asyncio.to_thread(Client.drain_originals, watcher, sent, 120)
+    watcher.close()
+    originals = collections.Counter(m.properties().get("pubsub.original_message_id") for m in letters)
+    assert set(originals) == sent and max(originals.values()) == 1, "a message dead-lettered twice"
+    attempts = collections.defaultdict(list)
+    for r in endpoint.requests:
+        attempts[r.headers["Pubsub-Message-Id"]].append(int(r.headers["Pubsub-Delivery-Attempt"]))
+    assert all(sorted(numbers) == [1, 2, 3] for numbers in attempts.values()), "attempts repeated or skipped"
