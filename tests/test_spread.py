@@ -313,3 +313,43 @@ async def test_a_spread_subscription_dead_letters_each_message_once(
     for r in endpoint.requests:
         attempts[r.headers["Pubsub-Message-Id"]].append(int(r.headers["Pubsub-Delivery-Attempt"]))
     assert all(sorted(numbers) == [1, 2, 3] for numbers in attempts.values()), "attempts repeated or skipped"
+
+
+@pytest.mark.slow
+@pytest.mark.apache_pulsar  # pulsar-lite refuses a second worker's consumer whose id equals the first's
+async def test_a_failover_subscription_spreads_up_to_its_partitions_and_keeps_order_per_partition(
+        tmp_path, broker, redis_url, endpoint: Endpoint, client: Client, topic: str):
+    """Failover on a topic of 2 partitions with max_workers 4: at most 2 workers serve it (each
+    partition has one active consumer); one of them is killed mid-stream; in each partition the
+    first deliveries come in publish order and every message arrives."""
+    partitioned = brokers.partitioned(broker, topic, 2)
+    fleet = FleetHarness(tmp_path, broker.url, redis_url, admin_url=brokers.admin_url(broker),
+                         pulsar=backlog_source(broker), backlog_per_worker=150, spread_quiet_seconds=60)
+    try:
+        endpoint.behaviour = slowly
+        key = "p-test/parts"
+        assert fleet.apply([fleet_sub("parts", partitioned, endpoint.url, type="failover", max_workers=4,
+                                      max_concurrency=8)]).returncode == 0
+        workers = [fleet.start() for _ in range(3)]
+        await eventually(lambda: fleet.holders(key, 1) != [""], timeout=30, what="the subscription served")
+        sent = await asyncio.to_thread(publish_fast, client, partitioned, 4000)
+        await eventually(lambda: fleet.redis.get(keys.workers_key(key)) == b"2" and "" not in fleet.holders(key, 2),
+                         timeout=60, what="two workers serving it")
+        await asyncio.sleep(3.0)  # more backlog readings: still two, the partitions' number
+        assert fleet.redis.get(keys.workers_key(key)) == b"2" and fleet.holders(key, 3)[2] == ""
+        victim = next(w for w in workers if w.id == fleet.holders(key, 2)[1])
+        victim.signal(signal.SIGKILL)
+        await eventually(lambda: sent <= delivered(endpoint)["parts"], timeout=120, what="every message delivered")
+    finally:
+        fleet.close()
+    first_seen: dict[str, list[int]] = collections.defaultdict(list)
+    seen: set[str] = set()
+    for r in endpoint.requests:
+        mid = r.headers["Pubsub-Message-Id"]
+        if mid not in seen:
+            seen.add(mid)
+            _, entry, partition, _ = mid.split(":")
+            first_seen[partition].append(int(entry))
+    assert set(first_seen) == {"0", "1"}
+    for partition, entries in first_seen.items():
+        assert entries == sorted(entries), (partition, entries[:20])
