@@ -22,6 +22,7 @@ from worker.aio import cancel_within, wait_event
 from worker.config import FleetSettings
 from worker.consumer import consumer_type
 from worker.core import keys
+from worker.core.flow import MAX_PAUSE
 from worker.core.redis_batch import Pipeliner
 from worker.fleet import seek
 from worker.fleet.leases import ACQUIRE, RELEASE, RENEW, Lease, assign, holders, unit_parts, units
@@ -485,7 +486,8 @@ class Fleet:
             if isinstance(result, BaseException):
                 self._pauses_said.pop(key, None)  # said again next round
         for (_, dispatcher), ttl in zip(served, found, strict=True):
-            if isinstance(ttl, int) and ttl > 0:
+            # No worker says a pause longer than MAX_PAUSE: a longer one is garbage, not a Retry-After.
+            if isinstance(ttl, int) and 0 < ttl <= MAX_PAUSE * 1000:
                 dispatcher.pause(ttl / 1000)
         for key in [k for k, until in self._pauses_said.items() if until < now]:
             del self._pauses_said[key]

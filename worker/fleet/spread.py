@@ -20,6 +20,8 @@ import dataclasses
 import time
 from collections.abc import Mapping
 
+from redis.exceptions import ResponseError
+
 from worker.core import keys
 from worker.core.redis_batch import Pipeliner
 from worker.subscriptions import RateLimit, Subscription
@@ -78,12 +80,13 @@ class Spread:
                                       return_exceptions=True)
         stored, unreadable = {}, []
         for key, value in zip(spread, values, strict=True):
-            if isinstance(value, BaseException):
-                raise value
+            if isinstance(value, BaseException) and not isinstance(value, ResponseError):
+                raise value  # Redis did not answer: the round failed
             try:
                 stored[key] = int(value) if value is not None else 1
-            except ValueError:
-                unreadable.append(key)  # garbage: served by one worker until the holder of slot 0 writes it again
+            except (ValueError, TypeError):
+                # Garbage (or a key of another type): served by one worker until slot 0's holder writes it again.
+                unreadable.append(key)
                 stored[key] = 1
         self.stored = stored
         for gone in set(self._last_reading) - set(stored):
