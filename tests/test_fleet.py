@@ -16,7 +16,14 @@ from aiohttp import web
 from tests.support import brokers
 from tests.support.brokers import is_pulsar_lite
 from tests.support.endpoints import Endpoint, serve
-from tests.support.fleet_harness import FleetHarness, delivered, fleet_sub, settled_ownership, topics
+from tests.support.fleet_harness import (
+    FleetHarness,
+    delivered,
+    first_deliveries_by_partition,
+    fleet_sub,
+    settled_ownership,
+    topics,
+)
 from tests.support.helpers import assert_stays, eventually, stays_sync, wait_sync
 from tests.support.pulsar_client import Client
 from tests.support.redis_targets import ALL_REDIS
@@ -253,14 +260,7 @@ async def test_a_failover_subscription_handed_over_by_a_kill_keeps_order_per_par
     finally:
         client.close()
         fleet.close()
-    first_seen: dict[str, list[int]] = collections.defaultdict(list)
-    seen: set[str] = set()
-    for r in endpoint.requests:
-        mid = r.headers["Pubsub-Message-Id"]
-        if mid not in seen:
-            seen.add(mid)
-            _, entry, partition, _ = mid.split(":")
-            first_seen[partition].append(int(entry))
+    first_seen = first_deliveries_by_partition(endpoint)
     assert set(first_seen) == {"0", "1", "2"}
     for partition, entries in first_seen.items():
         assert entries == sorted(entries), (partition, entries[:20])

@@ -15,7 +15,14 @@ from aiohttp import web
 from tests.support import brokers
 from tests.support.builders import make_sub, push_sub
 from tests.support.endpoints import Endpoint
-from tests.support.fleet_harness import FleetHarness, WorkerProcess, delivered, fleet_sub, topics
+from tests.support.fleet_harness import (
+    FleetHarness,
+    WorkerProcess,
+    delivered,
+    first_deliveries_by_partition,
+    fleet_sub,
+    topics,
+)
 from tests.support.helpers import eventually
 from tests.support.pulsar_client import Client
 from worker.core import keys
@@ -342,14 +349,7 @@ async def test_a_failover_subscription_spreads_up_to_its_partitions_and_keeps_or
         await eventually(lambda: sent <= delivered(endpoint)["parts"], timeout=120, what="every message delivered")
     finally:
         fleet.close()
-    first_seen: dict[str, list[int]] = collections.defaultdict(list)
-    seen: set[str] = set()
-    for r in endpoint.requests:
-        mid = r.headers["Pubsub-Message-Id"]
-        if mid not in seen:
-            seen.add(mid)
-            _, entry, partition, _ = mid.split(":")
-            first_seen[partition].append(int(entry))
+    first_seen = first_deliveries_by_partition(endpoint)
     assert set(first_seen) == {"0", "1"}
     for partition, entries in first_seen.items():
         assert entries == sorted(entries), (partition, entries[:20])

@@ -153,6 +153,19 @@ def settled_ownership(fleet: FleetHarness, workers, keys: list[str], per_worker:
     stays_sync(agree, 1.0, "settled ownership")
 
 
+def first_deliveries_by_partition(endpoint: Endpoint) -> dict[str, list[int]]:
+    """Per partition, the entry ids of the messages the endpoint received, in the order each first arrived."""
+    first_seen: dict[str, list[int]] = collections.defaultdict(list)
+    seen: set[str] = set()
+    for r in endpoint.requests:
+        mid = r.headers["Pubsub-Message-Id"]
+        if mid not in seen:
+            seen.add(mid)
+            _, entry, partition, _ = mid.split(":")
+            first_seen[partition].append(int(entry))
+    return first_seen
+
+
 def delivered(endpoint: Endpoint) -> dict[str, set[str]]:
     """Per subscription name, the message ids the endpoint acked."""
     out: dict[str, set[str]] = collections.defaultdict(set)
