@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint docs bench soak clean compile uncompile apache-pulsar apache-pulsar-stop test-apache-pulsar image-lock
+.PHONY: install demo test test-fast lint docs bench soak clean compile uncompile apache-pulsar apache-pulsar-stop test-apache-pulsar image-lock screenshots
 
 $(STAMP): pyproject.toml setup.py setup.cfg requirements.lock tests/cloudevents-sdk2.txt
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,10 @@ uncompile: $(STAMP)
 # (tests/test_docs.py fails when the page and the declarations differ).
 docs: $(STAMP)
 	$(BIN)/python -m devtools.config_reference --write
+
+# The console's screenshots in docs/images (its browser test, with Debian's chromium and chromium-driver).
+screenshots: $(STAMP)
+	PUSH_WORKER_SCREENSHOTS=docs/images $(BIN)/pytest -p no:cacheprovider -q tests/test_console.py -k operator
 
 lint: $(STAMP)
 	$(BIN)/ruff check worker devtools tests

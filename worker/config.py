@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from worker.api.settings import AdminSettings, parse_admin
 from worker.core.endpoint_health import ERROR_AFTER_SECONDS
 from worker.core.signing import SecretRef
 from worker.destinations import DestinationPolicy
@@ -170,6 +171,9 @@ class Settings:
                                        help="project secrets: {secret: NAME} is <dir>/<project>/NAME")
     oidc: OidcIssuer | None = setting(None, read_by_hand=True, kind="{issuer, signing_keys}",
                                       help="the fleet's OIDC issuer and signing keys (deliver.push.oidc)")
+    admin: AdminSettings | None = setting(None, read_by_hand=True, kind="{host, port, tls, auth, tokens}",
+                                          help="the operator API and console's listener (none: off); "
+                                               "docs/operator-api.md")
     log_format: str = setting("auto", choices=("auto", "json", "console"), yaml="log.format",
                               help="auto: console on a terminal, JSON otherwise")
     log_level: str = setting("info", choices=("debug", "info", "warning", "error"), yaml="log.level",
@@ -403,6 +407,7 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
         else None,
         secrets_dir=secrets_dir,
         oidc=oidc,
+        admin=parse_admin(r.sub("admin")),
         log_format=read(Settings, log, "log_format"),
         log_level=read(Settings, log, "log_level"),
     )

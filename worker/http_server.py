@@ -4,6 +4,7 @@ the OIDC issuer's public keys (/.well-known/jwks.json, /.well-known/openid-confi
 from __future__ import annotations
 
 import os
+import ssl
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -15,6 +16,20 @@ from worker.oidc import Tokens, openid_configuration
 
 ReadyCheck = Callable[[], Awaitable[tuple[bool, str]]]
 AliveCheck = Callable[[], tuple[bool, str]]
+
+
+async def listen(runner: web.AppRunner, host: str, port: int, section: str, hint: str,
+                 ssl_context: ssl.SSLContext | None = None) -> int:
+    """Serve `runner` on host:port; the port bound (0 asks for any free one). A port that cannot be
+    had is a StartupError naming the config `section` and what to do (`hint`)."""
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
+    try:
+        await site.start()
+    except OSError as e:
+        why = os.strerror(e.errno) if e.errno else str(e)
+        raise StartupError(f"{section}: cannot listen on {host}:{port} ({why}): {hint}") from None
+    sockets = getattr(site._server, "sockets", None) or []
+    return int(sockets[0].getsockname()[1]) if sockets else port
 
 
 class StatusServer:
@@ -38,17 +53,12 @@ class StatusServer:
         app.router.add_get("/.well-known/openid-configuration", self._openid_configuration)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
         try:
-            await site.start()
-        except OSError as e:
+            self.port = await listen(self._runner, self.host, self.port,
+                                     "http", "choose http.port or $PUSH_WORKER_HTTP_PORT (0: any free port)")
+        except StartupError:
             await self.close()
-            why = os.strerror(e.errno) if e.errno else str(e)
-            raise StartupError(f"http: cannot listen on {self.host}:{self.port} ({why}): choose http.port or "
-                               "$PUSH_WORKER_HTTP_PORT (0: any free port)") from None
-        sockets = getattr(site._server, "sockets", None) or []
-        if sockets:
-            self.port = int(sockets[0].getsockname()[1])
+            raise
 
     async def close(self) -> None:
         if self._runner is not None:

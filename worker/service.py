@@ -20,6 +20,7 @@ from worker import broker_admin, compiled, logs, redis_client, redis_start, reso
 from worker import consumer as pulsar_adapter
 from worker.admission import admit_for, secret_store
 from worker.aio import wait_event
+from worker.api.server import AdminServer
 from worker.backlog import BacklogReader, BacklogReport
 from worker.broker_watch import BrokerWatch
 from worker.config import Settings
@@ -67,6 +68,7 @@ class Worker:
         self.fleet: Fleet | None = None
         self.status: StatusServer | None = None
         self.backlog: BacklogReport | None = None
+        self.admin: AdminServer | None = None
 
     async def __aenter__(self) -> Worker:
         try:
@@ -125,6 +127,10 @@ class Worker:
                                                 max_payload_bytes=s.destinations.max_request_bytes),
                               self._stop, self._served_one)
         reader = BacklogReader(session, s.pulsar.admin_url, s.pulsar.metrics_url or local.metrics_url)
+        if s.admin is not None:  # the operator API and console; any worker answers (the state is in Redis)
+            self.admin = AdminServer(s.admin, s, self.redis_url, self.pulsar_url)
+            await self.admin.start()
+            self._cleanup("close the admin listener", self.admin.close, 5)
         if not await redis_start.wait_until_answering(self.redis, self._stop, self.log, self.metrics.redis_errors.inc):
             return  # stopped while waiting
         await redis_start.warn_if_evicting(self.redis, self.log)

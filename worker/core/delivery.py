@@ -40,6 +40,7 @@ class Outcome:
     latency: float = 0.0
     retry_after: float | None = None
     detail: str = ""
+    answer: str = ""  # a failure's first bytes of body, credentials cut out (the attempt log keeps it)
 
     @property
     def acked(self) -> bool:
@@ -61,6 +62,29 @@ class Outcome:
         if self.result is Result.NACK and self.status is not None:
             return f"{self.status // 100}xx"
         return self.result.value
+
+
+CREDENTIAL_HEADERS = frozenset({"authorization", "webhook-signature"})
+REDACTED = "[redacted]"
+
+
+def answer_text(preview: bytes, headers: dict[str, str]) -> str:
+    """A failed answer's first bytes as text, with every credential of the request cut out: an
+    endpoint that echoes the request back must not put its token into the attempt log."""
+    text = preview.decode("utf-8", "replace")
+    secrets: set[str] = set()
+    for name, value in headers.items():
+        if name.lower() in CREDENTIAL_HEADERS:
+            secrets.add(value)
+            secrets.update(word for word in value.replace(",", " ").split() if len(word) >= 8)
+    for secret in sorted(secrets, key=len, reverse=True):
+        text = text.replace(secret, REDACTED)
+        # Cut off at the end of the preview, a credential's start is still one.
+        for size in range(min(len(secret), len(text)) - 1, 3, -1):
+            if text.endswith(secret[:size]):
+                text = text[:-size] + REDACTED
+                break
+    return text
 
 
 def is_ack_status(status: int) -> bool:
@@ -132,7 +156,8 @@ class Deliverer:
         if is_ack_status(answer.status):
             return Outcome(Result.ACK, status=answer.status, latency=latency)
         retry_after = parse_retry_after(answer.headers.get("retry-after")) if answer.status in (429, 503) else None
-        return Outcome(Result.NACK, status=answer.status, latency=latency, retry_after=retry_after)
+        return Outcome(Result.NACK, status=answer.status, latency=latency, retry_after=retry_after,
+                       answer=answer_text(answer.preview, request.headers) if answer.preview else "")
 
     async def close(self) -> None:
         await self.client.close()

@@ -45,6 +45,7 @@ from worker.core.messages import (
     rfc3339,
 )
 from worker.core.metrics import Metrics
+from worker.core.recent import RecentDeliveries
 from worker.core.signing import SecretStore, SecretUnavailable, auth_headers
 from worker.deadletter import DeadLetterPublisher, dead_letter_properties, failing_publishes
 from worker.oauth2 import OAuth2Tokens
@@ -90,6 +91,7 @@ class Stats:
     dead_lettered: int = 0
     dropped: int = 0
     filtered: int = 0
+    recent: RecentDeliveries = field(default_factory=RecentDeliveries)  # the operator API's last minutes
 
     @property
     def settled(self) -> int:
@@ -234,7 +236,7 @@ class Dispatcher:
         self.rate = RateLimit(*_rate_of(sub))
         self._lanes: dict[str, deque[tuple[Any, Envelope]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._active: set[str] = set()  # message ids taken and not yet settled
+        self._active: dict[str, int] = {}  # message ids taken and not yet settled: their publish times
         self._stopping = asyncio.Event()
         self._receiver: asyncio.Task[None] | None = None
         self._fence_wait: asyncio.Task[None] | None = None  # the one wait fenced messages share
@@ -298,6 +300,11 @@ class Dispatcher:
         """Messages taken and not yet settled: the window's used slots, less the one the receive loop
         holds while it waits for the next message (which does not exist yet)."""
         return self.window.used - self._reserved
+
+    @property
+    def oldest_unsettled_ms(self) -> int | None:
+        """The publish time of the oldest message taken and not yet settled (None: none held)."""
+        return min((at for at in self._active.values() if at > 0), default=None)
 
     @property
     def state(self) -> State:
@@ -451,7 +458,7 @@ class Dispatcher:
             # hand settles it; a second loop would send it twice at once.
             self._release(env)
             return
-        self._active.add(env.message_id)
+        self._active[env.message_id] = env.publish_time_ms
         lane = lane_of(self.sub, env)
         if self.sub.batch is not None or self._forming:  # still forming batches: a lane's order goes on there
             if lane is not None and lane in self._lanes:
@@ -484,7 +491,7 @@ class Dispatcher:
 
     def _end_lane(self, lane: str) -> None:
         for _, env in self._lanes.pop(lane):  # stopping: released to the broker with the consumer
-            self._active.discard(env.message_id)
+            self._active.pop(env.message_id, None)
             self._release(env)
 
     # -- batches (deliver.push.batch) --------------------------------------------------------
@@ -516,7 +523,7 @@ class Dispatcher:
                 self._spawn(self._settle_batch(items, list(lanes)))
         finally:
             for _, env in self._forming.drain():  # stopping: released to the broker with the consumer
-                self._active.discard(env.message_id)
+                self._active.pop(env.message_id, None)
                 self._release(env)
 
     async def _settle_batch(self, items: list[Item], lanes: list[str]) -> None:
@@ -537,7 +544,7 @@ class Dispatcher:
                     records.append(record)
         finally:
             for _, env in items:
-                self._active.discard(env.message_id)
+                self._active.pop(env.message_id, None)
                 self._release(env)
             for lane in lanes:
                 if self._lanes[lane] and not self._stopping.is_set():
@@ -667,7 +674,7 @@ class Dispatcher:
             except Exception as e:  # a failure of this message's own (a bug, an overflow): it settles it
                 record = await self._message_failed(message, env, e)
             finally:
-                self._active.discard(env.message_id)
+                self._active.pop(env.message_id, None)
                 self._release(env)
             # Settled once the broker has the ack: the slot is free; the Redis record follows (in the
             # background when the lane's next message is waiting, so that it goes at once).
@@ -814,6 +821,7 @@ class Dispatcher:
             raise
         self.endpoint_limit.release(outcome, ticket)
         self.health.record(outcome.acked, outcome.last_status)
+        self.stats.recent.record(outcome, messages)
         self._report_state()  # Error comes with time, so compare with what was reported
         self.m.delivery(outcome.label).inc(messages)
         self.m.delivery_seconds.observe(outcome.latency)

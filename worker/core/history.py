@@ -15,6 +15,8 @@ def attempt_entry(attempt: int, outcome: Outcome, worker_id: str) -> dict[str, A
                              "worker": worker_id}
     if outcome.detail:
         entry["detail"] = outcome.detail
+    if outcome.answer:
+        entry["answer"] = outcome.answer
     return entry
 
 

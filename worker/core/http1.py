@@ -35,6 +35,7 @@ KEEPALIVE_SECONDS = 15.0  # an idle connection older than this is closed rather 
 IDLE_PER_ENDPOINT = 256  # idle connections kept per endpoint (more are closed)
 DNS_TTL_SECONDS = 30.0
 WRITE_CHUNK = 256 * 1024  # large bodies go out in pieces, with flow control
+PREVIEW_BYTES = 256  # of a failed answer's body, kept for the attempt log (the console shows it)
 # scheme, host, port, for credentials over plain http, the TLS context (one with a client certificate)
 Endpoint = tuple[str, str, int, bool, ssl.SSLContext | None]
 HAPPY_EYEBALLS_DELAY = 0.25  # seconds before the next of a host's addresses is tried too (RFC 8305's default)
@@ -59,6 +60,7 @@ class Answer:
     status: int
     headers: dict[str, str]  # lower-cased names, the last value of each
     body: bytes = b""  # only when asked for (`keep_body`), and only up to the cap
+    preview: bytes = b""  # a failure's (status 300 and above) first PREVIEW_BYTES, for the attempt log
 
 
 class _Connection(asyncio.Protocol):
@@ -185,6 +187,10 @@ class _Connection(asyncio.Protocol):
 
     # -- reading ---------------------------------------------------------------------------
 
+    def answer_preview(self) -> bytes:
+        """The first PREVIEW_BYTES of the last answer's body, when it was not a success."""
+        return self._exchange.preview
+
     def answer_body(self) -> bytes:
         """The body of the last answer, as far as it was kept (`send(keep_body=True)`)."""
         return bytes(self._exchange.body)
@@ -224,6 +230,7 @@ class _Exchange:
         self.keep_body = keep_body
         # Kept bodies only (a token endpoint's answer): a push request's answer allocates nothing here.
         self.body = bytearray() if keep_body else _NOTHING_KEPT
+        self.preview = b""
         self.status = 0
         self.headers: dict[str, str] = {}
         self.head_done = False
@@ -276,6 +283,8 @@ class _Exchange:
             self.over_cap = True
         elif self.keep_body:
             self.body += body
+        if self.status >= 300 and len(self.preview) < PREVIEW_BYTES:  # why a request failed, for the log
+            self.preview += body[:PREVIEW_BYTES - len(self.preview)]
 
     def on_message_complete(self) -> None:
         if self.head_done:
@@ -365,13 +374,14 @@ class Client:
                 break
         if used.expired:  # the answer did not end in time (a body read until close stops at the drop)
             raise TimeoutError
+        preview = used.answer_preview()
         # After a 102 the final answer would still come on this connection: it is not reused.
         if ended and keep_alive and status != 102 and not used.stray and not used.closed and not used.cut_short:
             self._release(endpoint, used)
         else:
             used.close()
         if not keep_body:
-            return Answer(status, answer_headers)
+            return Answer(status, answer_headers, preview=preview)
         if not ended:
             raise ProtocolError(f"answer body over {cap} bytes or cut short")
         return Answer(status, answer_headers, used.answer_body())

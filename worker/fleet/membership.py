@@ -108,11 +108,11 @@ class Fleet:
         # trip, on a connection of their own: as separate commands through redis-py they held the
         # event loop for tens of milliseconds at a time, and every delivery waited.
         self.batch = Pipeliner(client)
-        self.status = StatusReports(worker, self.batch, self.ttl_ms)
         self.spread = Spread(self.batch, settings.backlog_per_worker, settings.spread_quiet_seconds)
         # The last backlog reading of each served subscription (value, monotonic time read), written
         # by the backlog report: the holder of a spread subscription's slot 0 decides its width by it.
         self.backlogs: dict[str, tuple[float, float]] = {}
+        self.status = StatusReports(worker, self.batch, self.ttl_ms, self.backlogs)
         # The last round that went through, and why the rounds since failed: a Redis that answers
         # PING but refuses writes (full at maxmemory: OOM) stops every round, and with it the leases.
         self.last_round_ok = time.monotonic()

@@ -7,6 +7,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import orjson
+
 from worker.core import keys
 from worker.core.redis_batch import BATCH_LIMIT, BatchScript, Pipeliner
 from worker.fleet.leases import unit_parts
@@ -37,8 +39,10 @@ class StatusReports:
     The writes go as batched script calls: as a thousand separate commands they held the event loop
     for about 100 ms every STATUS_EVERY with a thousand busy subscriptions (every delivery waited)."""
 
-    def __init__(self, worker: ServingWorker, batch: Pipeliner, lease_ttl_ms: int) -> None:
+    def __init__(self, worker: ServingWorker, batch: Pipeliner, lease_ttl_ms: int,
+                 backlogs: Mapping[str, tuple[float, float]] | None = None) -> None:
         self.worker, self.batch = worker, batch
+        self.backlogs = backlogs if backlogs is not None else {}  # the backlog readings, by key
         self.expire_ms = int(max(lease_ttl_ms * 3, STATUS_REFRESH * 3000))
         self._held: frozenset[str] = frozenset()
         self._at = 0.0
@@ -87,6 +91,12 @@ class StatusReports:
             fields.update(state=str(dispatcher.state), reason=dispatcher.state_reason, acked=s.acked,
                           retried=s.retried, dead_lettered=s.dead_lettered, dropped=s.dropped,
                           unsettled=dispatcher.unsettled)
+            # For the operator API: the last minutes of attempts, the oldest message in hand, the backlog.
+            fields["recent"] = orjson.dumps(s.recent.summary()).decode()
+            if (oldest := dispatcher.oldest_unsettled_ms) is not None:
+                fields["oldest_unsettled_ms"] = oldest
+            if (reading := self.backlogs.get(key)) is not None:
+                fields["backlog"] = int(reading[0])
         elif failing := self.worker.subscribe_failures.get(key):
             fields["reason"] = f"subscribe failing: {failing}"
         return fields

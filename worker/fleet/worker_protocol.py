@@ -31,6 +31,9 @@ class Served(Protocol):
     @property
     def unsettled(self) -> int: ...
 
+    @property
+    def oldest_unsettled_ms(self) -> int | None: ...  # the publish time of the oldest message in hand
+
     def resume(self, resumed_at_ms: int) -> bool: ...  # `subs resume`: close a breaker opened before then
 
     def paused_for(self) -> float: ...  # seconds new requests still wait for a Retry-After

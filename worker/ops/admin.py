@@ -31,7 +31,7 @@ from worker.config import (
     parse_settings,
     read_yaml,
 )
-from worker.core import attempts, keys
+from worker.core import attempts, keys, recent
 from worker.core.messages import rfc3339
 from worker.embedded import recorded_endpoints
 from worker.errors import ConfigError, NotFound, PushWorkerError, UsageError
@@ -136,6 +136,28 @@ def _what(entry: dict[str, Any]) -> str:
 def _status(entry: dict[str, Any]) -> str:
     """An attempt's status, or where a dead-letter event sent the message."""
     return str(entry.get("status", entry.get("topic", "")))
+
+
+def _health(reports: list[dict[str, str]]) -> dict[str, Any]:
+    """What the serving workers report beyond counters (fleet/status.py): the broker's backlog, the
+    age of the oldest message in hand, and their last minutes of attempts added up (core/recent.py)."""
+    backlogs = [attempts.counter(r["backlog"]) for r in reports if "backlog" in r]
+    oldest = [attempts.counter(r["oldest_unsettled_ms"]) for r in reports if "oldest_unsettled_ms" in r]
+    summaries = []
+    for report in reports:
+        try:
+            summary = json.loads(report.get("recent", ""))
+        except ValueError:
+            continue  # none yet (an earlier version's report) or garbage
+        try:
+            recent.merge([summary])  # Redis may hold anything: a summary that does not add up is left out
+        except (TypeError, ValueError, AttributeError):
+            continue
+        summaries.append(summary)
+    now_ms = time.time() * 1000
+    return {"backlog": max(backlogs) if backlogs else None,
+            "oldest_unacked_age_seconds": round(max(0.0, now_ms - min(oldest)) / 1000, 1) if oldest else None,
+            "recent": recent.merge(summaries)}
 
 
 def _max_workers(definition: dict[str, Any]) -> int:
@@ -321,7 +343,7 @@ class Admin:
                 "attempts_in_progress": pending}
         rows = [{"time": _time(e), "attempt": e.get("attempt", ""), "result": _what(e),
                  "status": _status(e), "latency_ms": e.get("latency_ms", ""), "worker": e.get("worker", ""),
-                 "detail": e.get("detail", "")} for e in entries]
+                 "detail": e.get("detail") or e.get("answer", "")} for e in entries]
         out = f"message {message_id} in {key}\n" + table(rows, list(rows[0]) if rows else ["time"])
         if pending is not None:
             out += f"\nnot settled yet: {pending} attempt(s) counted so far"
@@ -333,12 +355,12 @@ class Admin:
     async def apply(self, path: str) -> Output:
         """Validate everything before writing anything, and write atomically: a bad file changes nothing."""
         definitions = _load_definitions(path)
-        await self._refuse_workers_own(definitions)
+        await self.refuse_workers_own(definitions)
         results = [{"subscription": sub.key, "result": what}
                    for sub, what in await self.registry.apply_all(definitions)]
         return Output(results, "\n".join(f"{r['subscription']}: {r['result']}" for r in results))
 
-    async def _refuse_workers_own(self, definitions: list[Any]) -> None:
+    async def refuse_workers_own(self, definitions: list[Any]) -> None:
         """A subscription a worker serves from its own config file is read-only to the registry's
         commands: a registry entry would not take its place (workers keep the file's), only confuse."""
         for data in definitions:
@@ -400,6 +422,7 @@ class Admin:
             "state": state, "reason": status.get("reason", "") if key not in held_back else "",
             **{field: sum(attempts.counter(report.get(field)) for report in reports)
                for field in ("acked", "retried", "dead_lettered", "unsettled")},
+            **_health(reports),
         }
 
     async def _held_back(self) -> dict[str, str]:

@@ -1,0 +1,73 @@
+"""The pure parts behind the operator API: roles, the PATCH merge, the recent-attempts window and its
+merge across workers, and the redaction of credentials from an endpoint's answer."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+from worker.api.operations import merged
+from worker.api.settings import parse_roles
+from worker.core import recent
+from worker.core.delivery import Outcome, Result, answer_text
+
+
+def test_roles_are_admin_or_a_role_on_a_project_and_the_stronger_of_two_wins():
+    grants = parse_roles(["viewer:p-a", "operator:p-a", "viewer:p-b"])
+    assert grants is not None and grants.projects == {"p-a": "operator", "p-b": "viewer"}
+    assert grants.acts_on("p-a") and not grants.acts_on("p-b") and grants.sees("p-b") and not grants.sees("p-c")
+    assert parse_roles(["admin"]).acts_on("p-anything")  # type: ignore[union-attr]
+    for bad in ([], "admin", ["owner:p-a"], ["viewer:acme"], ["viewer:p-a", 3], ["viewer"], None):
+        assert parse_roles(bad) is None, bad
+
+
+def test_patch_keeps_what_it_leaves_out_merges_objects_and_clears_the_dead_letter_topic():
+    current = {"name": "s", "max_deliver": 5, "deliver": {"mode": "push", "push": {"url": "https://a", "x": 1}},
+               "dead_letter": {"topic": "persistent://p-a/main/d"}, "display_name": "S"}
+    out = merged(current, {"max_deliver": 9, "deliver": {"push": {"url": "https://b"}}, "dead_letter": {"topic": ""},
+                           "display_name": None})
+    assert out == {"name": "s", "max_deliver": 9, "deliver": {"mode": "push", "push": {"url": "https://b", "x": 1}}}
+    assert current["deliver"]["push"]["url"] == "https://a"  # the stored definition is not touched
+
+
+def _outcome(status: int | None, latency: float, result: Result = Result.NACK) -> Outcome:
+    return Outcome(Result.ACK if status and 200 <= status < 300 else result, status=status, latency=latency)
+
+
+def test_the_window_counts_outcomes_per_class_forgets_old_steps_and_merges_workers():
+    window = recent.RecentDeliveries()
+    with mock.patch("time.time", return_value=1_000_000.0):
+        for _ in range(90):
+            window.record(_outcome(204, 0.004), 1)
+        for _ in range(6):
+            window.record(_outcome(503, 0.2), 1)
+        window.record(_outcome(None, 5.0, Result.TIMEOUT), 1)
+        window.record(_outcome(404, 0.01), 3)  # a batch of three
+        window.record(_outcome(None, 0.001, Result.CONNECTION_ERROR), 1)
+    summary = window.summary(now=1_000_000.0)
+    assert summary["outcomes"] == {"2xx": 90, "4xx": 3, "5xx": 6, "timeout": 1, "other": 1}
+    assert summary["delivered"][-1] == 90 and sum(summary["delivered"]) == 90
+    assert summary["last_error"]["status"] == "connection_error"
+    # Five minutes later the step is out of the window: the summary stays the same from then on.
+    assert window.summary(now=1_000_000.0 + 300) == window.summary(now=1_000_000.0 + 900) == {
+        "last_error": summary["last_error"]}
+    assert recent.merge([window.summary(now=1_000_000.0 + 300)])["outcomes"]["2xx"] == 0
+    # Another worker's summary, one step later: aligned on the newest step, added up.
+    other = recent.RecentDeliveries()
+    with mock.patch("time.time", return_value=1_000_010.0):
+        for _ in range(10):
+            other.record(_outcome(200, 0.004), 1)
+    both = recent.merge([summary, other.summary(now=1_000_010.0)])
+    assert both["delivered"][-2:] == [90, 10] and both["outcomes"]["2xx"] == 100
+    assert both["p95_latency_ms"] == 250.0  # 95% of the latency samples fall within the 250 ms bucket
+    assert recent.merge([])["p95_latency_ms"] is None
+
+
+def test_an_answer_keeps_no_credential_of_the_request_whole_in_parts_or_cut_off():
+    headers = {"Authorization": "Bearer s3cr3t-token-value", "webhook-signature": "v1,c2lnbmF0dXJlMQ== v1,c2lnMg==",
+               "Content-Type": "application/json"}
+    text = answer_text(b"got Bearer s3cr3t-token-value and v1,c2lnbmF0dXJlMQ== json", headers)
+    assert "s3cr3t" not in text and "c2lnbmF0dXJlMQ" not in text and text.startswith("got [redacted]")
+    assert "application/json" not in headers["Authorization"] and "json" in text  # other words stay
+    cut = answer_text(b"echo: s3cr3t-tok", headers)  # the preview ended inside the token
+    assert cut == "echo: [redacted]"
+    assert answer_text("caf\u00e9 \xff".encode("latin-1"), {}) == "caf\ufffd \ufffd"

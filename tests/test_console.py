@@ -1,0 +1,248 @@
+"""The web console in a real browser: Debian's headless Chromium driven by Selenium through Debian's
+chromium-driver (nothing downloaded). An operator logs in with a token, finds the failing
+subscription, reads a message's attempt log, pauses the subscription (the worker stops sending),
+redrives a dead letter (it arrives); a viewer cannot act; another project sees nothing.
+
+With PUSH_WORKER_SCREENSHOTS=docs/images the pages' screenshots land there (`make screenshots`)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from tests.support.admin import ApiClient, admin_settings
+from tests.support.builders import TEST_DEFAULTS
+from tests.support.endpoints import Endpoint, Received
+from tests.support.helpers import eventually, stays_sync, wait_sync
+from tests.support.pulsar_client import Client
+from worker.config import FleetSettings
+
+CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+pytestmark = [pytest.mark.skipif(not (CHROMIUM and DRIVER), reason="needs Debian's chromium and chromium-driver "
+                                 "(apt-get install chromium chromium-driver; .ci/run installs them)"),
+              pytest.mark.broker_independent, pytest.mark.timeout(300)]
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--window-size=1280,900", "--disable-extensions", "--no-first-run"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(executable_path=str(DRIVER)), options=options)
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()
+
+
+class Pages:
+    """The browser, as the operator uses it."""
+
+    def __init__(self, driver: Any, base: str, shots: Path) -> None:
+        from selenium.webdriver.common.by import By
+
+        self.driver, self.base, self.shots, self.by = driver, base, shots, By
+
+    def open(self, path: str) -> None:
+        self.driver.get(self.base + path)
+
+    def find(self, css: str) -> Any:
+        return self.driver.find_element(self.by.CSS_SELECTOR, css)
+
+    def all(self, css: str) -> list[Any]:
+        return list(self.driver.find_elements(self.by.CSS_SELECTOR, css))
+
+    def go(self, element: Any) -> None:
+        """Click a link or button and wait until the next page has replaced this one."""
+        from selenium.webdriver.support import expected_conditions
+        from selenium.webdriver.support.wait import WebDriverWait
+
+        page = self.find("html")
+        element.click()
+        WebDriverWait(self.driver, 30).until(expected_conditions.staleness_of(page))
+
+    def text(self) -> str:
+        return str(self.find("body").text)
+
+    def log_in(self, token: str, shot: bool = False) -> None:
+        self.driver.delete_all_cookies()
+        self.open("/console/login")
+        if shot:
+            self.shot("login")
+        self.find("#token").send_keys(token)
+        self.go(self.find("#login"))
+
+    def shot(self, name: str) -> None:
+        self.shots.mkdir(parents=True, exist_ok=True)
+        self.driver.save_screenshot(str(self.shots / f"console-{name}.png"))
+
+
+def definition(name: str, topic: str, url: str) -> dict[str, Any]:
+    return {"name": name, "topic": topic, **TEST_DEFAULTS, "dead_letter": {"topic": topic + "-dlq"},
+            "deliver": {"mode": "push", "push": {"url": url}}}
+
+
+async def test_an_operator_finds_a_failing_subscription_reads_why_pauses_it_and_redrives_a_dead_letter(
+        start_worker, endpoint: Endpoint, client: Client, browser, tmp_path: Path):
+    settings, tokens = admin_settings(tmp_path / "admin")
+    w = await start_worker(admin=settings, fleet=FleetSettings(name="console-" + uuid.uuid4().hex[:8],
+                                                               lease_seconds=3, heartbeat_seconds=0.5))
+    assert w.admin is not None
+    base = f"http://127.0.0.1:{w.admin.port}"
+    alice = ApiClient(base, tokens["alice"])
+    suffix = uuid.uuid4().hex[:8]
+    failing_topic, fine_topic = f"persistent://p-a/main/orders-{suffix}", f"persistent://p-a/main/audit-{suffix}"
+    healthy = {"orders": False, "audit": True}
+
+    def answer(rec: Received) -> web.Response:
+        name = rec.headers["Pubsub-Subscription"]
+        if healthy[name]:
+            return web.Response(status=204)
+        return web.Response(status=500, text="<script>alert(1)</script> database unavailable")
+
+    endpoint.behaviour = answer
+    for name, topic in (("orders", failing_topic), ("audit", fine_topic)):
+        created, _ = await alice.call("POST", "/v1/projects/p-a/subscriptions", definition(name, topic, endpoint.url))
+        assert created == 201
+    await eventually(lambda: {"p-a/orders", "p-a/audit"} <= set(w.dispatchers), what="both served")
+    dead_ids = client.publish(failing_topic, [b"order-%d" % i for i in range(3)])
+    client.publish(fine_topic, [b"audit-%d" % i for i in range(5)])
+    await eventually(lambda: w.dispatchers["p-a/orders"].stats.dead_lettered == 3, what="dead-lettered")
+
+    async def reported() -> bool:
+        _, listed = await alice.call("GET", "/v1/projects/p-a/subscriptions")
+        return any(r["name"] == "orders" and r["attempts_recent"] == 9 for r in listed["subscriptions"])
+
+    await eventually(reported, timeout=15, what="the failures reported")
+    shots = Path(os.environ.get("PUSH_WORKER_SCREENSHOTS") or tmp_path / "shots")
+    pages = Pages(browser, base, shots)
+    deliveries_before: list[int] = []
+
+    def operator() -> None:
+        pages.log_in(tokens["alice"], shot=True)
+        # One project: the console opens it. The failing subscription stands out: its failure share and error.
+        wait_sync(lambda: pages.all("#subscriptions"), what="the project's table")
+        rows = {r.get_attribute("data-name"): r for r in pages.all("#subscriptions tbody tr")}
+        assert set(rows) == {"orders", "audit"}
+        assert "100%" in rows["orders"].text and "500" in rows["orders"].text
+        assert "0%" in rows["audit"].text
+        pages.shot("project")
+        pages.go(pages.find("th a[href*='sort=errors']"))  # sort by failure share
+        pages.go(pages.find("th.sorted a"))  # and again: highest first
+        assert [r.get_attribute("data-name") for r in pages.all("#subscriptions tbody tr")] == ["orders", "audit"]
+        pages.go(pages.find("tr[data-name='orders'] a"))
+
+        assert "500" in pages.find("#last-error").text
+        pages.shot("subscription")
+        pages.go(pages.find("#dead-letters").find_element(pages.by.LINK_TEXT, dead_ids[0]))
+        attempts = pages.all("#attempts tbody tr")
+        assert [row.find_elements(pages.by.TAG_NAME, "td")[3].text for row in attempts[:3]] == ["500"] * 3
+        answer_cell = pages.find("#attempts code.answer")
+        assert answer_cell.text.startswith("<script>alert(1)</script> database")  # shown as text, never run
+        assert not pages.all("script")
+        pages.shot("message")
+        page = pages.find("html")
+        browser.back()
+        wait_sync(lambda: not _alive(page), what="back on the subscription's page")
+
+        pages.go(pages.find("#pause"))
+        pages.shot("confirm")
+        pages.go(pages.find("#confirm"))
+        assert pages.find("#notice").text == "paused"
+        assert pages.find("#state").text == "Paused"
+        assert "p-a/orders" not in w.dispatchers  # the worker stopped serving it
+        deliveries_before.append(len(endpoint.requests))
+        client.publish(failing_topic, [b"while-paused"])
+        stays_sync(lambda: len(endpoint.requests) == deliveries_before[0], 1.0, what="nothing sent while paused")
+        pages.go(pages.find("#resume"))
+        pages.go(pages.find("#confirm"))
+        assert pages.find("#notice").text == "resumed"
+
+        healthy["orders"] = True
+        pages.go(pages.find(f"#redrive-{dead_ids[1].replace(':', '-')}"))
+        pages.go(pages.find("#confirm"))
+        assert pages.find("#notice").text == "redrive done: 1 delivered, 0 dead-lettered again"
+        wait_sync(lambda: any(r.headers["Pubsub-Message-Id"] == dead_ids[1] and r.acked for r in endpoint.requests),
+                  what="the redriven dead letter arrived")
+
+    await asyncio.to_thread(operator)
+
+    def viewer_and_stranger() -> None:
+        pages.log_in(tokens["victor"])
+        pages.open("/console/projects/p-a/subscriptions/orders")
+        assert not pages.all("#pause") and not pages.all("#resume") and not pages.all("[id^='redrive']")
+        pages.open("/console/projects/p-a/subscriptions/orders/confirm/pause")
+        assert "403" in pages.find("h1").text
+        pages.log_in(tokens["bob"])
+        assert pages.all("#subscriptions") and not pages.all("#subscriptions tbody tr[data-name]")
+        nowhere = _page_text(pages, "/console/projects/p-nothing")
+        for path in ("/console/projects/p-a", "/console/projects/p-a/subscriptions/orders",
+                     f"/console/projects/p-a/subscriptions/orders/messages/{dead_ids[0]}",
+                     "/console/projects/p-a/subscriptions/orders/confirm/pause"):
+            assert _page_text(pages, path) == nowhere, path
+        assert "404" in nowhere and "orders" not in nowhere
+
+    await asyncio.to_thread(viewer_and_stranger)
+    assert "p-a/orders" in w.dispatchers  # nothing the viewer or the stranger did changed it
+
+
+def _alive(element: Any) -> bool:
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    try:
+        element.is_enabled()
+    except StaleElementReferenceException:
+        return False
+    return True
+
+
+def _page_text(pages: Pages, path: str) -> str:
+    pages.open(path)
+    return pages.text()
+
+
+async def test_a_form_posted_from_another_site_or_without_the_session_value_changes_nothing(
+        start_worker, endpoint: Endpoint, tmp_path: Path):
+    settings, tokens = admin_settings(tmp_path / "admin")
+    w = await start_worker(admin=settings, fleet=FleetSettings(name="csrf-" + uuid.uuid4().hex[:8]))
+    assert w.admin is not None
+    base = f"http://127.0.0.1:{w.admin.port}"
+    topic = f"persistent://p-a/main/csrf-{uuid.uuid4().hex[:8]}"
+    assert (await ApiClient(base, tokens["alice"]).call(
+        "POST", "/v1/projects/p-a/subscriptions", definition("target", topic, endpoint.url)))[0] == 201
+    await eventually(lambda: "p-a/target" in w.dispatchers, what="served")
+    from worker.api.console import csrf_value
+
+    pause = base + "/console/projects/p-a/subscriptions/target/pause"
+    cookie = {"pw_console": tokens["alice"]}
+    attempts: list[tuple[dict[str, str], dict[str, str]]] = [
+        ({"confirmed": "yes"}, {}),  # no CSRF value: what a cross-site form can send
+        ({"confirmed": "yes", "csrf": csrf_value("someone-else")}, {}),
+        ({"confirmed": "yes", "csrf": csrf_value(tokens["alice"])}, {"Origin": "https://evil.example"}),
+    ]
+    async with aiohttp.ClientSession(cookies=cookie) as session:
+        for form, headers in attempts:
+            async with session.post(pause, data=form, headers=headers, allow_redirects=False) as response:
+                assert response.status == 403, form
+                assert "Content-Security-Policy" in response.headers
+        assert "p-a/target" in w.dispatchers
+        async with session.post(pause, data={"confirmed": "yes", "csrf": csrf_value(tokens["alice"])},
+                                headers={"Origin": base}, allow_redirects=False) as response:
+            assert response.status == 303  # the console's own form does it
+    await eventually(lambda: "p-a/target" not in w.dispatchers, what="paused")
+    async with aiohttp.ClientSession() as session, session.get(base + "/console/", allow_redirects=False) as r:
+        assert r.status == 302 and r.headers["Location"] == "/console/login"  # no session: the login page
+    _ = Callable  # typing only

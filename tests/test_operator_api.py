@@ -1,0 +1,262 @@
+"""The operator API (`admin:` listener, /v1) against a real worker, broker, Redis and endpoint: what
+it shows, what it changes (through the CLI's operations), who may do what, and that every answer is
+the OpenAPI document's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import structlog
+from aiohttp import web
+from openapi_spec_validator import validate
+
+from tests.support.admin import ApiClient, admin_settings, new_issuer, write_jwks
+from tests.support.builders import TEST_DEFAULTS
+from tests.support.endpoints import Endpoint, Received
+from tests.support.helpers import eventually
+from tests.support.pulsar_client import Client
+from worker.api.routes import openapi_document
+from worker.config import FleetSettings
+
+ECHOED = "upstream says no"
+
+
+def definition(name: str, topic: str, url: str, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "topic": topic, **TEST_DEFAULTS, "deliver": {"mode": "push", "push": {"url": url,
+            "bearer_token": {"secret": "push-token"}}}, **extra}
+
+
+@pytest.fixture
+async def fleet(start_worker, tmp_path: Path):
+    """A worker with the admin listener; clients per principal; the secret its subscriptions use."""
+    secrets = tmp_path / "secrets"
+    for project in ("p-a", "p-b"):
+        (secrets / project).mkdir(parents=True)
+        (secrets / project / "push-token").write_text(f"{project}-bearer-{uuid.uuid4().hex}")
+    issuer = new_issuer()
+    settings, tokens = admin_settings(tmp_path / "admin", issuer)
+    w = await start_worker(admin=settings, secrets_dir=secrets,
+                           fleet=FleetSettings(name="api-" + uuid.uuid4().hex[:8], lease_seconds=3,
+                                               heartbeat_seconds=0.5))
+    assert w.admin is not None
+    base = f"http://127.0.0.1:{w.admin.port}"
+    clients = {name: ApiClient(base, token) for name, token in tokens.items()}
+    return w, base, clients, issuer, secrets, tmp_path / "admin"
+
+
+def test_the_openapi_document_is_valid_openapi_3_1():
+    validate(openapi_document())
+
+
+async def test_an_operator_sees_why_messages_fail_and_gets_them_delivered_again(
+        fleet, endpoint: Endpoint, client: Client):
+    w, _, clients, _, secrets, _ = fleet
+    alice = clients["alice"]
+    topic = f"persistent://p-a/main/orders-{uuid.uuid4().hex[:8]}"
+    healthy = False
+
+    def answer(rec: Received) -> web.Response:
+        if healthy:
+            return web.Response(status=204)
+        # An endpoint that echoes what it got, credentials included: the log must not keep them.
+        return web.Response(status=503, text=f"{ECHOED}; you sent {rec.headers.get('Authorization')}")
+
+    endpoint.behaviour = answer
+    status, created = await alice.call("POST", "/v1/projects/p-a/subscriptions",
+                                       definition("orders", topic, endpoint.url, dead_letter={"topic": topic + "-dlq"}))
+    assert status == 201, created
+    assert created["name"] == "orders" and created["definition"]["topic"] == topic
+    key = "p-a/orders"
+    await eventually(lambda: key in w.dispatchers, what="the worker serves the new subscription")
+
+    ids = client.publish(topic, [b"m%d" % i for i in range(4)])
+    await eventually(lambda: w.dispatchers[key].stats.dead_lettered == 4, what="all dead-lettered")
+
+    async def failing_row() -> dict[str, Any]:
+        _, listed = await alice.call("GET", "/v1/projects/p-a/subscriptions")
+        return next(r for r in listed["subscriptions"] if r["name"] == "orders")
+
+    async def reported() -> bool:  # status reports go every 5 s
+        row = await failing_row()
+        return row["attempts_recent"] == 12 and row["last_error"] is not None
+
+    await eventually(reported, timeout=15, what="the failures reported")
+    row = await failing_row()
+    assert row["workers"] == ["w0"] and row["outcome_shares"]["5xx"] == 1.0 and row["last_error"]["status"] == "503"
+    assert row["p95_latency_ms"] is not None and row["counters"]["dead_lettered"] == 4
+
+    status, log = await alice.call("GET", f"/v1/projects/p-a/subscriptions/orders/messages/{ids[0]}")
+    assert status == 200
+    attempts = [e for e in log["history"] if "result" in e]
+    assert [(e["attempt"], e["status"]) for e in attempts] == [(1, "503"), (2, "503"), (3, "503")]
+    assert all(e["answer"].startswith(ECHOED) for e in attempts)
+    bearer = (secrets / "p-a" / "push-token").read_text()
+    assert all(bearer not in e["answer"] and "[redacted]" in e["answer"] for e in attempts), attempts
+    assert log["history"][-1]["event"] == "dead-lettered"
+
+    status, dead = await alice.call("GET", "/v1/projects/p-a/subscriptions/orders/messages?state=dead")
+    assert status == 200 and sorted(m["message_id"] for m in dead["messages"]) == sorted(ids)
+    status, one = await alice.call("GET", f"/v1/projects/p-a/subscriptions/orders/dead-letters/{ids[1]}")
+    assert status == 200 and one["data"] == "m1"
+
+    healthy = True
+    before = len(endpoint.requests)
+    status, result = await alice.call("POST", "/v1/projects/p-a/subscriptions/orders/redrive",
+                                      {"message_id": ids[2], "rate": 100})
+    assert status == 200 and result["redriven"] == 1, result
+    assert [r.headers["Pubsub-Message-Id"] for r in endpoint.requests[before:]] == [ids[2]]
+    status, result = await alice.call("POST", "/v1/projects/p-a/subscriptions/orders/redrive",
+                                      {"since": "2020-01-01T00:00:00Z", "status": ["5xx"], "rate": 100})
+    assert status == 200 and result["redriven"] == 3, result
+    assert sorted(r.headers["Pubsub-Message-Id"] for r in endpoint.requests[before:]) == sorted(ids)
+
+
+async def test_subscriptions_are_created_patched_paused_sought_and_deleted_as_subs_apply_does(
+        fleet, endpoint: Endpoint, client: Client):
+    w, _, clients, _, _, _ = fleet
+    alice = clients["alice"]
+    topic = f"persistent://p-a/main/crud-{uuid.uuid4().hex[:8]}"
+    path = "/v1/projects/p-a/subscriptions/crud"
+    created, _ = await alice.call("POST", "/v1/projects/p-a/subscriptions", definition("crud", topic, endpoint.url))
+    assert created == 201
+    status, again = await alice.call("POST", "/v1/projects/p-a/subscriptions", definition("crud", topic, endpoint.url))
+    assert status == 409 and again["error"]["code"] == "conflict"
+    await eventually(lambda: "p-a/crud" in w.dispatchers, what="served")
+
+    status, patched = await alice.call("PATCH", path, {"max_deliver": 9, "ack_deadline_seconds": 7})
+    assert status == 200 and patched["definition"]["max_deliver"] == 9
+    assert patched["definition"]["deliver"]["push"]["url"] == endpoint.url  # fields left out keep their value
+    await eventually(lambda: w.dispatchers["p-a/crud"].sub.max_deliver == 9, what="the worker applies the change")
+    status, refused = await alice.call("PATCH", path, {"type": "exclusive"})
+    assert status == 400 and "immutable" in refused["error"]["message"]
+    status, refused = await alice.call("PATCH", path, {"max_deliver": "many"})
+    assert status == 400 and "max_deliver" in refused["error"]["message"]
+    assert (await alice.call("GET", path))[1]["definition"]["max_deliver"] == 9  # a refused change wrote nothing
+
+    status, paused = await alice.call("POST", path + "/pause", {"wait_seconds": 20})
+    assert status == 200 and paused["result"] == "paused"
+    assert "p-a/crud" not in w.dispatchers  # the answer came once the worker had stopped
+    held = client.publish(topic, [b"while-paused"])
+    assert (await alice.call("GET", path))[1]["status"]["state"] == "Paused"
+    assert (await alice.call("POST", path + "/resume"))[1]["result"] == "resumed"
+    await eventually(lambda: any(r.headers["Pubsub-Message-Id"] == held[0] for r in endpoint.requests),
+                     what="delivered after the resume")
+
+    status, sought = await alice.call("POST", path + "/seek", {"to": "latest"})
+    assert status == 200 and sought["result"] == "sought", sought
+    status, purged = await alice.call("POST", path + "/purge")
+    assert status == 200 and purged["result"] == "purged", purged
+    status, missing = await alice.call("POST", path + "/discard", {"message_id": "9:9:-1:-1"})
+    assert status == 404 and "nothing to discard" in missing["error"]["message"]
+    status, bad = await alice.call("POST", path + "/seek", {"to": "yesterday"})
+    assert status == 400 and bad["error"]["code"] == "bad_request"
+
+    status, deleted = await alice.call("DELETE", path)
+    assert status == 200 and deleted["result"] == "deleted"
+    await eventually(lambda: "p-a/crud" not in w.dispatchers, what="the worker stops serving it")
+    assert (await alice.call("GET", path))[0] == 404
+
+
+async def test_a_project_never_learns_of_another_projects_subscriptions_and_a_viewer_cannot_act(
+        fleet, endpoint: Endpoint):
+    w, base, clients, issuer, _, directory = fleet
+    alice, victor, bob, root = clients["alice"], clients["victor"], clients["bob"], clients["root"]
+    topic = f"persistent://p-a/main/private-{uuid.uuid4().hex[:8]}"
+    with structlog.testing.capture_logs() as logged:
+        assert (await alice.call("POST", "/v1/projects/p-a/subscriptions",
+                                 definition("private", topic, endpoint.url)))[0] == 201
+    assert {"subject": "alice", "project": "p-a", "action": "create", "target": "private", "result": "ok"}.items() \
+        <= next(e for e in logged if e["event"] == "audit").items()
+    await eventually(lambda: "p-a/private" in w.dispatchers, what="served")
+
+    # Another project's token: the same 404 as for a project or subscription that does not exist.
+    nothing = await bob.call("GET", "/v1/projects/p-nothing/subscriptions")
+    for method, path, body in [("GET", "/v1/projects/p-a/subscriptions", None),
+                               ("GET", "/v1/projects/p-a/subscriptions/private", None),
+                               ("GET", "/v1/projects/p-a/subscriptions/private/messages?state=retrying", None),
+                               ("POST", "/v1/projects/p-a/subscriptions/private/pause", {}),
+                               ("PATCH", "/v1/projects/p-a/subscriptions/private", {"max_deliver": 1}),
+                               ("DELETE", "/v1/projects/p-a/subscriptions/private", None),
+                               ("POST", "/v1/projects/p-a/subscriptions", definition("x", topic, endpoint.url))]:
+        assert await bob.call(method, path, body) == nothing, (method, path)
+    assert nothing[0] == 404
+    assert (await bob.call("GET", "/v1/projects"))[1] == {"projects": ["p-b"]}
+    assert "p-a/private" in w.dispatchers  # nothing of it changed
+
+    # A definition in the caller's project path but another project's topic: refused, nothing written.
+    status, refused = await bob.call("POST", "/v1/projects/p-b/subscriptions", definition("steal", topic, endpoint.url))
+    assert status == 400 and "p-b" in refused["error"]["message"]
+    assert [r["name"] for r in (await root.call("GET", "/v1/projects/p-a/subscriptions"))[1]["subscriptions"]] == [
+        "private"]
+
+    # A viewer reads, and is refused every action.
+    assert (await victor.call("GET", "/v1/projects/p-a/subscriptions/private"))[0] == 200
+    for method, path in [("POST", "/pause"), ("POST", "/resume"), ("POST", "/redrive"), ("PATCH", ""),
+                         ("DELETE", "")]:
+        status, body = await victor.call(method, "/v1/projects/p-a/subscriptions/private" + path, {})
+        assert status == 403 and body["error"]["code"] == "forbidden", (method, path)
+    assert "p-a/private" in w.dispatchers
+
+    # No token, a wrong one, a cookie in place of the header: nothing.
+    for anonymous in (ApiClient(base, None), ApiClient(base, "not-a-token")):
+        status, body = await anonymous.call("GET", "/v1/projects/p-a/subscriptions")
+        assert status == 401 and body["error"]["code"] == "unauthorized"
+    async with aiohttp.ClientSession(cookies={"pw_console": alice.token or ""}) as session, \
+            session.get(base + "/v1/projects/p-a/subscriptions") as response:
+        assert response.status == 401  # the API takes the header only: a cookie cannot be sent for it by another site
+
+    # JWTs: the issuer's with roles work, anything else does not.
+    jwt_client = ApiClient(base, issuer.token("carol@example.com", ["viewer:p-a"]))
+    assert (await jwt_client.call("GET", "/v1/me"))[1] == {"subject": "carol@example.com", "roles": ["viewer:p-a"]}
+    assert (await jwt_client.call("GET", "/v1/projects/p-a/subscriptions/private"))[0] == 200
+    assert (await jwt_client.call("POST", "/v1/projects/p-a/subscriptions/private/pause", {}))[0] == 403
+    other_issuer = new_issuer()
+    other_issuer.kid = issuer.kid  # a forger who knows the key id
+    refused_tokens = [
+        other_issuer.token("mallory", ["admin"]),
+        issuer.token("mallory", ["admin"], expires_in=-120),
+        issuer.token("mallory", ["admin"], audience="someone-else"),
+        issuer.token("mallory", ["admin"], issuer="https://evil.example/"),
+        issuer.token("mallory", ["admin:p-a"]),  # not a role
+        _unsigned({"iss": "https://login.test.example/", "aud": "push-worker", "sub": "mallory", "exp": 2**31,
+                   "push_worker_roles": ["admin"]}),
+    ]
+    for token in refused_tokens:
+        assert (await ApiClient(base, token).call("GET", "/v1/me"))[0] == 401
+    bob_jwt = ApiClient(base, issuer.token("dave", ["operator:p-b"]))
+    assert await bob_jwt.call("GET", "/v1/projects/p-a/subscriptions/private") == nothing
+
+    # The issuer rotates its key: the new key's tokens are accepted without a restart.
+    rotated = new_issuer()
+    write_jwks(directory / "jwks.json", rotated)
+    assert (await ApiClient(base, rotated.token("erin", ["viewer:p-a"])).call("GET", "/v1/me"))[0] == 200
+
+
+def _unsigned(claims: dict[str, Any]) -> str:
+    import base64
+
+    def part(data: dict[str, Any]) -> str:
+        return base64.urlsafe_b64encode(json.dumps(data).encode()).rstrip(b"=").decode()
+
+    return f"{part({'alg': 'none', 'typ': 'JWT'})}.{part(claims)}."
+
+
+async def test_the_listener_is_off_unless_configured_and_refuses_to_start_without_credentials(start_worker):
+    w = await start_worker()
+    assert w.admin is None
+    from worker.config import parse_settings
+    from worker.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="nothing is served anonymously"):
+        parse_settings({"admin": {"port": 9465}})
+    with pytest.raises(ConfigError, match="jwks_url: must be an https"):
+        parse_settings({"admin": {"auth": {"issuer": "x", "audience": "y", "jwks_url": "http://idp.example/k"}}})
+    with pytest.raises(ConfigError, match="roles"):
+        parse_settings({"admin": {"tokens": [{"subject": "a", "file": "/f", "roles": ["owner:p-a"]}]}})
+    await asyncio.sleep(0)

@@ -1,0 +1,272 @@
+"""The web console, `/console/`: server-rendered pages over the same operations as the API.
+
+No JavaScript at all (the Content-Security-Policy forbids it), no build chain, nothing from a CDN:
+tables sort by links, the delivery rate's sparkline is an inline SVG, and every action goes through
+a confirmation page. Templates (templates/) are Jinja2 with autoescaping: whatever a project wrote
+(names, definitions, an endpoint's answer) is shown as text, never markup.
+
+Login takes a token (a JWT or a static token, as the API does) and keeps it in a cookie that is
+HttpOnly, SameSite=Strict, scoped to /console (and Secure behind admin.tls). Every form that
+changes something carries a CSRF value derived from that token, which a page of another site
+cannot read, and a request whose Origin is another site is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from importlib import resources
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+import jinja2
+import yaml
+from aiohttp import web
+
+from worker.api.auth import Authenticator, Principal, Unauthorized
+from worker.api.operations import NO_SUCH_PROJECT, Operations
+from worker.api.routes import PRINCIPAL, Forbidden, audit, may_act, perform, visible_projects
+from worker.core.messages import rfc3339
+from worker.errors import ConfigError, NotFound, PushWorkerError
+
+COOKIE = "pw_console"
+COOKIE_SECONDS = 8 * 3600
+ACTIONS = {"pause": "Pause", "resume": "Resume", "seek": "Seek", "redrive": "Redrive"}
+SORTABLE = ("name", "state", "workers", "backlog", "oldest_unacked_age_seconds", "delivery_rate", "p95_latency_ms",
+            "errors")
+ANSWER_SHOWN = 256  # bytes of an endpoint's answer on the message page (the attempt log keeps no more)
+
+_env = jinja2.Environment(loader=jinja2.PackageLoader("worker.api", "templates"), autoescape=True)
+
+
+def _time(ms: Any) -> str:
+    try:
+        return rfc3339(int(ms))
+    except (TypeError, ValueError, OverflowError, OSError):
+        return "?"
+
+
+_env.filters["rfc3339"] = _time
+
+
+def csrf_value(token: str) -> str:
+    """Derived from the session's token: a page of another site knows neither."""
+    return hashlib.sha256(b"push-worker console csrf\0" + token.encode()).hexdigest()
+
+
+def sparkline(points: list[int], width: int = 120, height: int = 24) -> str:
+    """An SVG polyline's points for the delivery rate (newest right)."""
+    if not points:
+        return ""
+    top = max(max(points), 1)
+    step = width / max(len(points) - 1, 1)
+    return " ".join(f"{i * step:.1f},{height - 1 - (p / top) * (height - 2):.1f}" for i, p in enumerate(points))
+
+
+def _errors(row: dict[str, Any]) -> float:
+    shares = row["outcome_shares"]
+    return float(1 - shares.get("2xx", 0.0)) if row["attempts_recent"] else 0.0
+
+
+def _sort_key(column: str) -> Any:
+    def key(row: dict[str, Any]) -> Any:
+        if column == "errors":
+            return _errors(row)
+        if column == "workers":
+            return len(row["workers"])
+        value = row.get(column)
+        return (value is None, value if value is not None else 0)
+    return key
+
+
+def redirect(location: str) -> web.Response:
+    """After a form: the browser GETs the page (a reload does not post the form again)."""
+    return web.Response(status=303, headers={"Location": location})
+
+
+def render(template: str, http_status: int = 200, **context: Any) -> web.Response:
+    body = _env.get_template(template).render(**context)
+    return web.Response(text=body, status=http_status, content_type="text/html", charset="utf-8")
+
+
+class Console:
+    COOKIE = COOKIE
+
+    def __init__(self, ops: Operations, auth: Authenticator, secure_cookie: bool) -> None:
+        self.ops = ops
+        self.auth = auth
+        self.secure_cookie = secure_cookie
+
+    def add_routes(self, app: web.Application) -> None:
+        base = "/console/projects/{project}/subscriptions/{name}"
+        app.router.add_get("/console/static/console.css", self.stylesheet)
+        app.router.add_get("/console/login", self.login_page)
+        app.router.add_post("/console/login", self.login)
+        app.router.add_post("/console/logout", self.logout)
+        app.router.add_get("/console/", self.index)
+        app.router.add_get("/console", self.index)
+        app.router.add_get("/console/projects/{project}", self.project)
+        app.router.add_get(base, self.subscription)
+        app.router.add_get(base + "/messages/{message_id}", self.message)
+        app.router.add_get(base + "/confirm/{action}", self.confirm)
+        app.router.add_post(base + "/{action}", self.act)
+
+    @staticmethod
+    def error_page(status: int, text: str) -> web.Response:
+        return render("error.html", http_status=status, status_code=status, text=text, principal=None)
+
+    async def stylesheet(self, _: web.Request) -> web.Response:
+        css = resources.files("worker.api").joinpath("static/console.css").read_text("utf-8")
+        return web.Response(text=css, content_type="text/css")
+
+    # -- session ------------------------------------------------------------------------------
+
+    async def login_page(self, _: web.Request) -> web.Response:
+        return render("login.html", principal=None, failed=False)
+
+    async def login(self, request: web.Request) -> web.StreamResponse:
+        _same_origin(request)
+        form = await request.post()
+        token = str(form.get("token", "")).strip()
+        try:
+            principal = await self.auth.principal(token)
+        except Unauthorized:
+            return render("login.html", http_status=401, principal=None, failed=True)
+        response = redirect("/console/")
+        response.set_cookie(COOKIE, token, max_age=COOKIE_SECONDS, path="/console", httponly=True,
+                            samesite="Strict", secure=self.secure_cookie)
+        audit(principal, "-", "console login", "-", "ok")
+        return response
+
+    async def logout(self, request: web.Request) -> web.StreamResponse:
+        await self._checked_form(request)
+        response = redirect("/console/login")
+        response.del_cookie(COOKIE, path="/console")
+        return response
+
+    async def _checked_form(self, request: web.Request) -> dict[str, str]:
+        """A state-changing form: from this site, with the session's CSRF value."""
+        _same_origin(request)
+        form = {k: str(v) for k, v in (await request.post()).items()}
+        principal: Principal = request[PRINCIPAL]
+        if not hmac.compare_digest(form.get("csrf", ""), csrf_value(principal.token)):
+            raise Forbidden("the form is stale or not from this console: reload the page and try again")
+        return form
+
+    # -- pages --------------------------------------------------------------------------------
+
+    def _page(self, request: web.Request, template: str, **context: Any) -> web.Response:
+        principal: Principal = request[PRINCIPAL]
+        return render(template, principal=principal, csrf=csrf_value(principal.token), **context)
+
+    async def index(self, request: web.Request) -> web.StreamResponse:
+        projects = await visible_projects(self.ops, request[PRINCIPAL])
+        if len(projects) == 1:
+            return redirect(f"/console/projects/{quote(projects[0])}")
+        return self._page(request, "index.html", projects=projects)
+
+    def _project(self, request: web.Request) -> str:
+        project = request.match_info["project"]
+        if not request[PRINCIPAL].grants.sees(project):
+            raise NotFound(NO_SUCH_PROJECT)
+        return project
+
+    async def project(self, request: web.Request) -> web.Response:
+        project = self._project(request)
+        rows = await self.ops.subscriptions(project)
+        column = request.query.get("sort", "name")
+        column = column if column in SORTABLE else "name"
+        descending = request.query.get("order") == "desc"
+        rows.sort(key=_sort_key(column), reverse=descending)
+        for row in rows:
+            row["errors"] = _errors(row)
+            row["spark"] = sparkline(row["delivered_per_step"])
+        return self._page(request, "project.html", project=project, rows=rows, column=column,
+                          descending=descending, sortable=SORTABLE,
+                          can_act=request[PRINCIPAL].grants.acts_on(project))
+
+    async def subscription(self, request: web.Request) -> web.Response:
+        project = self._project(request)
+        name = request.match_info["name"]
+        sub = await self.ops.subscription(project, name)
+        retrying = await self.ops.messages(project, name, "retrying", 50)
+        settled = await self.ops.recent(project, name, 20)
+        dead: list[dict[str, Any]] | None
+        dead_note = ""
+        try:
+            dead = await self.ops.messages(project, name, "dead", 50)
+        except NotFound as e:
+            dead, dead_note = None, str(e)
+        except PushWorkerError as e:  # the broker is not answering: the rest of the page still helps
+            dead, dead_note = None, f"dead letters unavailable: {e}"
+        definition = yaml.safe_dump(sub.get("definition"), sort_keys=False) if sub.get("definition") else ""
+        return self._page(request, "subscription.html", project=project, name=name, sub=sub,
+                          status=sub["status"], definition=definition, retrying=retrying, settled=settled,
+                          dead=dead, dead_note=dead_note, notice=request.query.get("notice", ""),
+                          spark=sparkline(sub["status"]["delivered_per_step"]),
+                          can_act=request[PRINCIPAL].grants.acts_on(project))
+
+    async def message(self, request: web.Request) -> web.Response:
+        project = self._project(request)
+        name = request.match_info["name"]
+        message_id = request.match_info["message_id"]
+        data = await self.ops.message(project, name, message_id)
+        for entry in data["history"]:
+            answer = entry.get("answer")
+            if isinstance(answer, str):
+                entry["answer"] = answer[:ANSWER_SHOWN]
+        return self._page(request, "message.html", project=project, name=name, message=data)
+
+    def _action(self, request: web.Request) -> tuple[str, str, str]:
+        """The project, subscription and action of an action's page or form, which the caller may do."""
+        project = self._project(request)
+        action = request.match_info["action"]
+        if action not in ACTIONS:
+            raise NotFound("no such action")
+        may_act(request[PRINCIPAL], project)
+        return project, request.match_info["name"], action
+
+    async def confirm(self, request: web.Request) -> web.Response:
+        project, name, action = self._action(request)
+        await self.ops.existing(project, name)
+        fields = {k: v for k, v in request.query.items() if k in ("to", "message_id", "since", "until", "status")}
+        return self._page(request, "confirm.html", project=project, name=name, action=action,
+                          label=ACTIONS[action], fields=fields)
+
+    async def act(self, request: web.Request) -> web.StreamResponse:
+        project, name, action = self._action(request)
+        principal = request[PRINCIPAL]
+        form = await self._checked_form(request)
+        if form.get("confirmed") != "yes":
+            raise ConfigError("form", "confirmed", "the action was not confirmed")
+        body: dict[str, Any] = {k: v for k, v in form.items() if k in ("to", "message_id", "since", "until") and v}
+        if form.get("status"):
+            body["status"] = [s.strip() for s in form["status"].split(",") if s.strip()]
+        result = "ok"
+        try:
+            outcome = await perform(self.ops, project, name, action, body)
+        except Exception as e:
+            result = f"refused: {type(e).__name__}"
+            raise
+        finally:
+            audit(principal, project, action, name, result)
+        notice = _notice(action, outcome)
+        return redirect(f"/console/projects/{quote(project)}/subscriptions/{quote(name)}?notice={quote(notice)}")
+
+
+def _notice(action: str, outcome: dict[str, Any]) -> str:
+    if action == "redrive":
+        return (f"redrive done: {outcome.get('redriven', 0)} delivered, "
+                f"{outcome.get('dead_lettered_again', 0)} dead-lettered again")
+    if action == "seek":
+        return f"sought to {outcome.get('to', '')}"
+    return str(outcome.get("result", action))
+
+
+def _same_origin(request: web.Request) -> None:
+    """A form posted from another site (its Origin names it) is refused."""
+    origin = request.headers.get("Origin")
+    if origin is not None and origin != "null" and urlsplit(origin).netloc != request.host:
+        raise Forbidden("the request came from another site")
+    if origin == "null":
+        raise Forbidden("the request came from another site")

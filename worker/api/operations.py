@@ -1,0 +1,186 @@
+"""The operator actions on one project's subscriptions, as the API and the console ask for them.
+
+There is one implementation of each action: the CLI's (ops/admin.py, ops/dlq.py). This layer only
+scopes them: a caller names a project it may see (else NotFound: another project's subscriptions
+are never confirmed to exist) and a subscription by its name in that project, never a key.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+from worker.config import Settings
+from worker.errors import ConfigError, NotFound, PushWorkerError
+from worker.fleet.seek import SeekTarget
+from worker.ops.admin import Admin, Target
+from worker.ops.dlq import DeadLetters, Selection
+from worker.subscriptions import NAME_PATTERN, PROJECT_PATTERN
+
+MESSAGE_STATES = ("inflight", "retrying", "dead")
+NO_SUCH_PROJECT = "no such project"
+
+
+class Conflict(PushWorkerError):
+    """The subscription exists already (create) or is not the registry's to change."""
+
+
+def merged(current: Any, patch: Any) -> Any:
+    """The platform's PATCH: fields left out keep their value, nested objects merge field by field,
+    null removes a field, and `dead_letter: {topic: ""}` clears the dead-letter topic."""
+    if not isinstance(patch, dict) or not isinstance(current, dict):
+        return copy.deepcopy(patch)
+    out = copy.deepcopy(current)
+    for name, value in patch.items():
+        if value is None or (name == "dead_letter" and isinstance(value, dict) and value.get("topic") == ""):
+            out.pop(name, None)
+        else:
+            out[name] = merged(out.get(name), value)
+    return out
+
+
+class Operations:
+    """Every action of one fleet, scoped by project; `admin` and `dlq` are the CLI's layer."""
+
+    def __init__(self, settings: Settings, redis_url: str, pulsar_url: str) -> None:
+        target = Target(settings, redis_url, pulsar_url, configured=True)
+        self.admin = Admin(target, "admin")
+        self.dlq = DeadLetters(target)
+        self.pulsar = dataclasses.replace(settings.pulsar, service_url=pulsar_url)
+
+    async def close(self) -> None:
+        await self.admin.close()
+
+    @staticmethod
+    def key(project: str, name: str) -> str:
+        if not PROJECT_PATTERN.match(project):
+            raise NotFound(NO_SUCH_PROJECT)
+        if not NAME_PATTERN.match(name):
+            raise NotFound(f"{name}: no such subscription")
+        return f"{project}/{name}"
+
+    async def existing(self, project: str, name: str) -> str:
+        return await self.admin.existing(self.key(project, name))
+
+    # -- reading ------------------------------------------------------------------------------
+
+    async def projects(self) -> list[str]:
+        rows = (await self.admin.list()).data
+        return sorted({row["project"] for row in rows})
+
+    async def subscriptions(self, project: str) -> list[dict[str, Any]]:
+        self.key(project, "x")  # a project name that cannot be one is not found
+        return [_summary(row) for row in (await self.admin.list()).data if row["project"] == project]
+
+    async def subscription(self, project: str, name: str) -> dict[str, Any]:
+        key = await self.existing(project, name)
+        data = (await self.admin.get(key)).data
+        out = {k: v for k, v in data.items() if k != "status"}
+        return {"project": project, "name": name, **out, "status": _summary(data["status"])}
+
+    async def messages(self, project: str, name: str, state: str, limit: int) -> list[dict[str, Any]]:
+        key = await self.existing(project, name)
+        if state == "dead":
+            return list((await self.dlq.list(self.admin, key, limit)).data["messages"])
+        return list((await self.admin.queue(key, state, limit)).data["messages"])
+
+    async def recent(self, project: str, name: str, limit: int) -> list[dict[str, Any]]:
+        """Recently settled messages, newest first (`push-worker history`)."""
+        key = await self.existing(project, name)
+        return list((await self.admin.history(key, limit)).data["messages"])
+
+    async def message(self, project: str, name: str, message_id: str) -> dict[str, Any]:
+        key = await self.existing(project, name)
+        data = (await self.admin.show(message_id, key)).data
+        return {"message_id": message_id, "history": data["history"],
+                "attempts_in_progress": data["attempts_in_progress"]}
+
+    async def dead_letter(self, project: str, name: str, message_id: str, limit: int) -> dict[str, Any]:
+        key = await self.existing(project, name)
+        return dict((await self.dlq.show(self.admin, key, message_id, limit)).data)
+
+    # -- changing -----------------------------------------------------------------------------
+
+    async def create(self, project: str, definition: Any) -> dict[str, Any]:
+        name = self._name_in(project, definition)
+        key = self.key(project, name)
+        try:
+            await self.admin.existing(key)
+        except NotFound:
+            pass
+        else:
+            raise Conflict(f"{name}: exists already (PATCH it, or delete it first)")
+        await self._apply(project, definition)
+        return await self.subscription(project, name)
+
+    async def patch(self, project: str, name: str, patch: Any) -> dict[str, Any]:
+        if not isinstance(patch, dict):
+            raise ConfigError(f"subscription {name!r}", "body", "must be a JSON object of the fields to change")
+        key = await self.existing(project, name)
+        definitions = await self.admin.registry.definitions()
+        if key not in definitions:
+            raise Conflict(f"{name}: served from a worker's config file (read-only here): change it in that file")
+        await self._apply(project, merged(definitions[key], {**patch, "name": name}))
+        return await self.subscription(project, name)
+
+    async def _apply(self, project: str, definition: dict[str, Any]) -> None:
+        sub = self.admin.registry.check(definition)
+        if sub.tenant != project:  # the topic decides the project: it must be this one (checked before writing)
+            raise ConfigError(f"subscription {sub.name!r}", "topic", f"must be in project {project}'s tenant")
+        await self.admin.refuse_workers_own([definition])
+        await self.admin.registry.apply_all([definition])
+
+    def _name_in(self, project: str, definition: Any) -> str:
+        if not isinstance(definition, dict) or not isinstance(definition.get("name"), str):
+            raise ConfigError("subscription", "name", "is required (the subscription's name in the project)")
+        return str(definition["name"])
+
+    async def delete(self, project: str, name: str) -> dict[str, Any]:
+        key = await self.existing(project, name)
+        return dict((await self.admin.delete(key)).data[0])
+
+    async def pause(self, project: str, name: str, paused: bool, wait: float) -> dict[str, Any]:
+        key = await self.existing(project, name)
+        return dict((await self.admin.pause(key, paused, wait)).data)
+
+    async def seek(self, project: str, name: str, to: SeekTarget) -> dict[str, Any]:
+        key = await self.existing(project, name)
+        return dict((await self.admin.seek(key, to, self.pulsar)).data)
+
+    async def purge(self, project: str, name: str) -> dict[str, Any]:
+        key = await self.existing(project, name)
+        return dict((await self.admin.purge(key, self.pulsar)).data)
+
+    async def discard(self, project: str, name: str, message_id: str, wait: float) -> dict[str, Any]:
+        key = await self.existing(project, name)
+        return dict((await self.admin.discard(message_id, key, wait)).data)
+
+    async def redrive(self, project: str, name: str, *, message_id: str | None, selection: Selection,
+                      max_messages: int | None, rate: float) -> dict[str, Any]:
+        key = await self.existing(project, name)
+        out = await self.dlq.redrive(self.admin, key, rate, max_messages, concurrency=8, progress=lambda _: None,
+                                     message_id=message_id, selection=selection)
+        return dict(out.data)
+
+
+def _summary(row: dict[str, Any]) -> dict[str, Any]:
+    """A `subs list` row as the API gives it: the serving workers as a list, the outcome shares."""
+    recent = row.get("recent") or {}
+    outcomes = recent.get("outcomes") or {}
+    attempts = sum(outcomes.values())
+    delivered = recent.get("delivered") or []
+    window = recent.get("window_seconds") or 300
+    return {
+        "project": row["project"], "name": row["name"], "type": row["type"], "state": row["state"],
+        "reason": row.get("reason", ""), "source": row.get("source", "registry"),
+        "workers": [] if row.get("owner", "-") == "-" else row["owner"].split(","),
+        "backlog": row.get("backlog"), "oldest_unacked_age_seconds": row.get("oldest_unacked_age_seconds"),
+        "delivery_rate": round(sum(delivered) / window, 2),
+        "delivered_per_step": delivered, "step_seconds": recent.get("step_seconds", 10),
+        "attempts_recent": attempts,
+        "outcome_shares": {k: round(v / attempts, 4) if attempts else 0.0 for k, v in outcomes.items()} or
+        {k: 0.0 for k in ("2xx", "4xx", "5xx", "timeout", "other")},
+        "p95_latency_ms": recent.get("p95_latency_ms"), "last_error": recent.get("last_error"),
+        "counters": {k: row.get(k, 0) for k in ("acked", "retried", "dead_lettered", "unsettled")},
+    }

@@ -1,0 +1,285 @@
+"""The operator API, `/v1/...`: JSON over HTTP, described by `/v1/openapi.json` (openapi.yaml).
+
+Authentication is a bearer token in the Authorization header, never a cookie: a page of another
+site cannot make a browser send one, so the API needs no CSRF defence of its own (the console's
+forms have theirs, console.py). A project the caller has no role on answers 404, exactly as a
+project that does not exist: the API never confirms that another project's subscriptions exist.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import yaml
+from aiohttp import web
+
+from worker import logs
+from worker.api.auth import Principal
+from worker.api.operations import MESSAGE_STATES, NO_SUCH_PROJECT, Operations
+from worker.cli.common import parse_moment
+from worker.errors import ConfigError, NotFound, UsageError
+from worker.fleet.seek import SeekTarget
+from worker.ops.dlq import Selection
+
+ACTIONS = ("pause", "resume", "seek", "purge", "redrive", "discard")
+MAX_LIMIT = 1000
+MAX_WAIT_SECONDS = 120.0
+MAX_REDRIVE_RATE = 1000.0
+MESSAGE_ID_MAX = 200
+
+PRINCIPAL = web.RequestKey("principal", Principal)  # who is asking (server.py sets it)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Forbidden(Exception):
+    """The caller sees the project but its role does not allow the action: 403."""
+
+
+@cache
+def openapi_document() -> dict[str, Any]:
+    text = resources.files("worker.api").joinpath("openapi.yaml").read_text("utf-8")
+    return dict(yaml.safe_load(text))
+
+
+def audit(principal: Principal, project: str, action: str, target: str, result: str) -> None:
+    """One line per change (or attempted change), for whoever keeps the audit trail."""
+    logs.get("push-worker.audit").info("audit", subject=principal.subject, project=project, action=action,
+                                       target=target, result=result)
+
+
+def principal_of(request: web.Request) -> Principal:
+    return request[PRINCIPAL]
+
+
+def project_seen(request: web.Request) -> tuple[Principal, str]:
+    """The caller and the path's project, which it must have a role on (else: not found)."""
+    principal = principal_of(request)
+    project = request.match_info["project"]
+    if not principal.grants.sees(project):
+        raise NotFound(NO_SUCH_PROJECT)
+    return principal, project
+
+
+def may_act(principal: Principal, project: str) -> None:
+    if not principal.grants.acts_on(project):
+        raise Forbidden(f"your role on {project} is viewer: it reads, it does not act")
+
+
+def _int(request: web.Request, name: str, default: int, high: int = MAX_LIMIT) -> int:
+    text = request.query.get(name)
+    if text is None:
+        return default
+    if not text.isdigit() or not 1 <= int(text) <= high:
+        raise UsageError("query", name, f"must be a whole number from 1 to {high}")
+    return int(text)
+
+
+def _message_id(request: web.Request) -> str:
+    value = request.match_info["message_id"]
+    if not 0 < len(value) <= MESSAGE_ID_MAX or not value.isprintable():
+        raise NotFound("no such message")
+    return value
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    if not request.can_read_body:
+        return {}
+    if request.content_type != "application/json":
+        raise UsageError("body", "Content-Type", "must be application/json")
+    try:
+        data = json.loads(await request.read())
+    except ValueError:
+        raise UsageError("body", "JSON", "is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise UsageError("body", "JSON", "must be an object")
+    return data
+
+
+def json_response(data: Any, status: int = 200) -> web.Response:
+    return web.json_response(data, status=status, dumps=lambda d: json.dumps(d, default=str))
+
+
+def moment_of(value: Any, name: str) -> int:
+    try:
+        return parse_moment(str(value))
+    except ValueError as e:
+        raise UsageError("body", name, str(e)) from None
+
+
+def seek_target(value: Any) -> SeekTarget:
+    if value in ("earliest", "latest"):
+        return SeekTarget(str(value))
+    if not isinstance(value, str | int) or isinstance(value, bool):
+        raise UsageError("body", "to", "must be earliest, latest, or an RFC 3339 time")
+    return SeekTarget(moment_of(value, "to"))
+
+
+def selection_of(body: dict[str, Any]) -> Selection:
+    statuses = body.get("status") or []
+    if isinstance(statuses, str):
+        statuses = [statuses]
+    if not isinstance(statuses, list) or not all(isinstance(s, str) and s for s in statuses):
+        raise UsageError("body", "status", "must be a list like [\"5xx\", \"timeout\"]")
+    return Selection(moment_of(body["since"], "since") if body.get("since") is not None else None,
+                     moment_of(body["until"], "until") if body.get("until") is not None else None,
+                     tuple(statuses))
+
+
+def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise UsageError("body", name, f"must be a number from {low:g} to {high:g}")
+    return float(value)
+
+
+class Api:
+    """The `/v1` handlers; each one checks the caller's role, then asks `Operations`."""
+
+    def __init__(self, ops: Operations) -> None:
+        self.ops = ops
+
+    def add_routes(self, app: web.Application) -> None:
+        sub = "/v1/projects/{project}/subscriptions/{name}"
+        app.router.add_get("/v1/openapi.json", self.openapi)
+        app.router.add_get("/v1/me", self.me)
+        app.router.add_get("/v1/projects", self.projects)
+        app.router.add_get("/v1/projects/{project}/subscriptions", self.list)
+        app.router.add_post("/v1/projects/{project}/subscriptions", self.create)
+        app.router.add_get(sub, self.get)
+        app.router.add_patch(sub, self.patch)
+        app.router.add_delete(sub, self.delete)
+        app.router.add_get(sub + "/messages", self.messages)
+        app.router.add_get(sub + "/messages/{message_id}", self.message)
+        app.router.add_get(sub + "/history", self.history)
+        app.router.add_get(sub + "/dead-letters/{message_id}", self.dead_letter)
+        for action in ACTIONS:
+            app.router.add_post(f"{sub}/{action}", self.act)
+
+    async def openapi(self, _: web.Request) -> web.Response:
+        return json_response(openapi_document())
+
+    async def me(self, request: web.Request) -> web.Response:
+        principal = principal_of(request)
+        return json_response({"subject": principal.subject, "roles": principal.grants.describe()})
+
+    async def projects(self, request: web.Request) -> web.Response:
+        return json_response({"projects": await visible_projects(self.ops, principal_of(request))})
+
+    async def list(self, request: web.Request) -> web.Response:
+        _, project = project_seen(request)
+        return json_response({"project": project, "subscriptions": await self.ops.subscriptions(project)})
+
+    async def get(self, request: web.Request) -> web.Response:
+        _, project = project_seen(request)
+        return json_response(await self.ops.subscription(project, request.match_info["name"]))
+
+    async def create(self, request: web.Request) -> web.Response:
+        principal, project = project_seen(request)
+        may_act(principal, project)
+        body = await _body(request)
+        name = str(body.get("name", ""))
+        async with audited(principal, project, "create", name):
+            return json_response(await self.ops.create(project, body), status=201)
+
+    async def patch(self, request: web.Request) -> web.Response:
+        principal, project = project_seen(request)
+        name = request.match_info["name"]
+        may_act(principal, project)
+        body = await _body(request)
+        async with audited(principal, project, "patch", name):
+            return json_response(await self.ops.patch(project, name, body))
+
+    async def delete(self, request: web.Request) -> web.Response:
+        principal, project = project_seen(request)
+        name = request.match_info["name"]
+        may_act(principal, project)
+        async with audited(principal, project, "delete", name):
+            return json_response(await self.ops.delete(project, name))
+
+    async def messages(self, request: web.Request) -> web.Response:
+        _, project = project_seen(request)
+        state = request.query.get("state", "retrying")
+        if state not in MESSAGE_STATES:
+            raise UsageError("query", "state", f"must be one of {', '.join(MESSAGE_STATES)}")
+        limit = _int(request, "limit", 100)
+        messages = await self.ops.messages(project, request.match_info["name"], state, limit)
+        return json_response({"state": state, "messages": messages})
+
+    async def message(self, request: web.Request) -> web.Response:
+        _, project = project_seen(request)
+        return json_response(await self.ops.message(project, request.match_info["name"], _message_id(request)))
+
+    async def history(self, request: web.Request) -> web.Response:
+        _, project = project_seen(request)
+        limit = _int(request, "limit", 50)
+        return json_response({"messages": await self.ops.recent(project, request.match_info["name"], limit)})
+
+    async def dead_letter(self, request: web.Request) -> web.Response:
+        _, project = project_seen(request)
+        limit = _int(request, "limit", 1000, high=100_000)
+        return json_response(await self.ops.dead_letter(project, request.match_info["name"], _message_id(request),
+                                                        limit))
+
+    async def act(self, request: web.Request) -> web.Response:
+        principal, project = project_seen(request)
+        name = request.match_info["name"]
+        action = request.path.rsplit("/", 1)[1]
+        may_act(principal, project)
+        body = await _body(request)
+        async with audited(principal, project, action, name):
+            return json_response(await perform(self.ops, project, name, action, body))
+
+
+async def perform(ops: Operations, project: str, name: str, action: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One action on a subscription, with its arguments from a JSON body or a console form."""
+    if action in ("pause", "resume"):
+        wait = _number(body, "wait_seconds", 30.0, 0.0, MAX_WAIT_SECONDS)
+        return await ops.pause(project, name, action == "pause", wait)
+    if action == "purge":
+        return await ops.purge(project, name)
+    if action == "seek":
+        if "to" not in body:
+            raise UsageError("body", "to", "is required: earliest, latest, or an RFC 3339 time")
+        return await ops.seek(project, name, seek_target(body["to"]))
+    message_id = body.get("message_id") or None
+    if message_id is not None and (not isinstance(message_id, str) or len(message_id) > MESSAGE_ID_MAX):
+        raise UsageError("body", "message_id", "must be a message id")
+    if action == "discard":
+        if message_id is None:
+            raise UsageError("body", "message_id", "is required: the message to settle without delivery")
+        return await ops.discard(project, name, message_id, _number(body, "wait_seconds", 10.0, 0.0,
+                                                                    MAX_WAIT_SECONDS))
+    max_messages = body.get("max_messages")
+    if max_messages is not None and (not isinstance(max_messages, int) or isinstance(max_messages, bool)
+                                     or max_messages < 1):
+        raise UsageError("body", "max_messages", "must be a whole number of at least 1")
+    return await ops.redrive(project, name, message_id=message_id, selection=selection_of(body),
+                             max_messages=max_messages, rate=_number(body, "rate", 10.0, 0.1, MAX_REDRIVE_RATE))
+
+
+async def visible_projects(ops: Operations, principal: Principal) -> list[str]:
+    """The projects the caller has a role on (an admin: every project with a subscription)."""
+    projects = set(principal.grants.projects)
+    if principal.grants.admin:
+        projects |= set(await ops.projects())
+    return sorted(projects)
+
+
+class audited:
+    """Writes the audit line of a change once it is known how it ended."""
+
+    def __init__(self, principal: Principal, project: str, action: str, target: str) -> None:
+        self.args = (principal, project, action, target)
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None, _: Any) -> None:
+        result = "ok" if error is None else f"refused: {type(error).__name__}"
+        if isinstance(error, NotFound | ConfigError):
+            result = f"refused: {error}"[:300]
+        audit(*self.args, result=result)

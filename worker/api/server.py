@@ -1,0 +1,154 @@
+"""The admin listener (`admin: {host, port}`): the operator API (`/v1`, routes.py) and the console
+(`/console/`, console.py) on a listener of their own, never the probes' and metrics' one. Any
+worker of the fleet answers alike: everything shown is read from Redis and the broker.
+
+Every answer carries headers that keep a browser from running or framing anything of it elsewhere
+(a strict Content-Security-Policy: no script at all, styles from this listener only), errors are
+one line of JSON (or a page in the console) and never a traceback.
+"""
+
+from __future__ import annotations
+
+import ssl
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from worker import logs
+from worker.api.auth import Authenticator, Unauthorized
+from worker.api.console import Console
+from worker.api.operations import Conflict, Operations
+from worker.api.routes import PRINCIPAL, Api, Forbidden, Handler
+from worker.api.settings import AdminSettings
+from worker.cli import explain
+from worker.config import Settings
+from worker.errors import ConfigError, NotFound, StartupError
+from worker.http_server import listen
+
+MAX_BODY_BYTES = 64 * 1024  # a definition is at most 16 KiB as JSON
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; "
+                               "frame-ancestors 'none'; base-uri 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "same-origin",
+    "Cache-Control": "no-store",
+}
+
+
+def status_of(error: BaseException) -> int:
+    if isinstance(error, Unauthorized):
+        return 401
+    if isinstance(error, Forbidden):
+        return 403
+    if isinstance(error, NotFound):
+        return 404
+    if isinstance(error, Conflict):
+        return 409
+    if isinstance(error, ConfigError):  # a bad definition, argument or body
+        return 400
+    return 503 if explain(error)[1] and not explain(error)[1].startswith("unexpected error") else 500
+
+
+def bearer(request: web.Request) -> str:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+class AdminServer:
+    def __init__(self, settings: AdminSettings, worker_settings: Settings, redis_url: str, pulsar_url: str) -> None:
+        self.settings = settings
+        self.ops = Operations(worker_settings, redis_url, pulsar_url)
+        self.port = settings.port
+        self.log = logs.get()
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def tls(self) -> bool:
+        return self.settings.tls_cert_file is not None
+
+    async def start(self) -> None:
+        # Its own session: the broker's (with the Pulsar token) must never go to the identity provider.
+        self._session = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar())
+        self.auth = Authenticator(self.settings, self._session)
+        app = web.Application(middlewares=[self._guard], client_max_size=MAX_BODY_BYTES)
+        Api(self.ops).add_routes(app)
+        Console(self.ops, self.auth, secure_cookie=self.tls).add_routes(app)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        context = None
+        if self.tls:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            try:
+                context.load_cert_chain(str(self.settings.tls_cert_file), str(self.settings.tls_key_file))
+            except (OSError, ssl.SSLError) as e:
+                await self.close()
+                raise StartupError(f"admin.tls: cannot load the certificate and key ({e})") from None
+        try:
+            self.port = await listen(self._runner, self.settings.host, self.settings.port, "admin",
+                                     "choose admin.port (0: any free port)", context)
+        except StartupError:
+            await self.close()
+            raise
+        if not self.tls and self.settings.host not in ("127.0.0.1", "::1", "localhost"):
+            self.log.warning("admin listener without TLS: tokens cross the network in clear unless a TLS proxy or "
+                             "ingress sits in front (admin.tls)", host=self.settings.host, port=self.port)
+        self.log.info("admin listener started", host=self.settings.host, port=self.port, tls=self.tls)
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        await self.ops.close()
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            response = await self._authenticated(request, handler)
+        except web.HTTPRedirection as e:  # the console's redirects (after a form, to the login page)
+            response = web.Response(status=e.status, headers={"Location": e.headers.get("Location", "/console/")})
+        except web.HTTPException as e:  # aiohttp's own (404 of an unknown path, 405, 413): as JSON or a page
+            response = self._error(request, e.status, e.reason)
+        except Exception as e:
+            status = status_of(e)
+            if status == 500:
+                self.log.exception("admin request failed", path=request.path)
+                text = "internal error (the worker's log has the details)"
+            elif status == 401:
+                self.log.info("admin request refused", path=request.path, reason=str(e))
+                text = "a valid bearer token is required"
+            else:
+                text = explain(e)[1] if status == 503 else " ".join(str(e).split())[:300]
+            response = self._error(request, status, text)
+        response.headers.update(SECURITY_HEADERS)
+        return response
+
+    async def _authenticated(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        path = request.path
+        if path == "/v1/openapi.json" or path.startswith("/console/static/") or path in ("/console/login",):
+            return await handler(request)
+        if path.startswith("/console"):
+            token = request.cookies.get(Console.COOKIE, "")
+            try:
+                request[PRINCIPAL] = await self.auth.principal(token)
+            except Unauthorized:
+                raise web.HTTPFound("/console/login") from None
+            return await handler(request)
+        request[PRINCIPAL] = await self.auth.principal(bearer(request))
+        return await handler(request)
+
+    def _error(self, request: web.Request, status: int, text: str) -> web.StreamResponse:
+        if request.path.startswith("/console"):
+            return Console.error_page(status, text)
+        codes = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "not_allowed",
+                 409: "conflict", 413: "too_large", 500: "internal", 503: "unavailable"}
+        headers: dict[str, Any] = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
+        response = web.json_response({"error": {"code": codes.get(status, "error"), "message": text}},
+                                     status=status)
+        response.headers.update(headers)
+        return response
