@@ -22,14 +22,13 @@ from worker.aio import cancel_within, wait_event
 from worker.config import FleetSettings
 from worker.consumer import consumer_type
 from worker.core import keys
-from worker.core.flow import MAX_PAUSE
 from worker.core.redis_batch import Pipeliner
 from worker.fleet import seek
 from worker.fleet.leases import ACQUIRE, RELEASE, RENEW, Lease, assign, holders, unit_parts, units
 from worker.fleet.published import ConfigDefinitions
 from worker.fleet.registry import Admit, Registry, clear_state
 from worker.fleet.registry_follower import RegistryFollower
-from worker.fleet.spread import Spread, partitions_limit, share
+from worker.fleet.spread import SharedPauses, Spread, partitions_limit, share
 from worker.fleet.status import StatusReports
 from worker.fleet.worker_protocol import ServingWorker
 from worker.redis_client import REDIS_DOWN, AsyncClient, describe, safe_text
@@ -87,7 +86,6 @@ class Fleet:
         self._assigned_reported: set[str] = set()  # keys exported as pushworker_subscription_assigned
         self._widths: dict[str, int] = {}  # spread subscriptions (max_workers > 1): how many workers serve each
         self._widths_reported: dict[str, int] = {}  # as exported in pushworker_subscription_workers
-        self._pauses_said: dict[str, float] = {}  # key -> until when (monotonic) its Retry-After was shared
         self._seeks: set[asyncio.Task[None]] = set()
         self._narrowed: set[str] = set()  # spread subscriptions held to one worker while it seeks them
         # Hand-overs draining in the background, by key: the lease stays held (and renewed) until the
@@ -109,6 +107,7 @@ class Fleet:
         # event loop for tens of milliseconds at a time, and every delivery waited.
         self.batch = Pipeliner(client)
         self.spread = Spread(self.batch, settings.backlog_per_worker, settings.spread_quiet_seconds)
+        self.pauses = SharedPauses(self.batch)
         # The last backlog reading of each served subscription (value, monotonic time read), written
         # by the backlog report: the holder of a spread subscription's slot 0 decides its width by it.
         self.backlogs: dict[str, tuple[float, float]] = {}
@@ -266,7 +265,7 @@ class Fleet:
             self._ignore("workers", f"{key}: not a number of workers; served by one until it is decided again")
         await self._reconcile()
         await self._decide_widths()
-        await self._share_pauses()
+        await self.pauses.exchange({k: d for k in self._widths if (d := self.worker.dispatchers.get(k)) is not None})
         await self._resume_breakers()
         await self.published.publish_if_due()
 
@@ -463,34 +462,6 @@ class Fleet:
             project, name = key.split("/", 1)
             self.worker.metrics.set_state(project, name, State.EXPIRED if key in self.expired else State.PAUSED)
         self._state_reported = keys
-
-    async def _share_pauses(self) -> None:
-        """A `Retry-After` one worker of a spread subscription gets holds its other workers too (the
-        endpoint as a whole is asked to wait): the worker that got it says so in Redis (a key that
-        expires with the pause), and each worker of the subscription applies what it finds there,
-        within a round."""
-        served = [(key, d) for key in self._widths if (d := self.worker.dispatchers.get(key)) is not None]
-        if not served:
-            return
-        now = time.monotonic()
-        said = []
-        for key, dispatcher in served:
-            own = dispatcher.paused_for()
-            if own > 0.05 and self._pauses_said.get(key, 0.0) < now + own - 0.05:
-                self._pauses_said[key] = now + own
-                said.append((key, self.batch.submit("SET", keys.endpoint_pause_key(key), 1, "PX", int(own * 1000))))
-        found = await asyncio.gather(*(self.batch.submit("PTTL", keys.endpoint_pause_key(key)) for key, _ in served),
-                                     return_exceptions=True)
-        for (key, _), result in zip(said, await asyncio.gather(*(f for _, f in said), return_exceptions=True),
-                                    strict=True):
-            if isinstance(result, BaseException):
-                self._pauses_said.pop(key, None)  # said again next round
-        for (_, dispatcher), ttl in zip(served, found, strict=True):
-            # No worker says a pause longer than MAX_PAUSE: a longer one is garbage, not a Retry-After.
-            if isinstance(ttl, int) and 0 < ttl <= MAX_PAUSE * 1000:
-                dispatcher.pause(ttl / 1000)
-        for key in [k for k, until in self._pauses_said.items() if until < now]:
-            del self._pauses_said[key]
 
     def _report_widths(self, first_slots: list[str]) -> None:
         """`pushworker_subscription_workers` of the spread subscriptions whose slot 0 this worker holds."""

@@ -19,12 +19,22 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Mapping
+from typing import Protocol
 
 from redis.exceptions import ResponseError
 
 from worker.core import keys
+from worker.core.flow import MAX_PAUSE
 from worker.core.redis_batch import Pipeliner
 from worker.subscriptions import RateLimit, Subscription
+
+
+class Pausable(Protocol):
+    """A served subscription's side of a shared pause (the dispatcher)."""
+
+    def paused_for(self) -> float: ...  # seconds new requests still wait for a Retry-After
+
+    def pause(self, seconds: float) -> None: ...
 
 
 def share(sub: Subscription, slot: int, width: int) -> Subscription:
@@ -128,3 +138,37 @@ def partitions_limit(sub: Subscription, partitions: int | None) -> int:
         return max(1, partitions or 1)
     return sub.max_workers
 
+
+class SharedPauses:
+    """A `Retry-After` one worker of a spread subscription gets holds its other workers too (the
+    endpoint as a whole is asked to wait): the worker that got it says so in Redis (a key that
+    expires with the pause), and each worker of the subscription applies what it finds there,
+    within a round."""
+
+    def __init__(self, batch: Pipeliner) -> None:
+        self.batch = batch
+        self._said: dict[str, float] = {}  # key -> until when (monotonic) its Retry-After was shared
+
+    async def exchange(self, served: Mapping[str, Pausable]) -> None:
+        """One round for the spread subscriptions this worker serves (by key)."""
+        if not served:
+            return
+        now = time.monotonic()
+        said = []
+        for key, dispatcher in served.items():
+            own = dispatcher.paused_for()
+            if own > 0.05 and self._said.get(key, 0.0) < now + own - 0.05:
+                self._said[key] = now + own
+                said.append((key, self.batch.submit("SET", keys.endpoint_pause_key(key), 1, "PX", int(own * 1000))))
+        found = await asyncio.gather(*(self.batch.submit("PTTL", keys.endpoint_pause_key(key)) for key in served),
+                                     return_exceptions=True)
+        for (key, _), result in zip(said, await asyncio.gather(*(f for _, f in said), return_exceptions=True),
+                                    strict=True):
+            if isinstance(result, BaseException):
+                self._said.pop(key, None)  # said again next round
+        for dispatcher, ttl in zip(served.values(), found, strict=True):
+            # No worker says a pause longer than MAX_PAUSE: a longer one is garbage, not a Retry-After.
+            if isinstance(ttl, int) and 0 < ttl <= MAX_PAUSE * 1000:
+                dispatcher.pause(ttl / 1000)
+        for key in [k for k, until in self._said.items() if until < now]:
+            del self._said[key]
