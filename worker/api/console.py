@@ -24,13 +24,14 @@ import yaml
 from aiohttp import web
 
 from worker.api.auth import Authenticator, Principal, Unauthorized
-from worker.api.operations import NO_SUCH_PROJECT, Operations
-from worker.api.routes import PRINCIPAL, Forbidden, audit, may_act, perform, visible_projects
+from worker.api.operations import Operations
+from worker.api.routes import PRINCIPAL, Forbidden, audit, audited, may_act, perform, project_seen, visible_projects
 from worker.core.messages import rfc3339
 from worker.errors import ConfigError, NotFound, PushWorkerError
 
 COOKIE = "pw_console"
 COOKIE_SECONDS = 8 * 3600
+FORM_FIELDS = ("to", "message_id", "since", "until", "status")  # an action's arguments, from its page to its form
 ACTIONS = {"pause": "Pause", "resume": "Resume", "seek": "Seek", "redrive": "Redrive"}
 SORTABLE = ("name", "state", "workers", "backlog", "oldest_unacked_age_seconds", "delivery_rate", "p95_latency_ms",
             "errors")
@@ -166,10 +167,7 @@ class Console:
         return self._page(request, "index.html", projects=projects)
 
     def _project(self, request: web.Request) -> str:
-        project = request.match_info["project"]
-        if not request[PRINCIPAL].grants.sees(project):
-            raise NotFound(NO_SUCH_PROJECT)
-        return project
+        return project_seen(request)[1]
 
     async def project(self, request: web.Request) -> web.Response:
         project = self._project(request)
@@ -229,7 +227,7 @@ class Console:
     async def confirm(self, request: web.Request) -> web.Response:
         project, name, action = self._action(request)
         await self.ops.existing(project, name)
-        fields = {k: v for k, v in request.query.items() if k in ("to", "message_id", "since", "until", "status")}
+        fields = {k: v for k, v in request.query.items() if k in FORM_FIELDS}
         return self._page(request, "confirm.html", project=project, name=name, action=action,
                           label=ACTIONS[action], fields=fields)
 
@@ -239,17 +237,11 @@ class Console:
         form = await self._checked_form(request)
         if form.get("confirmed") != "yes":
             raise ConfigError("form", "confirmed", "the action was not confirmed")
-        body: dict[str, Any] = {k: v for k, v in form.items() if k in ("to", "message_id", "since", "until") and v}
+        body: dict[str, Any] = {k: v for k, v in form.items() if k in FORM_FIELDS and k != "status" and v}
         if form.get("status"):
             body["status"] = [s.strip() for s in form["status"].split(",") if s.strip()]
-        result = "ok"
-        try:
+        with audited(principal, project, action, name):
             outcome = await perform(self.ops, project, name, action, body)
-        except Exception as e:
-            result = f"refused: {type(e).__name__}"
-            raise
-        finally:
-            audit(principal, project, action, name, result)
         notice = _notice(action, outcome)
         return redirect(f"/console/projects/{quote(project)}/subscriptions/{quote(name)}?notice={quote(notice)}")
 

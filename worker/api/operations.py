@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 from worker.config import Settings
+from worker.core.recent import OUTCOMES
 from worker.errors import ConfigError, NotFound, PushWorkerError
 from worker.fleet.seek import SeekTarget
 from worker.ops.admin import Admin, Target
@@ -53,9 +54,13 @@ class Operations:
         await self.admin.close()
 
     @staticmethod
-    def key(project: str, name: str) -> str:
+    def check_project(project: str) -> None:
         if not PROJECT_PATTERN.match(project):
             raise NotFound(NO_SUCH_PROJECT)
+
+    @classmethod
+    def key(cls, project: str, name: str) -> str:
+        cls.check_project(project)
         if not NAME_PATTERN.match(name):
             raise NotFound(f"{name}: no such subscription")
         return f"{project}/{name}"
@@ -70,7 +75,7 @@ class Operations:
         return sorted({row["project"] for row in rows})
 
     async def subscriptions(self, project: str) -> list[dict[str, Any]]:
-        self.key(project, "x")  # a project name that cannot be one is not found
+        self.check_project(project)
         return [_summary(row) for row in (await self.admin.list()).data if row["project"] == project]
 
     async def subscription(self, project: str, name: str) -> dict[str, Any]:
@@ -179,8 +184,7 @@ def _summary(row: dict[str, Any]) -> dict[str, Any]:
         "delivery_rate": round(sum(delivered) / window, 2),
         "delivered_per_step": delivered, "step_seconds": recent.get("step_seconds", 10),
         "attempts_recent": attempts,
-        "outcome_shares": {k: round(v / attempts, 4) if attempts else 0.0 for k, v in outcomes.items()} or
-        {k: 0.0 for k in ("2xx", "4xx", "5xx", "timeout", "other")},
+        "outcome_shares": {k: round(outcomes.get(k, 0) / attempts, 4) if attempts else 0.0 for k in OUTCOMES},
         "p95_latency_ms": recent.get("p95_latency_ms"), "last_error": recent.get("last_error"),
         "counters": {k: row.get(k, 0) for k in ("acked", "retried", "dead_lettered", "unsettled")},
     }

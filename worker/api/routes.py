@@ -8,8 +8,9 @@ project that does not exist: the API never confirms that another project's subsc
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -182,7 +183,7 @@ class Api:
         may_act(principal, project)
         body = await _body(request)
         name = str(body.get("name", ""))
-        async with audited(principal, project, "create", name):
+        with audited(principal, project, "create", name):
             return json_response(await self.ops.create(project, body), status=201)
 
     async def patch(self, request: web.Request) -> web.Response:
@@ -190,14 +191,14 @@ class Api:
         name = request.match_info["name"]
         may_act(principal, project)
         body = await _body(request)
-        async with audited(principal, project, "patch", name):
+        with audited(principal, project, "patch", name):
             return json_response(await self.ops.patch(project, name, body))
 
     async def delete(self, request: web.Request) -> web.Response:
         principal, project = project_seen(request)
         name = request.match_info["name"]
         may_act(principal, project)
-        async with audited(principal, project, "delete", name):
+        with audited(principal, project, "delete", name):
             return json_response(await self.ops.delete(project, name))
 
     async def messages(self, request: web.Request) -> web.Response:
@@ -230,7 +231,7 @@ class Api:
         action = request.path.rsplit("/", 1)[1]
         may_act(principal, project)
         body = await _body(request)
-        async with audited(principal, project, action, name):
+        with audited(principal, project, action, name):
             return json_response(await perform(self.ops, project, name, action, body))
 
 
@@ -269,17 +270,13 @@ async def visible_projects(ops: Operations, principal: Principal) -> list[str]:
     return sorted(projects)
 
 
-class audited:
+@contextlib.contextmanager
+def audited(principal: Principal, project: str, action: str, target: str) -> Iterator[None]:
     """Writes the audit line of a change once it is known how it ended."""
-
-    def __init__(self, principal: Principal, project: str, action: str, target: str) -> None:
-        self.args = (principal, project, action, target)
-
-    async def __aenter__(self) -> None:
-        return None
-
-    async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None, _: Any) -> None:
-        result = "ok" if error is None else f"refused: {type(error).__name__}"
-        if isinstance(error, NotFound | ConfigError):
-            result = f"refused: {error}"[:300]
-        audit(*self.args, result=result)
+    try:
+        yield
+    except Exception as error:
+        shown = str(error) if isinstance(error, NotFound | ConfigError) else type(error).__name__
+        audit(principal, project, action, target, result=f"refused: {shown}"[:300])
+        raise
+    audit(principal, project, action, target, result="ok")

@@ -37,18 +37,14 @@ SECURITY_HEADERS = {
 }
 
 
-def status_of(error: BaseException) -> int:
-    if isinstance(error, Unauthorized):
-        return 401
-    if isinstance(error, Forbidden):
-        return 403
-    if isinstance(error, NotFound):
-        return 404
-    if isinstance(error, Conflict):
-        return 409
-    if isinstance(error, ConfigError):  # a bad definition, argument or body
-        return 400
-    return 503 if explain(error)[1] and not explain(error)[1].startswith("unexpected error") else 500
+def answer_for(error: BaseException) -> tuple[int, str]:
+    """The status and the one line a caller gets for `error`."""
+    for kind, status in ((Unauthorized, 401), (Forbidden, 403), (NotFound, 404), (Conflict, 409),
+                         (ConfigError, 400)):  # ConfigError: a bad definition, argument or body
+        if isinstance(error, kind):
+            return status, " ".join(str(error).split())[:300]
+    text = explain(error)[1]  # Redis or the broker failing: what failed and what to check
+    return (500, text) if text.startswith("unexpected error") else (503, text)
 
 
 def bearer(request: web.Request) -> str:
@@ -115,22 +111,20 @@ class AdminServer:
         except web.HTTPException as e:  # aiohttp's own (404 of an unknown path, 405, 413): as JSON or a page
             response = self._error(request, e.status, e.reason)
         except Exception as e:
-            status = status_of(e)
+            status, text = answer_for(e)
             if status == 500:
                 self.log.exception("admin request failed", path=request.path)
                 text = "internal error (the worker's log has the details)"
             elif status == 401:
                 self.log.info("admin request refused", path=request.path, reason=str(e))
                 text = "a valid bearer token is required"
-            else:
-                text = explain(e)[1] if status == 503 else " ".join(str(e).split())[:300]
             response = self._error(request, status, text)
         response.headers.update(SECURITY_HEADERS)
         return response
 
     async def _authenticated(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         path = request.path
-        if path == "/v1/openapi.json" or path.startswith("/console/static/") or path in ("/console/login",):
+        if path == "/v1/openapi.json" or path.startswith("/console/static/") or path == "/console/login":
             return await handler(request)
         if path.startswith("/console"):
             token = request.cookies.get(Console.COOKIE, "")

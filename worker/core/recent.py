@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from worker.core.delivery import Outcome, Result
+from worker.core.delivery import Outcome
 
 STEP_SECONDS = 10
 STEPS = 30  # five minutes
@@ -18,14 +18,12 @@ LATENCY_BOUNDS_MS = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10_000, 30_
 _WIDTH = 1 + len(OUTCOMES) + len(LATENCY_BOUNDS_MS)  # delivered, the outcomes, the latency buckets
 
 
+_CLASS_OF_LABEL = {"ack": 0, "4xx": 1, "5xx": 2, "timeout": 3}  # Outcome.label -> index in OUTCOMES
+
+
 def outcome_class(outcome: Outcome) -> int:
-    """The index in OUTCOMES of how an attempt ended."""
-    if outcome.acked:
-        return 0
-    if outcome.result is Result.TIMEOUT:
-        return 3
-    status = outcome.status or 0
-    return 1 if 400 <= status < 500 else 2 if 500 <= status < 600 else 4
+    """The index in OUTCOMES of how an attempt ended (its metric label's class; anything else: other)."""
+    return _CLASS_OF_LABEL.get(outcome.label, 4)
 
 
 class RecentDeliveries:
@@ -90,28 +88,47 @@ class RecentDeliveries:
         return out
 
 
-def merge(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+Parsed = tuple[int, list[int], list[int], list[int], dict[str, Any] | None]
+
+
+def _parsed(summary: Any) -> Parsed | None:
+    """A summary as read back from Redis (which may hold anything): its last step, delivered per
+    step, outcome counts, latency buckets and last error; None when it does not add up."""
+    try:
+        error = summary.get("last_error")
+        if error is not None and not (isinstance(error, dict) and isinstance(error.get("at_ms", 0), int)):
+            return None
+        return (int(summary.get("until_step", -1)),
+                [int(c) for c in summary.get("delivered", [])[:STEPS]],
+                [int(summary.get("outcomes", {}).get(name, 0)) for name in OUTCOMES],
+                [int(c) for c in summary.get("latency_buckets", [])[:len(LATENCY_BOUNDS_MS)]], error)
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
+def merge(summaries: list[Any]) -> dict[str, Any]:
     """The serving workers' summaries as one: counts added (aligned on their last step), the p95
-    latency from the added buckets (ms; None without attempts), the newest last error."""
-    until = max((int(s.get("until_step", 0)) for s in summaries), default=0)
+    latency from the added buckets (ms; None without attempts), the newest last error. A summary
+    that does not add up is left out."""
+    parsed = [p for s in summaries if (p := _parsed(s)) is not None]
+    until = max((p[0] for p in parsed), default=0)
     delivered = [0] * STEPS
-    outcomes = dict.fromkeys(OUTCOMES, 0)
+    outcomes = [0] * len(OUTCOMES)
     buckets = [0] * len(LATENCY_BOUNDS_MS)
     last_error: dict[str, Any] | None = None
-    for s in summaries:
-        shift = until - int(s.get("until_step", until))
-        for i, count in enumerate(s.get("delivered", [])[:STEPS]):
+    for step, steps, counts, latencies, error in parsed:
+        shift = until - step if step >= 0 else 0
+        for i, count in enumerate(steps):
             if 0 <= i - shift < STEPS:
-                delivered[i - shift] += int(count)
-        for name in OUTCOMES:
-            outcomes[name] += int(s.get("outcomes", {}).get(name, 0))
-        for i, count in enumerate(s.get("latency_buckets", [])[:len(buckets)]):
-            buckets[i] += int(count)
-        error = s.get("last_error")
-        if isinstance(error, dict) and (last_error is None or error.get("at_ms", 0) > last_error.get("at_ms", 0)):
+                delivered[i - shift] += count
+        outcomes = [a + b for a, b in zip(outcomes, counts, strict=True)]
+        for i, count in enumerate(latencies):
+            buckets[i] += count
+        if error is not None and (last_error is None or error.get("at_ms", 0) > last_error.get("at_ms", 0)):
             last_error = error
     return {"window_seconds": STEP_SECONDS * STEPS, "step_seconds": STEP_SECONDS, "delivered": delivered,
-            "outcomes": outcomes, "p95_latency_ms": percentile(buckets, 0.95), "last_error": last_error}
+            "outcomes": dict(zip(OUTCOMES, outcomes, strict=True)), "p95_latency_ms": percentile(buckets, 0.95),
+            "last_error": last_error}
 
 
 def percentile(buckets: list[int], q: float) -> float | None:
