@@ -78,6 +78,9 @@ class _Attempts:
     def failing_reason(self, subscription_key: str) -> str:
         return ""
 
+    async def settled(self, subscription_key: str, message_id: str) -> bool:
+        return False
+
     def record(self, subscription_key: str, message_id: str, entries: list[dict[str, Any]],
                settled: bool, last_status: str = "", acked_first_time: bool = False,
                lazy: bool = False) -> asyncio.Future[None]:

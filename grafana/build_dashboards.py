@@ -91,7 +91,7 @@ def fleet() -> dict[str, Any]:
                              (f"count(up{{{f}}} == 1)", "scraped and up")], 0, 32),
         panel(10, "Ownership balance (subscriptions per worker)", [(
             f"count by (instance) (pushworker_subscription_owned{{{f}}} == 1)", "{{instance}}")], 12, 32),
-        panel(11, "Subscriptions by state (Active, Error, Suspended, Seeking, Paused, Expired)", [(
+        panel(11, "Subscriptions by state (Active, Error, Suspended, Seeking, Paused, Quarantined, Expired)", [(
             f"sum by (state) (pushworker_subscription_state{{{f}}})", "{{state}}")], 0, 40),
         panel(12, "Subscriptions in the Error state (the broker refuses them)", [(
             f'sum by (project, subscription) (pushworker_subscription_state{{{f}, state="Error"}}) or vector(0)',
@@ -99,6 +99,9 @@ def fleet() -> dict[str, Any]:
         panel(13, "Subscriptions suspended by their breaker (endpoint down: only probes go)", [(
             f'sum by (project, subscription) (pushworker_subscription_state{{{f}, state="Suspended"}}) or vector(0)',
             "{{project}}/{{subscription}}")], 0, 48),
+        panel(14, "Subscriptions quarantined (a message of theirs killed their workers: subs resume)", [(
+            f'sum by (project, subscription) (pushworker_subscription_state{{{f}, state="Quarantined"}}) or vector(0)',
+            "{{project}}/{{subscription}}")], 12, 48),
     ], [JOB_VAR])
 
 
@@ -132,7 +135,7 @@ def subscription() -> dict[str, Any]:
             f"max by ({by}) (pushworker_endpoint_concurrency_window{{{sel}}})", name)], 12, 16),
         panel(7, "Owner", [(f"max by ({by}, instance) (pushworker_subscription_owned{{{sel}}})",
                             f"{name} on {{{{instance}}}}")], 0, 24, kind="table", w=12),
-        panel(8, "State (Active, Error, Suspended, Seeking, Starting, Paused, Expired)", [(
+        panel(8, "State (Active, Error, Suspended, Seeking, Starting, Paused, Quarantined, Expired)", [(
             f"max by ({by}, state) (pushworker_subscription_state{{{sel}}})", f"{name} {{{{state}}}}")],
             12, 24, kind="table", w=12),
         panel(9, "Workers serving it (max_workers above 1)", [(

@@ -384,6 +384,31 @@ def test_the_budgets_come_from_the_container(tmp_path):
     assert resources.connections_budget(100, 2048) == (100, "max_connections")
 
 
+def test_the_memory_limit_of_a_nested_cgroup_is_found_through_proc_self_cgroup(tmp_path):
+    """A pod's container in a nested cgroup (v1 or v2): its own limit is found through
+    /proc/self/cgroup, and the smallest limit on the way up to the root is the one that holds."""
+    from worker import resources
+
+    proc = tmp_path / "cgroup"
+    nested = tmp_path / "memory" / "kubepods" / "pod1"
+    nested.mkdir(parents=True)
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text(str(resources._NO_LIMIT_V1 * 8))
+    (tmp_path / "memory" / "kubepods" / "memory.limit_in_bytes").write_text(str(4 << 30))
+    (nested / "memory.limit_in_bytes").write_text(str(1 << 30))
+    proc.write_text("5:cpu,cpuacct:/kubepods/pod1\n4:memory:/kubepods/pod1\n0::/\n")
+    assert resources.memory_limit(tmp_path, proc) == (1 << 30, str(nested / "memory.limit_in_bytes"))
+    (nested / "memory.limit_in_bytes").write_text(str(8 << 30))  # the parent's is smaller: it holds
+    assert resources.memory_limit(tmp_path, proc)[0] == 4 << 30
+    assert resources.held_bytes_budget(None, tmp_path, proc)[0] == 2 << 30
+    v2 = tmp_path / "v2"
+    (v2 / "pods" / "one").mkdir(parents=True)
+    (v2 / "pods" / "one" / "memory.max").write_text(str(768 << 20))
+    proc.write_text("0::/pods/one\n")
+    assert resources.memory_limit(v2, proc) == (768 << 20, str(v2 / "pods" / "one" / "memory.max"))
+    proc.write_text("0::/gone/elsewhere\n")  # a path the mount does not show (a namespace's root): none found
+    assert resources.memory_limit(v2, proc) == (None, "")
+
+
 async def test_messages_over_the_attribute_limits_are_dead_lettered_unsent(start_worker, endpoint: Endpoint,
                                                                            client: Client, topic):
     """Google's limits: 100 attributes, 256-byte keys, 1,024-byte values (150,000 attributes took

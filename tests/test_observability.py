@@ -17,6 +17,7 @@ from pathlib import Path
 import pulsar as pulsar_client
 import pytest
 import redis as redis_sync
+import redis.asyncio as aioredis
 import yaml
 from aiohttp import web
 
@@ -26,6 +27,8 @@ from tests.support.pulsar_client import Client
 from worker.config import FleetSettings, PulsarSettings
 from worker.core.keys import lease_key
 from worker.embedded import free_port, wait_for_port
+from worker.fleet import quarantine
+from worker.fleet.registry import Registry
 from worker.subscriptions import BreakerPolicy, RetryPolicy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,7 +89,7 @@ def test_dashboards_are_well_formed_and_generated_from_their_source():
 def test_promtool_accepts_the_rules():
     result = subprocess.run(["promtool", "check", "rules", str(RULES)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 11 rules found" in result.stdout
+    assert "SUCCESS: 12 rules found" in result.stdout
 
 
 @needs_prometheus
@@ -113,11 +116,12 @@ async def test_every_panel_query_and_alert_returns_series_against_a_scraped_work
                    dead_letter_topic=topic + "-b-dlq", retry=RetryPolicy(0.05, 0.1))
     dropping = make_sub(topic + "-d", endpoint.url, name="failing-nodlq-" + topic[-6:], max_deliver=1)
     paused = make_sub(topic + "-p", endpoint.url, name="paused-" + topic[-6:])
+    quarantined = make_sub(topic + "-q", endpoint.url, name="quarantined-" + topic[-6:])
     # Retrying forever against a failing endpoint: its breaker opens after a second (Suspended).
     held = make_sub(topic + "-h", endpoint.url, name="failing-held-" + topic[-6:], max_deliver=-1,
                     breaker=BreakerPolicy(open_after_seconds=1, probe_interval_seconds=3600))
     pulsar = PulsarSettings(service_url=broker.url, metrics_url=broker.metrics_url, backlog_interval_seconds=1)
-    w = await start_worker(good, bad, dropping, paused, stuck, held, broker_url=broker.url, pulsar=pulsar,
+    w = await start_worker(good, bad, dropping, paused, stuck, held, quarantined, broker_url=broker.url, pulsar=pulsar,
                            fleet=FleetSettings(error_after_seconds=2))  # failing endpoints: Error after 2 s
     # A second worker, whose Redis is full: its fleet rounds keep failing (its Redis calls).
     redis_sync.Redis.from_url(own_redis.url).config_set("maxmemory", "1")
@@ -131,6 +135,10 @@ async def test_every_panel_query_and_alert_returns_series_against_a_scraped_work
     assert code == 0, err
     code, _, err = await cli("subs", "pause", paused.name, "--redis-url", redis_url)
     assert code == 0, err
+    # As a worker quarantines one whose message killed its workers (tests/test_quarantine.py does it for real).
+    fleet_redis = aioredis.Redis.from_url(redis_url)
+    await Registry(fleet_redis, "default").quarantine(quarantined.key, quarantine.record("a test", "i", "w"))
+    await fleet_redis.aclose()
     # Created in the registry and assigned to this worker, but its lease is held by a worker that
     # does not exist: an existing subscription nobody serves.
     stranded = "stranded-" + topic[-6:]
@@ -179,6 +187,7 @@ async def test_every_panel_query_and_alert_returns_series_against_a_scraped_work
             return bool(query("sum(pushworker_messages_dead_lettered_total)")["data"]["result"]
                         and query("sum(pushworker_messages_dropped_total) > 0")["data"]["result"]
                         and query('pushworker_subscription_state{state="Paused"}')["data"]["result"]
+                        and query('pushworker_subscription_state{state="Quarantined"}')["data"]["result"]
                         and query("pushworker_subscription_assigned")["data"]["result"]
                         and query("sum(pushworker_subscription_backlog)")["data"]["result"]
                         and query('pushworker_subscription_state{state="Error"}')["data"]["result"]
@@ -224,7 +233,8 @@ async def test_every_panel_query_and_alert_returns_series_against_a_scraped_work
                     "PushWorkerMessagesDropped": {dropping.name}, "PushWorkerSubscriptionUnowned": {stranded},
                     "PushWorkerSubscriptionError": {bad.name, dropping.name},
                     "PushWorkerSubscribeFailing": {refused}, "PushWorkerBacklogGrowing": {stuck.name},
-                    "PushWorkerSubscriptionSuspended": {held.name}}
+                    "PushWorkerSubscriptionSuspended": {held.name},
+                    "PushWorkerSubscriptionQuarantined": {quarantined.name}}
         for name, subs in expected.items():
             # The suspended one failed only in its first second (then its breaker held everything
             # back): whether a scrape saw those failures is up to timing.

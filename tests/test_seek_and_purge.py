@@ -17,6 +17,7 @@ from tests.support.pulsar_client import Client
 from worker.config import RedisSettings
 from worker.core import keys
 from worker.fleet import leases, seek
+from worker.fleet.quarantine import ACQUIRE_HOLDING
 from worker.fleet.seek import SEEK_COMMAND, SeekTarget
 from worker.subscriptions import Subscription
 
@@ -172,7 +173,9 @@ async def test_a_command_seeking_alone_holds_the_lease_so_no_worker_starts_meanw
             assert held
             until = time.monotonic() + 1.0  # over three times the lease's time to live: it is renewed
             while time.monotonic() < until:
-                assert await client.eval(leases.ACQUIRE, 1, lease, "w1", 10_000) == 0  # what a worker runs
+                # What a worker runs:
+                assert await client.eval(ACQUIRE_HOLDING, 2, lease, keys.holder_key("p-test/alone"), "w1", 10_000,
+                                         "instance", 60_000) == [0]
                 await asyncio.sleep(0.05)
             async with leases.hold(client, "p-test/alone", "seek-command-2", ttl_seconds=1) as second:
                 assert not second

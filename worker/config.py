@@ -138,6 +138,9 @@ class FleetSettings:
                                                             "worker (the HPA's per-replica target)")
     spread_quiet_seconds: float = setting(300.0, 0.0, 86_400.0, help="...and one fewer after its backlog stayed "
                                                                      "below what one fewer is for this long")
+    trial_seconds: float = setting(5.0, 0.0, 600.0, help="a subscription whose holder died with it is served "
+                                   "alone on trial for this long by the next holder (one at a time); a worker "
+                                   "that dies then quarantines it (0: no trials, no quarantine)")
 
 
 # Payload bytes of the messages one subscription holds at once (taken from the broker, not settled):

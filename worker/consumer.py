@@ -153,8 +153,10 @@ def to_envelope(msg: pulsar.Message, max_payload_bytes: int = 1 << 62) -> Envelo
     if too_many := attribute_defect(attributes):
         defects.append(too_many)
     size = _length(msg)
+    handle = None
     if size > max_payload_bytes:
         defects.append(f"{PAYLOAD_TOO_LARGE}: {size} bytes (destinations.max_request_bytes is {max_payload_bytes})")
+        handle = msg.message_id()  # acked by id: the client's inflated copy goes as soon as ours is made
     context = msg.encryption_context()
     if context is not None and context.is_decryption_failed():
         defects.append(ENCRYPTED)
@@ -167,6 +169,7 @@ def to_envelope(msg: pulsar.Message, max_payload_bytes: int = 1 << 62) -> Envelo
         attributes=attributes,
         ordering_key=key,
         defect="; ".join(defects) or None,
+        ack_handle=handle,
     )
 
 

@@ -72,9 +72,13 @@ class DeadLetterPublisher:
             producer = self._producers.get(topic)
             if producer is None:
                 await ensure_cursor(self.client, topic)
-                # Chunking: a message over the broker's size limit came in chunks and must go out so
-                # (without it the broker refuses it, MessageTooBig, for ever); smaller ones go whole.
-                producer = await self.client.create_producer(topic, batching_enabled=False, chunking_enabled=True)
+                # Compressed (zstd): a payload that came compressed and inflates past any request's
+                # size (a "bomb" of a few KiB that inflates to hundreds of MiB) is stored about as small
+                # as it came, not inflated. Chunking: a message still over the broker's size limit came
+                # in chunks and must go out so (without it the broker refuses it, MessageTooBig, for
+                # ever); smaller ones go whole.
+                producer = await self.client.create_producer(topic, batching_enabled=False, chunking_enabled=True,
+                                                             compression_type=pulsar.CompressionType.ZSTD)
                 self._producers[topic] = producer
             return producer
 

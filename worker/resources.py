@@ -16,24 +16,58 @@ MAX_CONNECTIONS = 60_000
 _NO_LIMIT_V1 = 1 << 60
 
 
-def memory_limit(root: Path = Path("/sys/fs/cgroup")) -> tuple[int | None, str]:
-    """The container's memory limit in bytes, and where it was read (None: no limit found)."""
-    for path in (root / "memory.max", root / "memory" / "memory.limit_in_bytes"):
-        try:
-            text = path.read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit() and int(text) < _NO_LIMIT_V1:
-            return int(text), str(path)
-    return None, ""
+def _cgroup_paths(proc_cgroup: Path) -> tuple[str | None, str | None]:
+    """This process's cgroup paths from /proc/self/cgroup: (v1 memory controller's, v2's)."""
+    v1 = v2 = None
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None, None
+    for line in lines:
+        number, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if number == "0" and not controllers:
+            v2 = path
+        elif "memory" in controllers.split(","):
+            v1 = path
+    return v1, v2
 
 
-def held_bytes_budget(configured: int | None, root: Path = Path("/sys/fs/cgroup")) -> tuple[int, str]:
+def _limit_at(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() and int(text) < _NO_LIMIT_V1 else None
+
+
+def memory_limit(root: Path = Path("/sys/fs/cgroup"),
+                 proc_cgroup: Path = Path("/proc/self/cgroup")) -> tuple[int | None, str]:
+    """The memory limit this process runs under, in bytes, and where it was read (None: no limit
+    found). The process's own cgroup is found through /proc/self/cgroup (in a container it is the
+    mount's root; a nested cgroup, v1 or v2, is below it), and the smallest limit from there up to
+    the root is the one that holds."""
+    v1, v2 = _cgroup_paths(proc_cgroup)
+    found: list[tuple[int, str]] = []
+    for base, relative, name in ((root, v2, "memory.max"), (root / "memory", v1, "memory.limit_in_bytes")):
+        directory = base / (relative or "/").strip("/")
+        while True:
+            limit = _limit_at(directory / name)
+            if limit is not None:
+                found.append((limit, str(directory / name)))
+            if directory == base or base not in directory.parents:
+                break
+            directory = directory.parent
+    return min(found) if found else (None, "")
+
+
+def held_bytes_budget(configured: int | None, root: Path = Path("/sys/fs/cgroup"),
+                      proc_cgroup: Path = Path("/proc/self/cgroup")) -> tuple[int, str]:
     """`max_held_bytes`: as configured, else half the container's memory limit (the process holds
     about twice a payload's size while it works on it), else 512 MiB; and why."""
     if configured is not None:
         return configured, "max_held_bytes"
-    limit, where = memory_limit(root)
+    limit, where = memory_limit(root, proc_cgroup)
     if limit is not None:
         return max(16 << 20, limit // 2), f"half of {where}"
     return DEFAULT_WORKER_HELD_BYTES, "default (no memory limit found)"

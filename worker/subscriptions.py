@@ -55,6 +55,7 @@ class State(enum.StrEnum):
     EXPIRED = "Expired"
     SUSPENDED = "Suspended"  # its breaker is open (deliver.push.breaker): only probes go
     STARTING = "Starting"  # its owner's subscribe keeps failing (the broker refuses it)
+    QUARANTINED = "Quarantined"  # paused by the fleet: its workers died serving it (fleet/quarantine.py)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,10 @@ the tests use are created through its admin API.
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import urllib.request
 from pathlib import Path
 
 from devtools import apache_pulsar
@@ -63,3 +66,17 @@ def partitioned(broker: object, topic: str, partitions: int = 3) -> str:
     if admin_url(broker):
         apache_pulsar.create_partitioned_topic(admin_url(broker), topic, partitions)
     return topic
+
+
+def bytes_published(broker: object, topic: str) -> int:
+    """The bytes `topic` took in, as the broker stores them (a compressed payload as it came): the
+    topic's stats on Apache Pulsar (`bytesInCounter`), its `pulsar_in_bytes_total` on pulsar-lite."""
+    if admin_url(broker):
+        with urllib.request.urlopen(f"{admin_url(broker)}/admin/v2/{topic.replace('://', '/')}/stats") as answer:
+            return int(json.load(answer)["bytesInCounter"])
+    namespace, _, short = topic.split("://", 1)[1].rpartition("/")
+    with urllib.request.urlopen(str(getattr(broker, "metrics_url"))) as answer:  # noqa: B009 - pulsar-lite's
+        text = answer.read().decode()
+    pattern = re.compile(rf'^pulsar_in_bytes_total{{[^}}]*namespace="{re.escape(namespace)}"[^}}]*'
+                         rf'topic="{re.escape(short)}"[^}}]*}} (\d+)', re.M)
+    return sum(int(found) for found in pattern.findall(text))

@@ -54,8 +54,12 @@ end
 # Per operation: one key. A message already settled (a copy the broker redelivered because its ack
 # was lost) is reported as such and not counted. Else count the attempt and refresh the TTL; return
 # the count, the status the previous attempt ended with, the state (0 deliver, 1 discarded by an
-# operator, 2 settled already), whether the record was corrupt and started over, and how many of the
-# attempts were a breaker's probes (`probes`: numbered like any attempt, never using up max_deliver).
+# operator, 2 settled already, 3 a stored count at or past MAX_COUNT), whether the record was corrupt
+# and started over, and how many of the attempts were a breaker's probes (`probes`: numbered like any
+# attempt, never using up max_deliver). Lua holds numbers as doubles: past 2^53 a count repeats, past
+# 2^63 HINCRBY fails and the reply turns negative. Counts stop well before: a count this large cannot
+# come from attempts (10^15 at ten a second is three million years), so it is garbage, said as state 3
+# (the stored text in `last`) and never incremented: the dispatcher settles the message loudly.
 _BEGIN = _LUA_CALL + """
 local out = {}
 for i = 1, #KEYS do
@@ -65,6 +69,10 @@ for i = 1, #KEYS do
     state = 2
   elseif v[1] then
     state = 1
+  elseif n >= MAX_COUNT or probes >= MAX_COUNT or n ~= n or probes ~= probes then
+    state = 3
+    last = 'n=' .. string.sub(v[3] or '', 1, 40) .. ' probes=' .. string.sub(v[5] or '', 1, 40)
+    n, probes = 0, 0
   else
     {probe}
     n = call('HINCRBY', KEYS[i], 'n', 1)
@@ -81,6 +89,8 @@ for i = 1, #KEYS do
 end
 return out
 """
+MAX_COUNT = 10**15  # below 2^53: every count under it is exact in Lua's doubles
+_BEGIN = _BEGIN.replace("MAX_COUNT", str(MAX_COUNT))
 BEGIN = BatchScript(_BEGIN.replace("{probe}", ""), width=5)
 # The same for a breaker's probe (`breaker.py`), counted as one.
 BEGIN_PROBE = BatchScript(_BEGIN.replace("{probe}", "probes = call('HINCRBY', KEYS[i], 'probes', 1)"), width=5)
@@ -135,6 +145,7 @@ class AttemptRecord:
     settled: bool = False  # settled already: a redelivered copy, to ack without a request
     corrupt: bool = False  # the stored record was unreadable and started over
     probes: int = 0  # of the attempts numbered, those that were a breaker's probes
+    unrepresentable: bool = False  # a stored count no attempt number can follow (`last_status` shows it)
 
     @property
     def spent(self) -> int:
@@ -149,7 +160,7 @@ def _begun(reply: list[Any]) -> AttemptRecord:
     n, last, state, corrupt, probes = reply
     last_status = last.decode(errors="replace") if isinstance(last, bytes) else str(last)
     return AttemptRecord(int(n), last_status, discard=state == 1, settled=state == 2, corrupt=bool(corrupt),
-                         probes=int(probes))
+                         probes=int(probes), unrepresentable=state == 3)
 
 
 class AttemptStore:
@@ -253,6 +264,13 @@ class AttemptStore:
         return self.pipeliner.operation(RECORD, (keys.settled_key(subscription_key),),
                                         (self.history_ttl_seconds, HISTORY_CAP, self.settled_ttl_seconds), op_keys,
                                         op_args, subscription_key, lazy)
+
+    async def settled(self, subscription_key: str, message_id: str) -> bool:
+        """Whether the message was settled already (its settled marker is there), without counting an
+        attempt: a message settled without a request checks this first, so that a copy the broker hands
+        out again (a consumer replaced, an ack lost) is not dead-lettered a second time."""
+        return bool(await self._call(subscription_key, lambda: self.pipeliner.submit(
+            "HEXISTS", keys.message_key(subscription_key, message_id), "settled")))
 
     async def history(self, subscription_key: str, message_id: str) -> list[dict[str, Any]]:
         """The message's recorded history, oldest first."""

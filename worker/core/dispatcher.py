@@ -126,6 +126,8 @@ class AttemptLog(Protocol):
 
     def failing_reason(self, subscription_key: str) -> str: ...
 
+    async def settled(self, subscription_key: str, message_id: str) -> bool: ...
+
     def record(self, subscription_key: str, message_id: str, entries: list[dict[str, Any]],
                settled: bool, last_status: str = "", acked_first_time: bool = False,
                lazy: bool = False) -> Awaitable[None]: ...
@@ -399,6 +401,8 @@ class Dispatcher:
                 continue
             self._reserved = 0
             env = self._read(message)
+            if env.ack_handle is not None:  # let go of the client's copy now (an oversize payload)
+                message, env.ack_handle = env.ack_handle, None
             if not self.held.try_take(self._held(env)):
                 await self._take_bytes(env)
             self._admit(message, env)
@@ -418,6 +422,8 @@ class Dispatcher:
                     self.window.release()
                     break
                 env = self._read(message)
+                if env.ack_handle is not None:
+                    message, env.ack_handle = env.ack_handle, None
                 if not self.held.try_take(self._held(env)):
                     await self._take_bytes(env)
                 self._admit(message, env)
@@ -696,6 +702,10 @@ class Dispatcher:
         if not (self.may_deliver() or await self._wait_until_may_deliver()):
             return None
         if env.defect is not None:  # no request could carry it faithfully: dead-letter it with the reason
+            if await self.attempts.settled(self.sub.key, env.message_id):  # a copy handed out again: done already
+                await self._ack_only(message, env)
+                self.m.settled_redeliveries.inc()
+                return None
             self.failure_log.error("undeliverable message", message_id=env.message_id, defect=env.defect)
             return await self._give_up(message, env, self.sub, 0, env.defect_status,
                                        [event_entry("unreadable", self.ctx.worker_id, detail=env.defect)])
@@ -780,7 +790,8 @@ class Dispatcher:
         if record.corrupt:
             self.log.warning("attempt record was unreadable; started over", message_id=env.message_id,
                              attempt=record.number)
-        return not (record.settled or record.discard or (limit is not None and record.spent > limit))
+        return not (record.settled or record.discard or record.unrepresentable
+                    or (limit is not None and record.spent > limit))
 
     async def _settle_without_request(self, message: Any, env: Envelope, sub: Subscription,
                                       record: AttemptRecord) -> Awaitable[None] | None:
@@ -793,6 +804,13 @@ class Dispatcher:
             self.log.info("discarded by an operator", message_id=env.message_id)
             return await self._ack(message, env, sub, [event_entry("discarded", self.ctx.worker_id)],
                                    record_first=True)
+        if record.unrepresentable:  # no attempt number can follow the stored count: settled, loudly
+            self.m.message_failures.inc()
+            reason = f"worker_error: the stored attempt count cannot be represented ({record.last_status})"
+            self.failure_log.error("attempt count out of range; the message is settled", message_id=env.message_id,
+                                   error=reason)
+            return await self._give_up(message, dataclasses.replace(env, defect=reason), sub, 0, "worker_error",
+                                       [event_entry("worker-error", self.ctx.worker_id, detail=reason)])
         # Exhausted in an earlier life (crash before the dead-letter was confirmed): no new request.
         return await self._give_up(message, env, sub, record.number - 1, record.last_status or "unknown", [])
 

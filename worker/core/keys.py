@@ -61,6 +61,13 @@ def lease_key(subscription_key: str, slot: int = 0) -> str:
     return f"{PREFIX}:{tag(subscription_key)}:lease" + (f":{slot}" if slot else "")
 
 
+def holder_key(subscription_key: str, slot: int = 0) -> str:
+    """Who took the lease of the subscription's `slot` (a hash: the process's instance, its worker id,
+    and `trial` while the subscription is on trial there), deleted when the lease is released: found
+    by the next holder, it says the last one died holding it (`fleet/quarantine.py`)."""
+    return f"{PREFIX}:{tag(subscription_key)}:holder" + (f":{slot}" if slot else "")
+
+
 def endpoint_pause_key(subscription_key: str) -> str:
     """A `Retry-After` one of a spread subscription's workers got: exists (expiring with it) while every
     worker of the subscription holds new requests."""
@@ -111,6 +118,6 @@ def resumed_key(subscription_key: str) -> str:
 
 def fleet_key(fleet: str, what: str) -> str:
     """A fleet-wide key (`members`, `instance:<worker id>`, `registry`, `version`, `events`, `paused`,
-    `expired`): all share the fleet's hash tag, so the fleet's multi-key operations stay in one
+    `expired`, `quarantined`): all share the fleet's hash tag, so the fleet's multi-key operations stay in one
     Cluster slot."""
     return f"{PREFIX}:{tag('fleet/' + fleet)}:{what}"

@@ -36,6 +36,9 @@ class Envelope:
     attributes: dict[str, str] = field(default_factory=dict)
     ordering_key: str | None = None
     defect: str | None = None  # why the message cannot be delivered as it is (it is dead-lettered unsent)
+    # What to ack in place of the client's message, when the worker is to let go of that one at once:
+    # an oversize message's payload is then held once (here), not also in the client's copy.
+    ack_handle: Any = None
 
     @property
     def defect_status(self) -> str:

@@ -23,9 +23,10 @@ from worker.config import FleetSettings
 from worker.consumer import consumer_type
 from worker.core import keys
 from worker.core.redis_batch import Pipeliner
-from worker.fleet import seek
-from worker.fleet.leases import ACQUIRE, RELEASE, RENEW, Lease, assign, holders, unit_parts, units
+from worker.fleet import quarantine, seek
+from worker.fleet.leases import Lease, assign, holders, unit_parts, units
 from worker.fleet.published import ConfigDefinitions
+from worker.fleet.quarantine import ACQUIRE_HOLDING, HOLDER_TTL_LEASES, RELEASE_HOLDING, RENEW_HOLDING, Taken, Trials
 from worker.fleet.registry import Admit, Registry, clear_state
 from worker.fleet.registry_follower import RegistryFollower
 from worker.fleet.spread import SharedPauses, Spread, partitions_limit, share
@@ -82,6 +83,9 @@ class Fleet:
         self.subscriptions: dict[str, Subscription] = dict(self.static)
         self.paused: set[str] = set()
         self.expired: set[str] = set()
+        self.quarantined: dict[str, bytes] = {}  # quarantine records of paused keys (`quarantine.py`)
+        # Subscriptions taken from a holder that died with them, started one at a time (`quarantine.py`).
+        self.trials = Trials(settings.trial_seconds)
         self._state_reported: set[str] = set()  # paused/expired keys assigned here, exported as a state metric
         self._assigned_reported: set[str] = set()  # keys exported as pushworker_subscription_assigned
         self._widths: dict[str, int] = {}  # spread subscriptions (max_workers > 1): how many workers serve each
@@ -102,6 +106,7 @@ class Fleet:
         self.log = logs.get(worker=worker.worker_id, fleet=settings.name)
         self.ttl_ms = int(settings.lease_seconds * 1000)
         self.member_ttl_ms = self.ttl_ms
+        self.holder_ttl_ms = HOLDER_TTL_LEASES * self.ttl_ms
         # Renewals and status reports of a thousand subscriptions as a few script calls in one round
         # trip, on a connection of their own: as separate commands through redis-py they held the
         # event loop for tens of milliseconds at a time, and every delivery waited.
@@ -289,8 +294,9 @@ class Fleet:
                 self.log.info("breaker closed by hand (subs resume)", subscription=key)
 
     def _renewal(self, name: str) -> asyncio.Future[Any]:
-        return self.batch.operation(RENEW, (), (self.me, self.ttl_ms), (keys.lease_key(*unit_parts(name)),), (),
-                                    unit_parts(name)[0])
+        key, slot = unit_parts(name)
+        return self.batch.operation(RENEW_HOLDING, (), (self.me, self.ttl_ms, self.instance, self.holder_ttl_ms),
+                                    (keys.lease_key(key, slot), keys.holder_key(key, slot)), (), key)
 
     def _renewed(self, held: list[str], results: Sequence[Any], sent_at: float) -> list[str]:
         """Mark the leases renewed; returns those that were not (someone else's now, or Redis failed)."""
@@ -322,6 +328,19 @@ class Fleet:
             self._ignore(what, reason)
         self.paused = set(self.follower.paused)
         self.expired = set(self.follower.expired)
+        self.quarantined = {k: v for k, v in self.follower.quarantined.items() if k in self.paused}
+        await self._lift_own_quarantines()
+
+    async def _lift_own_quarantines(self) -> None:
+        """A quarantine that names this very process as the one that died is a mistake: its lease
+        lapsed while it was alive (cut off from Redis, or paused), so it resumes the subscription."""
+        for key, raw in list(self.quarantined.items()):
+            if quarantine.parse_record(raw).get("instance") == self.instance:
+                await self.registry.set_paused(key, False)
+                self.paused.discard(key)
+                del self.quarantined[key]
+                self.log.warning("quarantine lifted: the worker it names as dead is this one, alive",
+                                 subscription=key)
 
     def _owners(self) -> dict[str, str]:
         """The member each unit (a subscription's slot) goes to."""
@@ -361,11 +380,13 @@ class Fleet:
         for key in self.worker.serving - held:  # safety net: nothing runs without a lease
             await self.worker.remove(key, grace=0)
         settled = set(self.leases) - set(self._handovers)  # wanted again mid-drain: acquired anew after it
+        await self._advance_trials()
         serving = self.worker.serving
         for name in wanted & settled:
             key, sub = unit_parts(name)[0], self._share(name)
-            if key not in serving:  # a start that failed: try again
-                self.worker.add(sub, lease=self.leases[name])
+            if key not in serving:  # new, or a start that failed: try again
+                if not self.trials.holds_back(name):  # a suspect waits for its trial
+                    self.worker.add(sub, lease=self.leases[name])
                 continue
             dispatcher = self.worker.dispatchers.get(key)
             if dispatcher is None or dispatcher.sub is sub or dispatcher.sub == sub:
@@ -378,6 +399,43 @@ class Fleet:
                 dispatcher.update(sub)
                 self.log.info("subscription updated", subscription=key)
         await self.status.publish(self.leases)
+
+    async def _advance_trials(self) -> None:
+        """End the trial whose time is over; start the next suspect's (its holder record says so
+        before its consumer exists: a death from here on is laid at its door)."""
+        now = time.monotonic()
+        current = self.trials.current
+        if current and unit_parts(current)[0] in self.worker.dispatchers:
+            self.trials.serving(now)
+        if self.trials.over(now):
+            await self._mark_trial(current, False)
+            self.trials.end()
+            self.log.info("trial over: served alone without a death", subscription=unit_parts(current)[0])
+        name = self.trials.next()
+        if name:
+            await self._mark_trial(name, True)
+            self.trials.begin(name)
+            self.log.info("on trial: its last holder died holding it; served alone for a while",
+                          subscription=unit_parts(name)[0], seconds=self.settings.trial_seconds)
+
+    async def _mark_trial(self, name: str, on: bool) -> None:
+        key, slot = unit_parts(name)
+        await self.client.eval(quarantine.MARK_TRIAL, 1, keys.holder_key(key, slot), self.instance, "1" if on else "0")
+
+    async def _quarantine(self, name: str, taken: Taken) -> None:
+        """The holder before this worker died while `name` was on trial there, alone: its message
+        kills whoever serves it. Quarantined (paused, with why), and the lease let go."""
+        key, slot = unit_parts(name)
+        reason = (f"its worker died while serving it on trial, alone, after an earlier holder had died with it "
+                  f"(last: {taken.previous_worker or 'a worker'}); a message of it may kill its worker: "
+                  "subs resume tries it again")
+        await self.registry.quarantine(key, quarantine.record(reason, taken.previous_instance, taken.previous_worker))
+        self.paused.add(key)
+        with contextlib.suppress(*REDIS_DOWN):
+            await self.client.eval(RELEASE_HOLDING, 2, keys.lease_key(key, slot), keys.holder_key(key, slot),
+                                   self.me, self.instance, "0")
+        self.log.error("subscription quarantined: a worker died twice while serving it", subscription=key,
+                       died=taken.previous_worker)
 
     async def _decide_widths(self) -> None:
         """For the spread subscriptions whose slot 0 this worker holds: how many workers serve them."""
@@ -398,16 +456,26 @@ class Fleet:
     async def _try_acquire(self, name: str) -> None:
         key, slot = unit_parts(name)
         sent_at = time.monotonic()
-        acquired = await self.client.eval(ACQUIRE, 1, keys.lease_key(key, slot), self.me, self.ttl_ms)
-        if acquired == -1:
+        reply = await self.client.eval(ACQUIRE_HOLDING, 2, keys.lease_key(key, slot), keys.holder_key(key, slot),
+                                       self.me, self.ttl_ms, self.instance, self.holder_ttl_ms)
+        if reply[0] == -1:
             self._ignore("lease", f"{name}: a lease without an expiry; it now lapses in {self.settings.lease_seconds}s")
-        if acquired != 1:
+        if reply[0] != 1:
             return  # the previous holder still holds it: it releases on handover, or it expires
+        taken = Taken.parse(reply)
+        contained = self.settings.trial_seconds > 0 and taken.unreleased_by(self.instance)
+        if contained and taken.previous_on_trial:
+            await self._quarantine(name, taken)
+            return
         lease = Lease(self.settings.lease_seconds, margin=min(2.0, self.settings.lease_seconds / 4))
         lease.renewed(sent_at)
         self.leases[name] = lease
-        self.worker.add(self._share(name), lease=lease)
-        self.log.info("subscription acquired", subscription=key, **({"slot": slot} if slot else {}))
+        if contained:  # its holder died with it: started when its turn for a trial comes
+            self.trials.suspect(name, taken.previous_worker)
+        else:
+            self.worker.add(self._share(name), lease=lease)
+        self.log.info("subscription acquired", subscription=key, **({"slot": slot} if slot else {}),
+                      **({"suspect": True, "died": taken.previous_worker} if contained else {}))
         self._start_seek(name)  # a seek asked for while nobody held it (slot 0's holder seeks)
 
     def _start_hand_over(self, name: str) -> None:
@@ -426,9 +494,12 @@ class Fleet:
         # Expired: "internal resources are deleted", so the broker subscription goes too.
         await self.worker.remove(key, grace=DELETE_GRACE if deleted or expired else None, unsubscribe=expired)
         lease = self.leases.pop(name, None)
+        suspect = self.trials.suspected(name)  # not tried yet: the next holder tries it
+        self.trials.drop(name)
         if lease is not None:
             with contextlib.suppress(*REDIS_DOWN):
-                await self.client.eval(RELEASE, 1, keys.lease_key(key, slot), self.me)
+                await self.client.eval(RELEASE_HOLDING, 2, keys.lease_key(key, slot), keys.holder_key(key, slot),
+                                       self.me, self.instance, "1" if suspect else "0")
         if deleted or expired:
             with contextlib.suppress(*REDIS_DOWN):
                 await clear_state(self.client, key)
@@ -444,6 +515,7 @@ class Fleet:
         `dispatcher.CLOSE_TIMEOUT` per subscription)."""
         for name in lost:
             self.leases.pop(name, None)
+            self.trials.drop(name)
         await asyncio.gather(*(self.worker.remove(unit_parts(name)[0], grace=0) for name in lost))
         for name in lost:
             self.log.warning("lease lost; stopped delivering", subscription=unit_parts(name)[0])
@@ -460,7 +532,9 @@ class Fleet:
                 self.worker.metrics.set_state(project, name, None)
         for key in keys:
             project, name = key.split("/", 1)
-            self.worker.metrics.set_state(project, name, State.EXPIRED if key in self.expired else State.PAUSED)
+            state = State.EXPIRED if key in self.expired else State.QUARANTINED if key in self.quarantined \
+                else State.PAUSED
+            self.worker.metrics.set_state(project, name, state)
         self._state_reported = keys
 
     def _report_widths(self, first_slots: list[str]) -> None:

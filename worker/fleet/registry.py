@@ -11,8 +11,10 @@ Layout (all under the fleet's hash tag): `pw:{fleet/<name>}:registry` hash of su
 a stream with one entry per bump naming the keys it changed (so that a worker reads only those:
 `registry_follower.py`); changes are also announced on the channel `...:events`. `...:paused` is
 the set of paused subscription keys (config or registry ones): no worker serves them, and their
-backlog waits in the broker. Edits follow the platform's PATCH rules: topic, type and start_from are
-immutable (and filter, as in Google's push subscriptions).
+backlog waits in the broker; `...:quarantined` holds, for the paused ones a worker quarantined
+(`fleet/quarantine.py`), when and why (a resume or a pause by hand clears it). Edits follow the
+platform's PATCH rules: topic, type and start_from are immutable (and filter, as in Google's push
+subscriptions).
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ class Registry:
         self.channel = keys.fleet_key(fleet, "events")
         self.paused_key = keys.fleet_key(fleet, "paused")
         self.expired_key = keys.fleet_key(fleet, "expired")
+        self.quarantined_key = keys.fleet_key(fleet, "quarantined")
 
     async def version(self) -> int:
         return int(await self.client.get(self.version_key) or 0)
@@ -296,15 +299,32 @@ class Registry:
             raise ConfigError(f"subscription {key!r}", "state", f"is Expired: only deletion is allowed (not {what})")
 
     async def set_paused(self, key: str, paused: bool) -> bool:
-        """Pause or resume one subscription; False when it already was in that state."""
+        """Pause or resume one subscription by hand (a quarantine ends either way: resumed, it is tried
+        again; paused, it stays paused for the operator's reason); False when it already was in that
+        state and not quarantined."""
         async with self.client.pipeline(transaction=True) as pipe:
             if paused:
                 pipe.sadd(self.paused_key, key)
             else:
                 pipe.srem(self.paused_key, key)
-            changed = (await self._execute_logged(pipe, [key]))[0]
+            pipe.hdel(self.quarantined_key, key)
+            changed, lifted = await self._execute_logged(pipe, [key])
             await self._announce(b"paused")
-        return bool(changed)
+        return bool(changed or lifted)
+
+    async def quarantine(self, key: str, record: bytes) -> None:
+        """Quarantine a subscription whose message killed its workers: paused (so every worker, the
+        previous release's too, holds it back) with the record of when and why."""
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.sadd(self.paused_key, key)
+            pipe.hset(self.quarantined_key, key, record)
+            await self._execute_logged(pipe, [key])
+            await self._announce(b"paused")
+
+    async def quarantined(self) -> dict[str, bytes]:
+        """The quarantine records by key (of subscriptions still paused or not: see `held_back`)."""
+        return {safe_text(k): v if isinstance(v, bytes) else v.encode()
+                for k, v in (await self.client.hgetall(self.quarantined_key)).items()}
 
     async def mark_resumed(self, key: str) -> None:
         """`subs resume`: the worker serving `key` closes its breaker if it opened before now."""
@@ -325,6 +345,7 @@ class Registry:
                     pipe.hdel(self.hash, *doomed)
                     pipe.srem(self.paused_key, *doomed)
                     pipe.srem(self.expired_key, *doomed)
+                    pipe.hdel(self.quarantined_key, *doomed)
                     await self._execute_logged(pipe, doomed)
                     await self._announce(b"registry")
                     return doomed
@@ -336,7 +357,8 @@ class Registry:
             pipe.hdel(self.hash, key)
             pipe.srem(self.paused_key, key)
             pipe.srem(self.expired_key, key)
-            removed, _, was_expired = await self._execute_logged(pipe, [key])
+            pipe.hdel(self.quarantined_key, key)
+            removed, _, was_expired, _ = await self._execute_logged(pipe, [key])
             await self._announce(b"registry")
         return bool(removed or was_expired)
 

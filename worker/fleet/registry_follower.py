@@ -31,6 +31,13 @@ def _version(raw: Any) -> int | None:
         return None
 
 
+def _pairs(flat: Any) -> list[tuple[Any, Any]]:
+    """A raw HGETALL reply as pairs (a dict where a reply callback already made one)."""
+    if isinstance(flat, dict):
+        return list(flat.items())
+    return list(zip(flat[::2], flat[1::2], strict=True))
+
+
 class RegistryFollower:
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
@@ -40,6 +47,7 @@ class RegistryFollower:
         self.entries: dict[str, Entry] = {}  # by key, before the per-project limit
         self.paused: set[str] = set()
         self.expired: set[str] = set()
+        self.quarantined: dict[str, bytes] = {}  # quarantine records by key (`fleet/quarantine.py`)
         self.full_reads = 0  # how often the whole registry was read
         self.unreadable: dict[str, str] = {}  # a set that could not be read at the last full read: why
 
@@ -64,7 +72,8 @@ class RegistryFollower:
             # an argument they do not take (redis-py 8.1).
             pipe.execute_command("SMEMBERS", r.paused_key)
             pipe.execute_command("SMEMBERS", r.expired_key)
-            version, last, values, paused, expired = await pipe.execute(raise_on_error=False)
+            pipe.execute_command("HGETALL", r.quarantined_key)
+            version, last, values, paused, expired, quarantined = await pipe.execute(raise_on_error=False)
         if isinstance(values, Exception):
             raise values
         self.entries = {safe_text(name): r.entry(name, value) for name, value in values.items()}
@@ -77,6 +86,10 @@ class RegistryFollower:
             self.unreadable["expired set"] = str(expired)
         else:
             self.expired = {safe_text(k) for k in expired}
+        if isinstance(quarantined, Exception):
+            self.unreadable["quarantine records"] = str(quarantined)
+        else:  # a raw HGETALL: a flat list of field, value
+            self.quarantined = {safe_text(k): v for k, v in _pairs(quarantined)}
         readable = not isinstance(last, Exception) and not isinstance(version, Exception)
         self.version = _version(version) if readable else None
         self.log_id = safe_text(last[0][0]) if readable and last else "0-0"
@@ -119,8 +132,9 @@ class RegistryFollower:
             for key in changed:
                 pipe.sismember(r.paused_key, key)
                 pipe.sismember(r.expired_key, key)
-            values, *members = await pipe.execute(raise_on_error=False)
-        if any(isinstance(result, Exception) for result in (values, *members)):
+            pipe.hmget(r.quarantined_key, changed)
+            values, *members, records = await pipe.execute(raise_on_error=False)
+        if any(isinstance(result, Exception) for result in (values, *members, records)):
             return False
         for i, (key, value) in enumerate(zip(changed, values, strict=True)):
             if value is None:
@@ -132,4 +146,8 @@ class RegistryFollower:
                     held_back.add(key)
                 else:
                     held_back.discard(key)
+            if records[i] is None:
+                self.quarantined.pop(key, None)
+            else:
+                self.quarantined[key] = records[i]
         return True

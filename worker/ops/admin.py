@@ -36,6 +36,7 @@ from worker.core.messages import rfc3339
 from worker.embedded import recorded_endpoints
 from worker.errors import ConfigError, NotFound, PushWorkerError, UsageError
 from worker.filters import MIXED
+from worker.fleet import quarantine
 from worker.fleet.leases import holders
 from worker.fleet.published import published
 from worker.fleet.registry import Registry, clear_state
@@ -400,7 +401,8 @@ class Admin:
             return {}
         return {safe_text(k): safe_text(v) for k, v in report.items()}
 
-    async def _row(self, key: str, definition: dict[str, Any], held_back: dict[str, str]) -> dict[str, Any]:
+    async def _row(self, key: str, definition: dict[str, Any],
+                   held_back: dict[str, tuple[str, str]]) -> dict[str, Any]:
         """The subscription's state and counters, as the workers serving its slots report them: every
         one of them in `owner`, the counters summed, the state and reason of its slot 0."""
         slots = _max_workers(definition)
@@ -410,20 +412,23 @@ class Admin:
         reports = [status] + [await self._status(key, slot) for slot in range(1, slots) if holders[slot]]
         project, _, name = key.partition("/")
         owners = [safe_text(h) for h in holders if h]
-        state = held_back.get(key) or status.get("state") or ("Starting" if owners else "Unowned")
+        state, reason = held_back.get(key) or (status.get("state") or ("Starting" if owners else "Unowned"),
+                                               status.get("reason", ""))
         return {
             "project": project, "name": name, "type": definition.get("type", "shared"),
             "owner": ",".join(owners) or "-",
-            "state": state, "reason": status.get("reason", "") if key not in held_back else "",
+            "state": state, "reason": reason,
             **{field: sum(attempts.counter(report.get(field)) for report in reports)
                for field in ("acked", "retried", "dead_lettered", "unsettled")},
             **_health(reports),
         }
 
-    async def _held_back(self) -> dict[str, str]:
-        """Keys no worker serves on purpose, with their state."""
-        out = dict.fromkeys(await self.registry.paused(), str(State.PAUSED))
-        out.update(dict.fromkeys(await self.registry.expired(), str(State.EXPIRED)))
+    async def _held_back(self) -> dict[str, tuple[str, str]]:
+        """Keys no worker serves on purpose, with their state and why (a quarantine's record)."""
+        records = await self.registry.quarantined()
+        out = {key: (str(State.QUARANTINED), quarantine.describe(quarantine.parse_record(records[key])))
+               if key in records else (str(State.PAUSED), "") for key in await self.registry.paused()}
+        out.update(dict.fromkeys(await self.registry.expired(), (str(State.EXPIRED), "")))
         return out
 
     async def list(self) -> Output:
