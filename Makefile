@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint docs bench soak clean compile uncompile apache-pulsar apache-pulsar-stop test-apache-pulsar image-lock screenshots
+.PHONY: install demo test test-fast lint docs bench soak clean compile uncompile apache-pulsar apache-pulsar-stop test-apache-pulsar image-lock screenshots pulsar-guard
 
 $(STAMP): pyproject.toml setup.py setup.cfg requirements.lock tests/cloudevents-sdk2.txt
 	$(PYTHON) -m venv $(VENV)
@@ -71,8 +71,13 @@ PULSAR_PORT      ?= 6650
 PULSAR_HTTP_PORT ?= 8080
 APACHE_PULSAR    := $(BIN)/python -m devtools.apache_pulsar --dir .apache-pulsar
 
-apache-pulsar: $(STAMP)
+apache-pulsar: pulsar-guard
 	$(APACHE_PULSAR) start --port $(PULSAR_PORT) --http-port $(PULSAR_HTTP_PORT)
+
+# push-worker's broker-side guard (deploy/pulsar-guard: a Pulsar entry filter, Java 17 and Maven), as
+# deploy/pulsar-guard/target/nar/pulsar-guard.nar; every Apache Pulsar the project starts loads it.
+pulsar-guard: $(STAMP)
+	$(BIN)/python -c 'from devtools.apache_pulsar import ensure_guard; print(ensure_guard())'
 
 apache-pulsar-stop: $(STAMP)
 	$(APACHE_PULSAR) stop
@@ -104,4 +109,4 @@ image-lock: $(STAMP)
 	  --no-emit-find-links -c $(VENV)/lock-constraints.txt -o deploy/compile-requirements.txt deploy/compile-tools.in
 
 clean:
-	rm -rf $(VENV) .build worker/*.so .push-worker .pytest_cache .apache-pulsar tools/apache-pulsar/lib tools/apache-pulsar/target
+	rm -rf $(VENV) .build worker/*.so .push-worker .pytest_cache .apache-pulsar tools/apache-pulsar/lib tools/apache-pulsar/target deploy/pulsar-guard/target

@@ -146,6 +146,35 @@ def ensure_resolved() -> Path:
     return lib
 
 
+GUARD = Path(__file__).resolve().parents[1] / "deploy" / "pulsar-guard"
+GUARD_NAR = GUARD / "target" / "nar" / "pulsar-guard.nar"
+# push-worker's broker-side guard (deploy/pulsar-guard), as a platform installs it: an entry filter
+# the broker loads from a directory of NAR files, enabled for every topic.
+GUARD_CONFIG = """\
+entryFiltersDirectory={directory}
+entryFilterNames=push-worker-guard
+"""
+
+
+def ensure_guard() -> Path:
+    """The guard's NAR (`make pulsar-guard`), built with Maven when missing or older than its sources."""
+    sources = [path for path in GUARD.rglob("*") if path.is_file() and "target" not in path.relative_to(GUARD).parts]
+    if GUARD_NAR.exists() and GUARD_NAR.stat().st_mtime >= max(path.stat().st_mtime for path in sources):
+        return GUARD_NAR
+    mvn = shutil.which("mvn")
+    if not mvn:
+        raise EmbeddedError("the broker guard needs Maven (mvn) to build deploy/pulsar-guard")
+    done = subprocess.run([mvn, "-q", "-B", "-s", str(HOME / "settings.xml"), "-f", str(GUARD / "pom.xml"), "package"],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-10:])
+        raise EmbeddedError(f"building deploy/pulsar-guard failed:\n{tail}")
+    # A NAR is a jar the broker unpacks into a class loader of its own: the jar as it is, named .nar.
+    GUARD_NAR.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(GUARD / "target" / "pulsar-guard.jar", GUARD_NAR)
+    return GUARD_NAR
+
+
 def java_binary() -> str:
     home = os.environ.get("JAVA_HOME")
     java = str(Path(home) / "bin" / "java") if home else shutil.which("java")
@@ -295,8 +324,9 @@ def token(secret: bytes, role: str) -> str:
 
 def start(state_dir: Path, port: int | None = None, http_port: int | None = None,
           log_level: str | None = None, token_secret: bytes | None = None,
-          tls: tuple[Path, Path] | None = None) -> ApachePulsar:
-    """A standalone broker with a fresh data directory under `state_dir`, on loopback. With
+          tls: tuple[Path, Path] | None = None, guard: bool = True) -> ApachePulsar:
+    """A standalone broker with a fresh data directory under `state_dir`, on loopback, with
+    push-worker's broker guard loaded (`guard`, on unless a benchmark compares). With
     `token_secret`, clients must authenticate with tokens it signed (`token()`), role `admin` is
     the super-user, and other roles may do what they were granted. With `tls` (a PEM certificate
     for 127.0.0.1 and its key), it serves TLS on ports of its own too."""
@@ -314,7 +344,8 @@ def start(state_dir: Path, port: int | None = None, http_port: int | None = None
     tls_port, https_port = (free_port(), free_port()) if tls else (0, 0)
     tls_config = TLS_CONFIG.format(port=tls_port, https_port=https_port, cert=tls[0].absolute(),
                                    key=tls[1].absolute()) if tls else ""
-    conf.write_text(CONFIG.format(cluster=CLUSTER, port=port, http_port=http_port) + auth + tls_config)
+    plugins = GUARD_CONFIG.format(directory=ensure_guard().parent) if guard else ""
+    conf.write_text(CONFIG.format(cluster=CLUSTER, port=port, http_port=http_port) + auth + tls_config + plugins)
     level = log_level or os.environ.get("APACHE_PULSAR_LOG_LEVEL", "warn")
     (state_dir / "log4j2.yaml").write_text(LOG4J.replace("{level}", level))
     argv = [java_binary(), *MEMORY, "-cp", f"{state_dir}:{lib}/*",

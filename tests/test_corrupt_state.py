@@ -67,7 +67,7 @@ class Huge(bytes):
 WORKER_ID = "w-garbage"
 # (what to corrupt, which Redis type to put there)
 TARGETS = ["members", "version", "registry", "registry-entry", "paused", "expired", "lease", "seek", "events",
-           "status", "instance", "workers", "endpoint-pause"]
+           "status", "instance", "workers", "endpoint-pause", "holder", "quarantined"]
 TYPES = ["string", "hash", "list", "set", "zset"]
 
 
@@ -109,8 +109,8 @@ def test_garbage_in_every_key_the_fleet_reads_never_stops_valid_subscriptions(br
     registry_key, version_key = fleet_key(FLEET, "registry"), fleet_key(FLEET, "version")
 
     def restore() -> None:
-        for what in ("members", "paused", "expired"):
-            if client.type(fleet_key(FLEET, what)) not in (b"none", b"zset" if what == "members" else b"set"):
+        for what, kind in (("members", b"zset"), ("paused", b"set"), ("expired", b"set"), ("quarantined", b"hash")):
+            if client.type(fleet_key(FLEET, what)) not in (b"none", kind):
                 client.delete(fleet_key(FLEET, what))
         # One transaction, as the operator commands write: a worker reading between the delete and
         # the write saw an empty registry, then kept it while the next example made the key unreadable.
@@ -146,6 +146,9 @@ def test_garbage_in_every_key_the_fleet_reads_never_stops_valid_subscriptions(br
     @example(target="instance", kind="hash", value=b"not a mark")
     @example(target="workers", kind="hash", value=b"not a number")
     @example(target="endpoint-pause", kind="string", value=b"x")
+    @example(target="holder", kind="string", value=b"x")
+    @example(target="quarantined", kind="hash", value=b"not a record")
+    @example(target="quarantined", kind="string", value=b"x")
     def corrupt_then_deliver(target: str, kind: str, value: bytes) -> None:
         if target == "registry" and kind == "hash":
             # The registry's own type: garbage beside the valid entry. A hash without that entry would be a
@@ -172,6 +175,8 @@ def test_garbage_in_every_key_the_fleet_reads_never_stops_valid_subscriptions(br
             write(client, keys.workers_key("p-test/static"), kind, value)
         elif target == "endpoint-pause":
             write(client, keys.endpoint_pause_key("p-test/static"), kind, value)
+        elif target == "holder":  # who holds the static subscription's lease, and whether on trial
+            write(client, keys.holder_key("p-test/static"), kind, value)
         else:
             write(client, fleet_key(FLEET, target), kind, value)
         client.publish(fleet_key(FLEET, "events"), b"registry")

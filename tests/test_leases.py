@@ -73,3 +73,28 @@ def test_subscriptions_of_one_slot_are_assigned_as_before_slots_existed():
     sub_keys = [f"p-x/s{i:03d}" for i in range(200)]
     assert units(dict.fromkeys(sub_keys, 1)) == sub_keys
     assert unit_parts("p-x/s001") == ("p-x/s001", 0) and unit_parts(unit("p-x/s001", 3)) == ("p-x/s001", 3)
+
+
+def test_suspects_are_tried_one_at_a_time_each_for_its_time_from_when_it_serves():
+    """fleet/quarantine.Trials with a hand-driven clock: one suspect on trial at a time, in order; the
+    trial's time runs from when its dispatcher serves; a subscribe that never goes through ends the
+    trial after STALLED_TRIALS periods (at least STALLED_SECONDS), so the others do not wait for it."""
+    from worker.fleet.quarantine import STALLED_SECONDS, Trials
+
+    trials = Trials(seconds=5.0)
+    for name in ("b", "a", "c"):
+        trials.suspect(name, "w-dead")
+    assert all(trials.holds_back(n) for n in "abc") and trials.next() == "a"
+    trials.begin("a", now=100.0)
+    assert trials.next() == "" and not trials.holds_back("a") and trials.suspected("a")
+    assert not trials.over(104.0)  # not serving yet: its time has not begun
+    trials.serving(104.0)
+    trials.serving(106.0)  # the first time it is seen serving counts
+    assert not trials.over(108.9) and trials.over(109.0)
+    assert trials.end() == "a" and not trials.suspected("a") and trials.next() == "b"
+    trials.begin("b", now=200.0)
+    assert not trials.over(200.0 + STALLED_SECONDS - 0.1) and trials.over(200.0 + STALLED_SECONDS)
+    trials.end()
+    trials.begin("c", now=300.0)
+    trials.drop("c")  # handed over mid-trial
+    assert trials.current == "" and trials.next() == ""

@@ -20,6 +20,8 @@ import pytest
 import redis
 import yaml
 
+from devtools import apache_pulsar
+from tests.support import brokers
 from tests.support.builders import push_sub
 from tests.support.endpoints import Endpoint
 from tests.support.helpers import cli, env, eventually
@@ -110,16 +112,28 @@ class Kubelet:
                 proc.wait()
 
 
+@pytest.fixture
+def unguarded_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """An Apache Pulsar without the broker guard (every other one the project starts loads it, and it
+    keeps the bomb away): what holds for a platform that has not installed it."""
+    broker = apache_pulsar.start(tmp_path_factory.mktemp("unguarded"), guard=False)
+    brokers.prepare(broker)
+    yield broker
+    broker.stop()
+
+
 # Apache Pulsar: pulsar-lite keeps a killed worker's consumers (and their unacked messages, the bomb
 # among them) until it restarts, so the bomb never reaches a second owner there (docs/testing.md).
 @pytest.mark.apache_pulsar
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(480)
 async def test_a_bomb_costs_at_most_two_deaths_and_quarantines_its_subscription_alone(
-        broker, redis_url, endpoint: Endpoint, client: Client, tmp_path: Path):
+        unguarded_broker, redis_url, endpoint: Endpoint, tmp_path: Path):
     why = memory_cgroups()
     if why:
         pytest.skip(why)
+    broker = unguarded_broker
+    client = Client(broker.url)
     topics = [f"persistent://p-test/main/q{i}-{uuid.uuid4().hex[:8]}" for i in range(SUBSCRIPTIONS)]
     names = [f"s{i:02d}" for i in range(SUBSCRIPTIONS)]
     config = tmp_path / "worker.yaml"
@@ -169,14 +183,21 @@ async def test_a_bomb_costs_at_most_two_deaths_and_quarantines_its_subscription_
             quarantined = {k.decode() for k in store.hkeys(fleet_key(FLEET, "quarantined"))}
             assert quarantined == {f"p-test/{names[POISONED]}"}  # none by mistake
 
-            code, out, err = await cli("subs", "list", "--config", str(config), "--json")
-            assert code == 0, err
-            rows = {row["name"]: row for row in json.loads(out)}
+            rows: dict[str, dict[str, str]] = {}
+
+            async def listed_active() -> bool:  # the restarted pod takes its share back, suspects one at a time
+                nonlocal rows
+                kubelet.watch()
+                code, out, err = await cli("subs", "list", "--config", str(config), "--json")
+                assert code == 0, err
+                rows = {row["name"]: row for row in json.loads(out)}
+                return all(rows[n]["state"] == "Active" for n in names if n != names[POISONED])
+            await eventually(listed_active, timeout=180, interval=1.0, what="every other subscription Active")
             assert rows[names[POISONED]]["state"] == "Quarantined", rows[names[POISONED]]
             assert rows[names[POISONED]]["reason"].startswith("quarantined since "), rows[names[POISONED]]
-            assert all(rows[n]["state"] == "Active" for n in names if n != names[POISONED]), rows
+            assert len(kubelet.deaths) <= 2, kubelet.deaths
 
-            # Resumed, it is tried again: the bomb is still there, so it costs at most two deaths more.
+            # Resumed, it is tried again, alone first: the bomb is still there, so it costs one death more.
             deaths_before = len(kubelet.deaths)
             code, out, err = await cli("subs", "resume", names[POISONED], "--config", str(config))
             assert code == 0 and "resumed" in out, (out, err)
@@ -185,9 +206,12 @@ async def test_a_bomb_costs_at_most_two_deaths_and_quarantines_its_subscription_
             def again() -> bool:
                 kubelet.watch()
                 return bool(store.hexists(fleet_key(FLEET, "quarantined"), f"p-test/{names[POISONED]}"))
-            await eventually(again, timeout=120, interval=0.2, what="quarantined again")
-            assert len(kubelet.deaths) - deaths_before <= 2, kubelet.deaths
+            await eventually(again, timeout=180, interval=0.2, what="quarantined again")
+            assert len(kubelet.deaths) - deaths_before == 1, kubelet.deaths
+            quarantined = {k.decode() for k in store.hkeys(fleet_key(FLEET, "quarantined"))}
+            assert quarantined == {f"p-test/{names[POISONED]}"}  # none by mistake, this time either
         finally:
             kubelet.stop()
             store.close()
+            client.close()
 

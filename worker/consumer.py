@@ -35,6 +35,9 @@ CONSUMER_TYPES = {
 }
 
 
+PUSH_CONSUMER_PROPERTY = "push-worker"  # the consumer property deploy/pulsar-guard looks for
+
+
 def consumer_type(sub: Subscription) -> Any:
     """The Pulsar consumer type `sub` is consumed with. A key-shared subscription that may spread
     over several workers (`max_workers` > 1) needs the broker's key routing to keep a key on one of
@@ -353,4 +356,7 @@ async def subscribe(client: pulsar_async.Client, sub: Subscription, consumer_nam
         # as a defect): the default (FAIL) kept it from the worker unacked, and its flow permit
         # with it; as many as the prefetch queue holds stalled the subscription for good.
         crypto_failure_action=pulsar.ConsumerCryptoFailureAction.CONSUME,
+        # Says to the broker that this is a push consumer: deploy/pulsar-guard keeps messages that
+        # declare more than a worker can take away from such consumers.
+        properties={PUSH_CONSUMER_PROPERTY: "1"},
     ), fast_path)

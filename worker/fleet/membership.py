@@ -17,7 +17,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from worker import logs
+from worker import logs, resources
 from worker.aio import cancel_within, wait_event
 from worker.config import FleetSettings
 from worker.consumer import consumer_type
@@ -26,7 +26,15 @@ from worker.core.redis_batch import Pipeliner
 from worker.fleet import quarantine, seek
 from worker.fleet.leases import Lease, assign, holders, unit_parts, units
 from worker.fleet.published import ConfigDefinitions
-from worker.fleet.quarantine import ACQUIRE_HOLDING, HOLDER_TTL_LEASES, RELEASE_HOLDING, RENEW_HOLDING, Taken, Trials
+from worker.fleet.quarantine import (
+    ACQUIRE_HOLDING,
+    HOLDER_TTL_LEASES,
+    RELEASE_HOLDING,
+    RENEW_HOLDING,
+    MemoryAlarm,
+    Taken,
+    Trials,
+)
 from worker.fleet.registry import Admit, Registry, clear_state
 from worker.fleet.registry_follower import RegistryFollower
 from worker.fleet.spread import SharedPauses, Spread, partitions_limit, share
@@ -84,8 +92,12 @@ class Fleet:
         self.paused: set[str] = set()
         self.expired: set[str] = set()
         self.quarantined: dict[str, bytes] = {}  # quarantine records of paused keys (`quarantine.py`)
-        # Subscriptions taken from a holder that died with them, started one at a time (`quarantine.py`).
+        # Subscriptions taken from a holder that died with them, started one at a time (`quarantine.py`),
+        # and the memory alarm that runs while one is on trial (with a memory limit to measure against).
         self.trials = Trials(settings.trial_seconds)
+        self.memory_limit = resources.memory_limit()[0] if settings.trial_seconds > 0 else None
+        self._alarm: MemoryAlarm | None = None
+        self._marks: set[asyncio.Task[None]] = set()
         self._state_reported: set[str] = set()  # paused/expired keys assigned here, exported as a state metric
         self._assigned_reported: set[str] = set()  # keys exported as pushworker_subscription_assigned
         self._widths: dict[str, int] = {}  # spread subscriptions (max_workers > 1): how many workers serve each
@@ -163,6 +175,8 @@ class Fleet:
     async def start(self) -> None:
         """Join at once (the first round runs here), then keep going in supervised tasks."""
         self._wake.set()
+        if self.memory_limit is not None:
+            self._alarm = MemoryAlarm(self.memory_limit, asyncio.get_running_loop(), self._memory_alarm)
         supervisor = self.worker.supervisor
         self._tasks = [supervisor.spawn("fleet", self._loop), supervisor.spawn("fleet-events", self._listen)]
         await self._tick_safely()
@@ -408,32 +422,59 @@ class Fleet:
         if current and unit_parts(current)[0] in self.worker.dispatchers:
             self.trials.serving(now)
         if self.trials.over(now):
+            served = bool(self.trials.started_at)
             await self._mark_trial(current, False)
             self.trials.end()
-            self.log.info("trial over: served alone without a death", subscription=unit_parts(current)[0])
+            self.log.info("trial over: served alone without a death" if served else
+                          "trial over: its subscribe did not go through; the next suspect's begins",
+                          subscription=unit_parts(current)[0])
         name = self.trials.next()
         if name:
             await self._mark_trial(name, True)
-            self.trials.begin(name)
+            self.trials.begin(name, now)
             self.log.info("on trial: its last holder died holding it; served alone for a while",
                           subscription=unit_parts(name)[0], seconds=self.settings.trial_seconds)
 
     async def _mark_trial(self, name: str, on: bool) -> None:
+        await self._mark(name, "trial", "1" if on else "0")
+        if self._alarm is not None:  # the alarm runs while a subscription is on trial, and only then
+            (self._alarm.arm if on else self._alarm.disarm)()
+
+    async def _mark(self, name: str, field: str, value: str) -> None:
         key, slot = unit_parts(name)
-        await self.client.eval(quarantine.MARK_TRIAL, 1, keys.holder_key(key, slot), self.instance, "1" if on else "0")
+        await self.client.eval(quarantine.MARK, 1, keys.holder_key(key, slot), self.instance, field, value)
+
+    def _memory_alarm(self) -> None:
+        """Memory past the alarm while a subscription is on trial: an OOM kill is likely on its way.
+        Said in its holder record, so that the next holder knows what this worker died of."""
+        name = self.trials.current
+        if not name:
+            return
+        self.log.error("memory alarm while a subscription is on trial: it is quarantined if this worker dies",
+                       subscription=unit_parts(name)[0], limit=self.memory_limit)
+        task = asyncio.create_task(self._mark(name, "memory", "1"), name=f"memory alarm {name}")
+        self._marks.add(task)
+        task.add_done_callback(self._marks.discard)
+        task.add_done_callback(log_task_failure(self.worker.supervisor, "memory alarm"))
+
+    def _untry(self, name: str) -> None:
+        """`name` is held here no more: no trial, no alarm for it."""
+        if self.trials.current == name and self._alarm is not None:
+            self._alarm.disarm()
+        self.trials.drop(name)
 
     async def _quarantine(self, name: str, taken: Taken) -> None:
         """The holder before this worker died while `name` was on trial there, alone: its message
         kills whoever serves it. Quarantined (paused, with why), and the lease let go."""
         key, slot = unit_parts(name)
-        reason = (f"its worker died while serving it on trial, alone, after an earlier holder had died with it "
-                  f"(last: {taken.previous_worker or 'a worker'}); a message of it may kill its worker: "
-                  "subs resume tries it again")
+        reason = (f"its worker ran out of memory and died while serving it on trial, alone, after an earlier "
+                  f"holder had died with it (last: {taken.previous_worker or 'a worker'}); a message of it "
+                  "may inflate past the pod's memory: subs resume tries it again")
         await self.registry.quarantine(key, quarantine.record(reason, taken.previous_instance, taken.previous_worker))
         self.paused.add(key)
         with contextlib.suppress(*REDIS_DOWN):
-            await self.client.eval(RELEASE_HOLDING, 2, keys.lease_key(key, slot), keys.holder_key(key, slot),
-                                   self.me, self.instance, "0")
+            await self.client.eval(quarantine.QUARANTINE_HOLDER, 2, keys.lease_key(key, slot),
+                                   keys.holder_key(key, slot), self.me, quarantine.QUARANTINED_HOLDER_TTL_MS)
         self.log.error("subscription quarantined: a worker died twice while serving it", subscription=key,
                        died=taken.previous_worker)
 
@@ -464,7 +505,7 @@ class Fleet:
             return  # the previous holder still holds it: it releases on handover, or it expires
         taken = Taken.parse(reply)
         contained = self.settings.trial_seconds > 0 and taken.unreleased_by(self.instance)
-        if contained and taken.previous_on_trial:
+        if contained and taken.killed_on_trial:
             await self._quarantine(name, taken)
             return
         lease = Lease(self.settings.lease_seconds, margin=min(2.0, self.settings.lease_seconds / 4))
@@ -475,7 +516,8 @@ class Fleet:
         else:
             self.worker.add(self._share(name), lease=lease)
         self.log.info("subscription acquired", subscription=key, **({"slot": slot} if slot else {}),
-                      **({"suspect": True, "died": taken.previous_worker} if contained else {}))
+                      **({"suspect": True, "died": taken.previous_worker,
+                          "died_on_trial": taken.previous_on_trial} if contained else {}))
         self._start_seek(name)  # a seek asked for while nobody held it (slot 0's holder seeks)
 
     def _start_hand_over(self, name: str) -> None:
@@ -495,7 +537,7 @@ class Fleet:
         await self.worker.remove(key, grace=DELETE_GRACE if deleted or expired else None, unsubscribe=expired)
         lease = self.leases.pop(name, None)
         suspect = self.trials.suspected(name)  # not tried yet: the next holder tries it
-        self.trials.drop(name)
+        self._untry(name)
         if lease is not None:
             with contextlib.suppress(*REDIS_DOWN):
                 await self.client.eval(RELEASE_HOLDING, 2, keys.lease_key(key, slot), keys.holder_key(key, slot),
@@ -515,7 +557,7 @@ class Fleet:
         `dispatcher.CLOSE_TIMEOUT` per subscription)."""
         for name in lost:
             self.leases.pop(name, None)
-            self.trials.drop(name)
+            self._untry(name)
         await asyncio.gather(*(self.worker.remove(unit_parts(name)[0], grace=0) for name in lost))
         for name in lost:
             self.log.warning("lease lost; stopped delivering", subscription=unit_parts(name)[0])
@@ -611,6 +653,8 @@ class Fleet:
             await asyncio.gather(renewing, return_exceptions=True)
         with contextlib.suppress(*REDIS_DOWN):  # the leases are free: the others take them now, not next round
             await self.client.publish(self.registry.channel, b"members")
+        if self._alarm is not None:
+            self._alarm.close()
         await self.batch.close()
 
     async def _renew_while_draining(self) -> None:

@@ -8,17 +8,25 @@ released. A lease taken over with the previous holder's record still there was n
 holder died (an OOM kill, kill -9, a crash) or was cut off. Its subscriptions are *suspects*.
 
 The next holder starts its suspects one at a time, each alone on trial for `fleet.trial_seconds`
-(its record says `trial`), while everything else it serves starts at once. A subscription whose
-holder dies while it is on trial there is the one that killed it: the worker that takes its lease
-next quarantines it (state Quarantined: paused, with why and since; no consumer) instead of serving
-it. So a poison message costs at most two deaths: the one that made its subscription a suspect, and
-the one on trial. `subs resume` tries it again. A quarantine whose holder turns out alive (its lease
-lapsed while Redis was out of its reach, not because it died) is lifted by that holder.
+(its record says `trial`), while everything else it serves starts at once. While one is on trial, a
+thread watches the process's memory; past MEMORY_ALARM of the container's limit the record says
+`memory` too (an OOM kill is under way: a few KiB that inflate to GiBs take a second or less). A
+subscription whose holder died on trial there with its memory running out is the one that killed it:
+the worker that takes its lease next quarantines it (state Quarantined: paused, with why and since; no
+consumer) instead of serving it. So a poison message costs at most two deaths: the one that made its
+subscription a suspect, and the one on trial. A death on trial without the memory alarm (kill -9, a
+lost node, a crash of the worker's own) leaves the subscription a suspect, never quarantined; without
+a memory limit nothing is quarantined. `subs resume` tries it again. A quarantine whose holder turns
+out alive (its lease lapsed while Redis was out of its reach) is lifted by that holder.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,24 +40,33 @@ from worker.redis_client import safe_text
 # kubelet's back-off takes it in a few), short enough that a fleet started again after an outage does
 # not take all its subscriptions for suspects.
 HOLDER_TTL_LEASES = 6
+# A trial whose subscribe has not gone through in this many trial periods (at least STALLED_SECONDS)
+# ends: the next suspect's begins.
+STALLED_TRIALS = 3
+STALLED_SECONDS = 30.0
+
+MEMORY_ALARM = 0.75  # of the container's memory limit: past it, while on trial, an OOM kill is coming
+MEMORY_POLL_SECONDS = 0.01  # how often the process's memory is read while a subscription is on trial
 
 # Take the lease (KEYS[1]) as ARGV[1] for ARGV[2] ms and record this holder (KEYS[2]: ARGV[3] its
-# instance; kept ARGV[4] ms). Returns {1, previous instance, previous worker, previous trial flag}
-# when taken; {0} when someone holds it; {-1} for a lease without an expiry (garbage: it gets one, and
-# lapses like a dead owner's). A holder record of the wrong type is garbage: no previous holder.
+# instance; kept ARGV[4] ms). Returns {1, previous instance, previous worker, previous trial flag,
+# previous memory alarm} when taken; {0} when someone holds it; {-1} for a lease without an expiry
+# (garbage: it gets one, and lapses like a dead owner's). A holder record of the wrong type is garbage:
+# no previous holder.
 ACQUIRE_HOLDING = """
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   if redis.call('PTTL', KEYS[1]) == -1 then redis.call('PEXPIRE', KEYS[1], ARGV[2]); return {-1} end
   return {0}
 end
-local previous = redis.pcall('HMGET', KEYS[2], 'instance', 'worker', 'trial')
+local previous = redis.pcall('HMGET', KEYS[2], 'instance', 'worker', 'trial', 'memory')
 if previous.err then
   redis.call('DEL', KEYS[2])
   previous = {}
 end
+redis.call('DEL', KEYS[2])
 redis.call('HSET', KEYS[2], 'instance', ARGV[3], 'worker', ARGV[1], 'trial', '0')
 redis.call('PEXPIRE', KEYS[2], ARGV[4])
-return {1, previous[1] or '', previous[2] or '', previous[3] or ''}
+return {1, previous[1] or '', previous[2] or '', previous[3] or '', previous[4] or ''}
 """
 # Renew leases (KEYS: a lease and its holder record per operation) held as ARGV[1] for ARGV[2] ms,
 # and the holder records of this instance (ARGV[3]) for ARGV[4] ms; 1 renewed, 0 not ours (any more).
@@ -73,14 +90,28 @@ RELEASE_HOLDING = """
 if redis.pcall('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
 if redis.pcall('HGET', KEYS[2], 'instance') == ARGV[2] then
-  if ARGV[3] == '1' then redis.call('HSET', KEYS[2], 'trial', '0') else redis.call('DEL', KEYS[2]) end
+  if ARGV[3] == '1' then redis.call('HSET', KEYS[2], 'trial', '0', 'memory', '0') else redis.call('DEL', KEYS[2]) end
 end
 return 1
 """
-# Mark the holder record (KEYS[1]) on trial ('1') or not ('0': ARGV[2]) while it is this instance's.
-MARK_TRIAL = """
+# Quarantine: let the lease (KEYS[1]) go if held as ARGV[1], and leave a holder record (KEYS[2]) that no
+# process owns, for ARGV[2] ms: whoever serves the subscription after `subs resume` takes it for a
+# suspect and tries it alone first, so a message that still kills costs one death more, not two, and
+# is never laid at another subscription's door while this one is served beside a trial.
+QUARANTINE_HOLDER = """
+if redis.pcall('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[2], 'instance', 'quarantined', 'worker', ARGV[1], 'trial', '0')
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+return 1
+"""
+QUARANTINED_HOLDER_TTL_MS = 30 * 24 * 3600 * 1000  # a resume within a month tries it alone first
+
+# Set a field (ARGV[2]: `trial`, `memory`) of the holder record (KEYS[1]) to ARGV[3] while the record is
+# this instance's (ARGV[1]).
+MARK = """
 if redis.pcall('HGET', KEYS[1], 'instance') ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'trial', ARGV[2])
+redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
 return 1
 """
 
@@ -92,11 +123,18 @@ class Taken:
     previous_instance: str = ""
     previous_worker: str = ""
     previous_on_trial: bool = False
+    previous_out_of_memory: bool = False  # its memory alarm went off while it was on trial
 
     @classmethod
     def parse(cls, reply: list[Any]) -> Taken:
-        _, instance, worker, trial = (safe_text(part) if isinstance(part, bytes) else str(part) for part in reply)
-        return cls(instance, worker, trial == "1")
+        _, instance, worker, trial, memory = (safe_text(part) if isinstance(part, bytes) else str(part)
+                                              for part in reply)
+        return cls(instance, worker, trial == "1", memory == "1")
+
+    @property
+    def killed_on_trial(self) -> bool:
+        """The previous holder died on trial with this subscription, its memory running out."""
+        return self.previous_on_trial and self.previous_out_of_memory
 
     def unreleased_by(self, instance: str) -> bool:
         """Whether another process held the lease and never released it."""
@@ -133,6 +171,7 @@ class Trials:
     seconds: float
     waiting: dict[str, str] = field(default_factory=dict)  # unit -> the worker that held it before
     current: str = ""
+    began_at: float = 0.0  # monotonic time the current one's trial began (its start was asked for)
     started_at: float = 0.0  # monotonic time the current one's dispatcher was first seen serving; 0: not yet
 
     def suspect(self, name: str, previous_worker: str) -> None:
@@ -148,9 +187,9 @@ class Trials:
             return ""
         return min(self.waiting)
 
-    def begin(self, name: str) -> None:
+    def begin(self, name: str, now: float) -> None:
         self.waiting.pop(name, None)
-        self.current, self.started_at = name, 0.0
+        self.current, self.began_at, self.started_at = name, now, 0.0
 
     def serving(self, now: float) -> None:
         """The current one's dispatcher is serving: its trial time runs from now."""
@@ -158,10 +197,17 @@ class Trials:
             self.started_at = now
 
     def over(self, now: float) -> bool:
-        return bool(self.current) and bool(self.started_at) and now - self.started_at >= self.seconds
+        """The current trial's time is up; or its subscribe has not gone through in STALLED_TRIALS
+        trial periods (the broker refuses it: nothing can reach a consumer that does not exist, and
+        the other suspects must not wait for it)."""
+        if not self.current:
+            return False
+        if self.started_at:
+            return now - self.started_at >= self.seconds
+        return now - self.began_at >= max(STALLED_SECONDS, STALLED_TRIALS * self.seconds)
 
     def end(self) -> str:
-        name, self.current, self.started_at = self.current, "", 0.0
+        name, self.current, self.began_at, self.started_at = self.current, "", 0.0, 0.0
         return name
 
     def suspected(self, name: str) -> bool:
@@ -173,3 +219,46 @@ class Trials:
         self.waiting.pop(name, None)
         if self.current == name:
             self.end()
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm", "rb") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class MemoryAlarm:
+    """A thread that, while armed (a subscription on trial), reads the process's resident memory every
+    MEMORY_POLL_SECONDS and calls `on_alarm` on the event loop once it passes MEMORY_ALARM of `limit`.
+    Disarmed it sleeps: nothing is read. A thread, not a task: while the client inflates a bomb the
+    event loop may be slow, and the alarm must go out before the OOM kill."""
+
+    def __init__(self, limit: int, loop: asyncio.AbstractEventLoop, on_alarm: Callable[[], None],
+                 read: Callable[[], int] = _resident_bytes) -> None:
+        self.threshold = int(limit * MEMORY_ALARM)
+        self._loop, self._on_alarm, self._read = loop, on_alarm, read
+        self._armed = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._watch, name="memory alarm", daemon=True)
+        self._thread.start()
+
+    def arm(self) -> None:
+        self._armed.set()
+
+    def disarm(self) -> None:
+        self._armed.clear()
+
+    def close(self) -> None:
+        self._closed = True
+        self._armed.set()  # wakes the thread, which ends
+
+    def _watch(self) -> None:
+        while True:
+            self._armed.wait()
+            if self._closed:
+                return
+            if self._read() >= self.threshold:
+                self._armed.clear()  # once per arming
+                if not self._closed:
+                    self._loop.call_soon_threadsafe(self._on_alarm)
+                continue
+            time.sleep(MEMORY_POLL_SECONDS)

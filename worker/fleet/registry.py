@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import orjson
-from redis.exceptions import WatchError
+from redis.exceptions import ResponseError, WatchError
 
 from worker.core import keys
 from worker.errors import ConfigError, NotFound
@@ -322,9 +322,13 @@ class Registry:
             await self._announce(b"paused")
 
     async def quarantined(self) -> dict[str, bytes]:
-        """The quarantine records by key (of subscriptions still paused or not: see `held_back`)."""
-        return {safe_text(k): v if isinstance(v, bytes) else v.encode()
-                for k, v in (await self.client.hgetall(self.quarantined_key)).items()}
+        """The quarantine records by key (only a paused key is shown quarantined); none when the key
+        holds garbage of another type (the subscriptions are then shown Paused)."""
+        try:
+            records = await self.client.hgetall(self.quarantined_key)
+        except ResponseError:
+            return {}
+        return {safe_text(k): v if isinstance(v, bytes) else v.encode() for k, v in records.items()}
 
     async def mark_resumed(self, key: str) -> None:
         """`subs resume`: the worker serving `key` closes its breaker if it opened before now."""
