@@ -71,3 +71,13 @@ def test_an_answer_keeps_no_credential_of_the_request_whole_in_parts_or_cut_off(
     cut = answer_text(b"echo: s3cr3t-tok", headers)  # the preview ended inside the token
     assert cut == "echo: [redacted]"
     assert answer_text("caf\u00e9 \xff".encode("latin-1"), {}) == "caf\ufffd \ufffd"
+
+
+def test_subs_get_prints_a_series_on_one_line():
+    """The last five minutes in steps of 10 s were thirty lines of zeros in `subs get`."""
+    from worker.ops.render import people_yaml
+
+    text = people_yaml({"status": {"recent": {"delivered": [0] * 29 + [3], "p95_latency_ms": None},
+                                   "warnings": ["filter: mixes AND and OR"]}})
+    assert "    delivered: [0, 0, 0," in text and text.count("\n") == 5, text
+    assert "  - 'filter: mixes AND and OR'" in text  # lists of text stay a line an item

@@ -23,6 +23,26 @@ def test_version():
     assert result.returncode == 0 and result.stdout.startswith("push-worker ")
 
 
+def test_the_help_shows_examples_and_where_the_docs_are():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    assert "examples:" in result.stdout and "push-worker run --config worker.yaml" in result.stdout
+    assert "docs/commands.md" in result.stdout and "docs/guarantees.md" in result.stdout
+
+
+def test_times_before_now_are_taken_everywhere_a_time_is():
+    """`--since 1h` (the CLI) and `?since=30m` (the API) read the same: that long before now."""
+    import time
+
+    from worker.cli.common import parse_moment
+
+    now = time.time() * 1000
+    for text, seconds in (("90s", 90), ("30m", 1800), ("1h", 3600), ("2d", 172_800), ("1.5h", 5400)):
+        assert abs(now - seconds * 1000 - parse_moment(text)) < 5000, text
+    assert parse_moment("100000d") == 0  # before the epoch: the epoch
+    assert parse_moment("2026-12-05T08:00:00Z") == 1_796_457_600_000
+
+
 def test_every_option_of_every_command_has_help():
     def parsers(p: argparse.ArgumentParser, path: str):
         yield path, p
@@ -67,6 +87,12 @@ def test_the_development_tools_are_not_push_worker_commands_and_say_usage_errors
     (["dlq", "redrive", "orders", "--rate", "inf"], "--rate: must be a finite number"),
     (["subs", "list", "--redis-url", "http://redis"], "subs list: --redis-url: must be a URL with scheme redis"),
     (["publish", "persistent://p-x/main/t", "x", "--service-url", "garbage"], "--service-url: must be a URL"),
+    # an option no command has was hidden behind the required one it kept out, or taken for the one it abbreviates
+    (["run", "--cfg", "worker.yaml"], "no such option --cfg (did you mean --config?)"),
+    (["run", "--conf", "worker.yaml"], "no such option --conf (did you mean --config?)"),
+    (["subs", "list", "--jsn"], "no such option --jsn (did you mean --json?)"),
+    (["dlq", "list", "orders", "--since", "1y"], "--since: must be an RFC 3339 time, ms since the epoch, or a time "
+                                                 "before now like 30m, 1h or 2d"),
 ])
 def test_usage_errors_are_one_line_exit_2_and_say_argument(args, says):
     result = run_cli(*args)
@@ -197,3 +223,51 @@ def test_publish_to_a_dead_broker_says_so_at_once_naming_the_url():
     assert time.monotonic() - started < 5
     result = run_cli("publish", "persistent://p-cli/main/t", "x", "--service-url", url, "--connect-timeout", "0")
     assert result.returncode == 2 and "--connect-timeout: must be more than 0 seconds" in result.stderr
+
+
+def test_check_warns_of_an_admin_token_file_that_does_not_exist(tmp_path: Path):
+    """A token file not mounted (yet): `check` passes (it is read when it appears) and says so."""
+    config = tmp_path / "worker.yaml"
+    config.write_text(yaml.safe_dump({"admin": {"port": 9475, "tokens": [
+        {"subject": "ops", "file": str(tmp_path / "missing"), "roles": ["admin"]}]}}))
+    result = run_cli("check", "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    assert f"warning: admin.tokens[0].file: {tmp_path / 'missing'} does not exist" in result.stderr
+    (tmp_path / "missing").write_text("a-token-of-forty-characters-or-so-0123456789")
+    assert "admin.tokens" not in run_cli("check", "--config", str(config)).stderr
+
+
+def test_dlq_redrive_without_config_says_it_needs_the_secrets_dir(tmp_path: Path, redis_url):
+    """A registry subscription whose credentials are project secrets: without --config there is no
+    secrets.dir to read them from. It said "invalid configuration: the worker has no secrets.dir"
+    while `dlq list` and `--dry-run` work without it."""
+    subs = tmp_path / "subs.yaml"
+    subs.write_text(yaml.safe_dump({"subscriptions": [{
+        "name": "tokened", "topic": "persistent://p-x/main/t", "dead_letter": {"topic": "persistent://p-x/main/t-dlq"},
+        "deliver": {"mode": "push", "push": {"url": "https://example.com/push", "bearer_token": {"secret": "tok"}}}}]}))
+    applied = run_cli("subs", "apply", "-f", str(subs), "--redis-url", redis_url)
+    assert applied.returncode == 0, applied.stderr
+    result = run_cli("dlq", "redrive", "tokened", "--redis-url", redis_url, "--service-url", "pulsar://127.0.0.1:9")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "dlq redrive: --config: is required for this subscription" in lines[0], lines[0]
+    assert "secrets.dir" in lines[0]
+
+
+def test_check_names_every_broken_rule_not_only_the_first(tmp_path: Path):
+    """Three sections and two subscriptions broken: five lines, one a rule, exit 2 (it said the first)."""
+    config = tmp_path / "worker.yaml"
+    config.write_text(yaml.safe_dump({
+        "fleet": {"lease_seconds": 1}, "http": {"port": 99999}, "pulsar": {"service_url": "http://broker"},
+        "subscriptions": [
+            {"name": "a", "topic": "persistent://p-a/main/t", "deliver": {"mode": "push", "push": {"url": "ftp://x"}}},
+            {"name": "b", "topic": "nope", "deliver": {"mode": "push", "push": {"url": "https://example.com/"}}},
+            {"name": "c", "topic": "persistent://p-a/main/t",
+             "deliver": {"mode": "push", "push": {"url": "https://example.com/"}}}]}))
+    result = run_cli("check", "--config", str(config))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and result.stdout == "", result
+    assert [line.split(": ", 2)[2].split(":")[0:2] for line in lines] == [
+        ["config", " pulsar.service_url"], ["config", " http.port"], ["config", " fleet.lease_seconds"],
+        ["subscription 'a'", " deliver.push.url"], ["subscription 'b'", " topic"]], lines
+    assert all(line.startswith("push-worker: invalid configuration: ") for line in lines)

@@ -131,3 +131,14 @@ def test_special_purpose_ranges_are_refused_and_public_ones_pass():
         assert DestinationPolicy().refusal(address) is not None, address
     for address in ("93.184.216.34", "2606:2800:220:1:248:1893:25c8:1946", "2002:5db8:d822::1", "64:ff9b::5db8:d822"):
         assert DestinationPolicy().refusal(address) is None, address
+
+
+@pytest.mark.parametrize("host", ["localhost", "localhost.", "LOCALHOST.", "api.localhost", "api.localhost."])
+def test_localhost_in_every_spelling_is_refused_at_load_whatever_dns_says(host):
+    """RFC 6761: `localhost` and its subdomains are loopback; with a trailing dot the name did not
+    resolve here (no DNS), and `check` let it through. The default policy (this module's admits
+    127.0.0.1 for its listener)."""
+    doc = {"name": "s", "topic": "persistent://p-a/main/t",
+           "deliver": {"mode": "push", "push": {"url": f"http://{host}/push"}}}
+    with pytest.raises(ConfigError, match="refused: 127.0.0.1 is a loopback"):
+        admit(parse_subscription(doc), DestinationPolicy(), None, resolve=True)

@@ -190,3 +190,18 @@ def test_the_configuration_page_shows_each_declared_setting_at_its_default():
                 if value != f.default:
                     drift.append(f"{name or 'config'}.{'.'.join(path)}: page {value!r}, declared {f.default!r}")
     assert drift == []
+
+
+def test_every_test_a_page_names_exists():
+    """A promise in the docs names the test that shows it (`test_x.py::test_name`, or a module): each
+    one named must be there, so a renamed or removed test cannot leave a promise without its proof."""
+    named = re.compile(r"\b(test_\w+\.py)(?:::(test_\w+))?")
+    missing = []
+    for page in PAGES:
+        for module, function in named.findall(page.read_text()):
+            path = ROOT / "tests" / module
+            if not path.exists():
+                missing.append(f"{page.name}: {module}")
+            elif function and not re.search(rf"^(async )?def {function}\(", path.read_text(), re.M):
+                missing.append(f"{page.name}: {module}::{function}")
+    assert not missing, missing

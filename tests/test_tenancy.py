@@ -304,3 +304,22 @@ def test_errors_that_quote_a_url_strip_its_credentials():
     assert strip_userinfo("cannot reach redis://u:hunter2@h:1/0 nor pulsar://:x@h:2") == \
         "cannot reach redis://h:1/0 nor pulsar://h:2"
     assert strip_userinfo("invalid hostname: user:hunter2@127.0.0.1:1") == "invalid hostname: 127.0.0.1:1"
+
+
+def test_a_project_directory_that_links_out_of_the_secrets_dir_is_refused(tmp_path):
+    """The project's directory itself a link elsewhere (`secrets.dir/p-evil -> /elsewhere`) reached
+    any file there; Kubernetes' own layout (`p-a -> ..data/p-a`, inside secrets.dir) still reads.
+    A hard link cannot be told from the file it names: docs/security.md says so."""
+    from worker.core.signing import SecretRef, SecretStore, SecretUnavailable
+
+    secrets, elsewhere = tmp_path / "secrets", tmp_path / "elsewhere"
+    (secrets / "..data" / "p-a").mkdir(parents=True)
+    elsewhere.mkdir()
+    (elsewhere / "token").write_text("not p-evil's")
+    (secrets / "..data" / "p-a" / "token").write_text("p-a's own")
+    os.symlink(elsewhere, secrets / "p-evil")
+    os.symlink("..data/p-a", secrets / "p-a")
+    store = SecretStore(secrets_dir=secrets)
+    with pytest.raises(SecretUnavailable, match="the project's directory links outside secrets.dir"):
+        store.read(SecretRef(secret="token", project="p-evil"))
+    assert store.read(SecretRef(secret="token", project="p-a")) == b"p-a's own"

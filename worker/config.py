@@ -15,14 +15,15 @@ Environment variables (they win over the file, so secrets need not live in it):
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import os
 import re
 import sys
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
@@ -31,10 +32,12 @@ from worker.api.settings import AdminSettings, parse_admin
 from worker.core.endpoint_health import ERROR_AFTER_SECONDS
 from worker.core.signing import SecretRef
 from worker.destinations import DestinationPolicy
-from worker.errors import ConfigError
+from worker.errors import ConfigError, ConfigErrors
 from worker.fields import FieldReader, bounds, declared, read, setting, yaml_fields
 from worker.oidc import OidcIssuer, OidcKey
 from worker.subscriptions import NAME_PATTERN, NAME_RULE, Subscription, is_push, parse_subscription
+
+T = TypeVar("T")
 
 PULSAR_SCHEMES = ("pulsar", "pulsar+ssl")
 REDIS_SCHEMES = ("redis", "rediss", "unix")
@@ -326,11 +329,54 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError("", "config", f"must be a mapping of settings (pulsar, redis, subscriptions, ...), "
                                         f"not a {type(data).__name__}")
     r = FieldReader("config", data)
-    r.reject_unknown(yaml_fields(Settings))
+    broken: list[ConfigError] = []  # every rule broken, not only the first: `check` names them all
 
-    p = r.sub("pulsar")
+    def section(read_it: Callable[[], T], instead: T) -> T:
+        try:
+            return read_it()
+        except ConfigError as e:
+            broken.append(e)
+            return instead
+
+    section(lambda: r.reject_unknown(yaml_fields(Settings)), None)
+    pulsar = section(lambda: _pulsar(r.sub("pulsar"), env), PulsarSettings())
+    redis = section(lambda: _redis(r.sub("redis"), env), RedisSettings())
+    http = section(lambda: _http(r.sub("http"), env), HttpSettings())
+    destinations = section(lambda: _destinations(r.sub("destinations")), DestinationPolicy())
+    fleet = section(lambda: _fleet(r.sub("fleet"), env), FleetSettings())
+    log = section(lambda: _log(r.sub("log")), FieldReader("config", {}, "log."))
+    secrets_dir = section(lambda: _secrets_dir(r.sub("secrets")), None)
+    oidc = section(lambda: _oidc(r.sub("oidc")), None)
+    no_subs: tuple[Subscription, ...] = ()
+    subs = section(lambda: _subscriptions(r, section), no_subs)
+    admin = section(lambda: parse_admin(r.sub("admin")), None)
+    settings = section(lambda: declared(
+        Settings, r,
+        pulsar=pulsar,
+        redis=redis,
+        # Absolute at load: the embedded broker runs with the state dir as its working directory.
+        state_dir=Path(env.get("PUSH_WORKER_STATE_DIR") or r.text("state_dir", str(DEFAULT_STATE_DIR))).absolute(),
+        http=http,
+        destinations=destinations,
+        subscriptions=subs,
+        fleet=fleet,
+        max_held_bytes=r.integer("max_held_bytes", 0, *bounds(Settings, "max_held_bytes")) if r.has("max_held_bytes")
+        else None,
+        secrets_dir=secrets_dir,
+        oidc=oidc,
+        admin=admin,
+        log_format=read(Settings, log, "log_format"),
+        log_level=read(Settings, log, "log_level"),
+    ), None)
+    if broken:
+        raise broken[0] if len(broken) == 1 else ConfigErrors(broken)
+    assert settings is not None
+    return settings
+
+
+def _pulsar(p: FieldReader, env: Mapping[str, str]) -> PulsarSettings:
     p.reject_unknown(yaml_fields(PulsarSettings))  # before a field read by hand is judged
-    pulsar = declared(
+    return declared(
         PulsarSettings, p,
         service_url=_url(p, "service_url", PULSAR_SCHEMES, "PUSH_WORKER_PULSAR_URL", env),
         tls_trust_certs_file=p.text("tls_trust_certs_file") if p.has("tls_trust_certs_file") else None,
@@ -339,12 +385,14 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
         metrics_url=_url(p, "metrics_url", ("http", "https")),
     )
 
-    rd = r.sub("redis")
+
+def _redis(rd: FieldReader, env: Mapping[str, str]) -> RedisSettings:
     rd.reject_unknown(yaml_fields(RedisSettings))  # before the topology's rules name a field
     redis_url = _url(rd, "url", REDIS_SCHEMES, "PUSH_WORKER_REDIS_URL", env)
-    redis = declared(RedisSettings, rd, url=redis_url, **_redis_topology(rd, redis_url, env))
+    return declared(RedisSettings, rd, url=redis_url, **_redis_topology(rd, redis_url, env))
 
-    h = r.sub("http")
+
+def _http(h: FieldReader, env: Mapping[str, str]) -> HttpSettings:
     h.reject_unknown(yaml_fields(HttpSettings))
     low, high = bounds(HttpSettings, "port")
     port = h.integer("port", HttpSettings.port, low, high)
@@ -355,11 +403,10 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
             raise ConfigError("environment", "PUSH_WORKER_HTTP_PORT", "must be an integer") from None
         if not low <= port <= high:
             raise ConfigError("environment", "PUSH_WORKER_HTTP_PORT", f"must be in {low}..{high} (got {port})")
-    http = HttpSettings(host=h.text("host", HttpSettings.host), port=port)
+    return HttpSettings(host=h.text("host", HttpSettings.host), port=port)
 
-    destinations = _destinations(r.sub("destinations"))
 
-    f = r.sub("fleet")
+def _fleet(f: FieldReader, env: Mapping[str, str]) -> FleetSettings:
     f.reject_unknown(yaml_fields(FleetSettings))
     fleet_name = env.get("PUSH_WORKER_FLEET") or f.text("name", FleetSettings.name)
     if not NAME_PATTERN.match(fleet_name):
@@ -373,48 +420,38 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
     fleet = declared(FleetSettings, f, name=fleet_name)
     if fleet.heartbeat_seconds * 2 > fleet.lease_seconds:
         raise f.fail("heartbeat_seconds", f"must be at most half of lease_seconds ({fleet.lease_seconds:g})")
+    return fleet
 
-    log = r.sub("log")
+
+def _log(log: FieldReader) -> FieldReader:
     log.reject_unknown({"format", "level"})
+    return log
 
-    sec = r.sub("secrets")
+
+def _secrets_dir(sec: FieldReader) -> Path | None:
     sec.reject_unknown({"dir"})
-    secrets_dir = Path(sec.text("dir")).absolute() if sec.has("dir") else None
-    oidc = _oidc(r.sub("oidc"))
+    return Path(sec.text("dir")).absolute() if sec.has("dir") else None
 
-    raw_subs = data.get("subscriptions") or []
+
+def _subscriptions(r: FieldReader, section: Callable[[Callable[[], Any], Any], Any]) -> tuple[Subscription, ...]:
+    """The config file's push subscriptions, each judged alone (`section` keeps what each breaks)."""
+    raw_subs = r.data.get("subscriptions") or []
     if not isinstance(raw_subs, list):
         raise r.fail("subscriptions", "must be a list")
     subs: list[Subscription] = []
     seen: set[str] = set()
-    for i, item in enumerate(raw_subs):
-        if not is_push(item):
-            continue
+
+    def one(i: int, item: Any) -> None:
         sub = parse_subscription(item, where=f"subscriptions[{i}]", trusted=True)
         if sub.key in seen:
             raise ConfigError(f"subscription {sub.name!r}", "name", "is defined twice in this project")
         seen.add(sub.key)
         subs.append(sub)
 
-    settings = declared(
-        Settings, r,
-        pulsar=pulsar,
-        redis=redis,
-        # Absolute at load: the embedded broker runs with the state dir as its working directory.
-        state_dir=Path(env.get("PUSH_WORKER_STATE_DIR") or r.text("state_dir", str(DEFAULT_STATE_DIR))).absolute(),
-        http=http,
-        destinations=destinations,
-        subscriptions=tuple(subs),
-        fleet=fleet,
-        max_held_bytes=r.integer("max_held_bytes", 0, *bounds(Settings, "max_held_bytes")) if r.has("max_held_bytes")
-        else None,
-        secrets_dir=secrets_dir,
-        oidc=oidc,
-        admin=parse_admin(r.sub("admin")),
-        log_format=read(Settings, log, "log_format"),
-        log_level=read(Settings, log, "log_level"),
-    )
-    return settings
+    for i, item in enumerate(raw_subs):
+        if is_push(item):
+            section(functools.partial(one, i, item), None)
+    return tuple(subs)
 
 
 def load_settings(path: str | Path, env: Mapping[str, str] | None = None) -> Settings:

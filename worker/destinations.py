@@ -158,6 +158,8 @@ def check_host(host: str, policy: DestinationPolicy, resolve: bool = True) -> No
     """Raise `DestinationRefused` if `host` (as `endpoint_host` gives it) is, or resolves to, a
     refused address. A name that does not resolve now passes: it is checked again at connect time."""
     literal = literal_address(host)
+    if literal is None and _loopback_name(host):
+        literal = ipaddress.ip_address("127.0.0.1")
     if literal is not None:
         addresses = [str(literal)]
     else:
@@ -172,6 +174,13 @@ def check_host(host: str, policy: DestinationPolicy, resolve: bool = True) -> No
         why = policy.refusal(address)
         if why:
             raise DestinationRefused(f"host {host!r} refused: {why}")
+
+
+def _loopback_name(host: str) -> bool:
+    """`localhost` and its subdomains, in any case and with a trailing dot: loopback whatever DNS says
+    (RFC 6761), so refused as loopback at load even where the name does not resolve here."""
+    name = host.lower().removesuffix(".")
+    return name == "localhost" or name.endswith(".localhost")
 
 
 class GuardedResolver(AbstractResolver):

@@ -29,6 +29,17 @@ class ConfigError(PushWorkerError):
         super().__init__(f"{location}{field}: {rule}")
 
 
+class ConfigErrors(ConfigError):
+    """Several rules broken in one configuration: every one of them, so that `check` names them all
+    at once (the first also as this error's own fields)."""
+
+    def __init__(self, errors: list[ConfigError]) -> None:
+        self.errors = errors
+        first = errors[0]
+        super().__init__(first.where, first.field, first.rule)
+        self.args = ("; ".join(str(e) for e in errors),)
+
+
 class UsageError(ConfigError):
     """A command's argument breaks a rule (exit code 2, like a bad configuration, but said as such)."""
 

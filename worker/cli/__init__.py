@@ -15,14 +15,26 @@ from collections.abc import Sequence
 from worker.cli import dlq, messages, subs
 from worker.cli import worker as worker_commands
 from worker.cli.common import Parser
-from worker.errors import ConfigError, NotFound, PushWorkerError, UsageError, strip_userinfo
+from worker.errors import ConfigError, ConfigErrors, NotFound, PushWorkerError, UsageError, strip_userinfo
 from worker.ops.render import inert
+
+EXAMPLES = """examples:
+  push-worker check --config worker.yaml           validate a worker's configuration
+  push-worker run --config worker.yaml             serve its subscriptions and the registry's
+  push-worker subs list --config worker.yaml       every subscription, its state and counters
+  push-worker show MESSAGE_ID -s NAME              one message's attempts
+  push-worker dlq list NAME --since 1h             dead letters of the last hour
+  push-worker COMMAND --help                       a command's options
+
+docs: README.md and docs/ in the source (docs/commands.md: every command; docs/guarantees.md: what
+the fleet promises; docs/configuration.md: every setting)"""
 
 
 def build_parser() -> argparse.ArgumentParser:
     from importlib.metadata import version
 
-    parser = Parser(prog="push-worker", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = Parser(prog="push-worker", description=__doc__.splitlines()[0] if __doc__ else None,
+                    epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"push-worker {version('push-worker')}")
     cmds = parser.add_subparsers(dest="command", required=True)
     for group in (worker_commands, subs, messages, dlq):
@@ -68,8 +80,10 @@ def _dispatch(args: argparse.Namespace) -> int:
             import traceback
 
             traceback.print_exc()
+        # Several broken rules of one configuration (`check`): a line each.
+        lines = [explain(one)[1] for one in e.errors] if isinstance(e, ConfigErrors) else [line]
         # One write: never split by another thread's log line.
-        sys.stderr.write(f"push-worker: {inert(strip_userinfo(line))}\n")
+        sys.stderr.write("".join(f"push-worker: {inert(strip_userinfo(text))}\n" for text in lines))
         return code
 
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import math
 import re
+import sys
+import time
 from collections.abc import Coroutine
 from datetime import datetime
 from typing import Any, NoReturn, TypeVar
@@ -14,10 +17,41 @@ T = TypeVar("T")
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (exit code 2), like every other failure."""
+    """argparse, but a usage error is one line (exit code 2), like every other failure; an option is
+    never taken for another it abbreviates (`--conf` is not `--config`), and an option no command has
+    is named as such, not hidden behind the required one it kept out (`run --cfg x`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+        self._given: list[str] = []
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
+        if message.startswith(("the following arguments are required", "unrecognized arguments")):
+            known = _options(self)
+            unknown = [given.split("=", 1)[0] for given in self._given
+                       if given.startswith("-") and given != "-" and given.split("=", 1)[0] not in known
+                       and not re.fullmatch(r"-[0-9.]+", given)]
+            if unknown:
+                close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+                message = f"no such option {unknown[0]}" + (f" (did you mean {close[0]}?)" if close else "")
         self.exit(2, f"push-worker: invalid argument: {message} (see: {self.prog} --help)\n")
+
+
+def _options(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option string of `parser` and of its commands' parsers (an unrecognized option of a command
+    reaches the top parser: its name is matched against theirs)."""
+    found: set[str] = set()
+    for action in parser._actions:
+        found.update(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in set(action.choices.values()):
+                found |= _options(sub)
+    return found
 
 
 def positive_int(text: str) -> int:
@@ -57,14 +91,23 @@ def seconds(text: str) -> float:
     return value
 
 
+AGO_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86_400}
+_AGO = re.compile(r"([0-9]{1,9}(?:\.[0-9]{1,3})?)([smhd])")
+
+
 def parse_moment(value: str) -> int:
-    """An RFC 3339 time with its zone, or ms since the epoch, as ms since the epoch; ValueError says why not."""
+    """An RFC 3339 time with its zone, ms since the epoch, or a time before now (`30m`, `1h`, `2d`,
+    `90s`), as ms since the epoch; ValueError says why not."""
     if re.fullmatch(r"[0-9]{1,15}", value):  # ms since the epoch, up to the year 33658 (`isdigit` takes '²')
         return int(value)
+    ago = _AGO.fullmatch(value)
+    if ago:
+        return max(0, int(time.time() * 1000 - float(ago.group(1)) * AGO_UNITS[ago.group(2)] * 1000))
     try:
         when = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
-        raise ValueError(f"must be an RFC 3339 time or ms since the epoch (got {value!r})") from None
+        raise ValueError(f"must be an RFC 3339 time, ms since the epoch, or a time before now like 30m, 1h "
+                         f"or 2d (got {value!r})") from None
     if when.tzinfo is None:
         raise ValueError("must carry a time zone, e.g. 2026-11-30T08:00:00Z")
     ms = int(when.timestamp() * 1000)

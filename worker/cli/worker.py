@@ -111,6 +111,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
     print(f"ok: {len(settings.subscriptions)} push subscription(s)")
     if empty_config(args.config):
         print("warning: " + EMPTY_CONFIG.format(args.config), file=sys.stderr)
+    for i, token in enumerate(settings.admin.tokens if settings.admin is not None else ()):
+        if not os.path.exists(token.file):  # read when it changes: a Secret mounted later is taken then
+            print(f"warning: admin.tokens[{i}].file: {token.file} does not exist: the API and console refuse "
+                  f"{token.subject}'s token until it does", file=sys.stderr)
     return 0
 
 

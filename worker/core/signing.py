@@ -95,7 +95,10 @@ class SecretStore:
         assert ref.secret is not None and ref.project is not None
         if not secret_name_ok(ref.secret) or not secret_name_ok(ref.project):
             raise SecretUnavailable(f"{ref.describe()}: not a valid secret or project name")
+        root = os.path.realpath(self.secrets_dir)
         project_dir = os.path.realpath(self.secrets_dir / ref.project)
+        if not project_dir.startswith(root + os.sep):  # the project's directory is a link out of secrets.dir
+            raise SecretUnavailable(f"{ref.describe()}: the project's directory links outside secrets.dir")
         path = os.path.realpath(os.path.join(project_dir, ref.secret))
         if not path.startswith(project_dir + os.sep):
             raise SecretUnavailable(f"{ref.describe()}: the file links outside the project's directory")

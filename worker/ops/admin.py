@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from redis.exceptions import ResponseError
 
 from worker.admission import admit_for
@@ -41,7 +40,7 @@ from worker.fleet.leases import holders
 from worker.fleet.published import published
 from worker.fleet.registry import Registry, clear_state
 from worker.fleet.seek import SeekTarget, seek_by_command
-from worker.ops.render import Output, table
+from worker.ops.render import Output, people_yaml, table
 from worker.redis_client import AsyncClient, connect, safe_text
 from worker.subscriptions import MAX_WORKERS, State, Subscription, is_push, parse_subscription, valid_key
 
@@ -492,7 +491,7 @@ class Admin:
             # Stored before such filters were refused: it keeps its reading, which Google's differs from.
             out["warnings"] = [f"filter: {MIXED.format(stored.filter.mixed_at)} (it reads NOT, then AND, "
                                "then OR here; Google's emulator reads OR before AND)"]
-        return Output(out, yaml.safe_dump(out, sort_keys=False).rstrip())
+        return Output(out, people_yaml(out))
 
     def _stored_subscription(self, key: str, definition: dict[str, Any]) -> Subscription | None:
         try:

@@ -45,7 +45,7 @@ from worker.core.messages import Envelope, base64_text, rfc3339
 from worker.core.metrics import Metrics
 from worker.core.redis_batch import Pipeliner
 from worker.deadletter import DeadLetterPublisher, subscribe_cursor
-from worker.errors import NotFound
+from worker.errors import NotFound, UsageError
 from worker.oidc import Tokens
 from worker.ops.admin import Admin, Target
 from worker.ops.render import Output, inert, table
@@ -271,6 +271,11 @@ class DeadLetters:
                       selection: Selection = Selection()) -> Output:
         sub = await self.subscription(admin, name)
         # A request that cannot be signed would fail every redriven message (and dead-letter it again).
+        refs = [*sub.signing_secrets, sub.bearer_token, sub.oauth2.client_secret if sub.oauth2 else None]
+        if self.target.settings.secrets_dir is None and any(ref is not None and ref.secret for ref in refs):
+            raise UsageError("dlq redrive", "--config", "is required for this subscription: the redrive delivers to "
+                             "its endpoint with its credentials, read from the worker's secrets.dir (set in the "
+                             "worker.yaml)")
         secrets = secret_store(self.target.settings)
         check_secrets(sub, secrets)
         # Redelivery ignores the original ordering (the messages failed out of order already).

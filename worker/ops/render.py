@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import yaml
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -50,3 +51,21 @@ def table(rows: list[dict[str, Any]], columns: list[str], right: tuple[str, ...]
     out = io.StringIO()
     Console(file=out, width=100_000, color_system=None, force_terminal=False, highlight=False).print(grid)
     return "\n".join(line.rstrip() for line in out.getvalue().splitlines())
+
+
+class _PeopleDumper(yaml.SafeDumper):
+    """YAML for a person: a list of numbers (a series, such as the last five minutes in steps of 10 s)
+    on one line, not a line per number."""
+
+
+def _numbers_inline(dumper: yaml.SafeDumper, items: list[Any]) -> yaml.Node:
+    flow = bool(items) and all(isinstance(item, int | float) and not isinstance(item, bool) for item in items)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", items, flow_style=flow or None)
+
+
+_PeopleDumper.add_representer(list, _numbers_inline)
+
+
+def people_yaml(data: Any) -> str:
+    """`data` as YAML for a person (see `_PeopleDumper`), in the order given."""
+    return yaml.dump(data, Dumper=_PeopleDumper, sort_keys=False, width=10_000).rstrip()
