@@ -249,3 +249,24 @@ async def test_an_oidc_token_goes_with_each_batch_and_verifies_with_the_publishe
             assert claims["sub"] == f"projects/{sub.tenant}/subscriptions/{sub.name}"
 
     await asyncio.to_thread(verify)
+
+
+async def test_a_batch_keeps_filling_while_the_rate_limit_holds_its_request(
+        start_worker, endpoint: Endpoint, client: Client, topic):
+    """10 msg/s through `rate_limit: 2/s` with batches of up to 10: every request carries what arrived
+    while it waited for its turn, so 10 msg/s get through and no backlog grows. A batch closed at
+    max_wait_ms and only then waited for its token: batches of 1-2, about 3.5 msg/s."""
+    from worker.subscriptions import RateLimit
+
+    sub = make_sub(topic, endpoint.url, batch=BatchPolicy(max_messages=10, max_wait_ms=50),
+                   rate_limit=RateLimit(messages_per_second=2.0, burst=1.0))
+    w = await start_worker(sub)
+    began = asyncio.get_running_loop().time()
+    for i in range(60):  # 10 a second for 6 s, from a thread that keeps the pace
+        await asyncio.to_thread(client.publish, topic, [b"m%d" % i])
+        await asyncio.sleep(max(0.0, began + (i + 1) / 10 - asyncio.get_running_loop().time()))
+    await eventually(lambda: w.dispatchers[sub.key].stats.acked == 60, timeout=20, what="all delivered")
+    took = asyncio.get_running_loop().time() - began
+    carried = [len(entries(rec)) for rec in endpoint.requests]
+    assert sum(carried) == 60 and len(carried) <= 2 * took + 1, (carried, took)
+    assert took < 9.0, f"60 messages at 10/s took {took:.1f} s through 2 requests/s: batches {carried}"

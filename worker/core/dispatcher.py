@@ -518,7 +518,11 @@ class Dispatcher:
                     continue
                 policy = self.sub.batch or ONE_A_REQUEST
                 if self._forming.count < policy.max_messages and self._forming.bytes < policy.max_bytes:
-                    late = self._forming.oldest() + policy.max_wait_ms / 1000 - time.monotonic()
+                    # Not full: it closes at max_wait_ms, and not before the rate limit lets its request
+                    # go; till then it keeps filling (closed first, batches of one or two waited for
+                    # tokens while the backlog grew).
+                    late = max(self._forming.oldest() + policy.max_wait_ms / 1000 - time.monotonic(),
+                               self.rate.wait_seconds())
                     if late > 0:
                         self._formed.clear()
                         await wait_any(self._formed, self._stopping, seconds=late)

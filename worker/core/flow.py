@@ -244,6 +244,13 @@ class RateLimit:
             self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.per_second)
         self.updated = now
 
+    def wait_seconds(self) -> float:
+        """How long until a request could go now (0.0: at once, or no limit); takes nothing."""
+        if self.per_second <= 0:
+            return 0.0
+        self._refill(self.clock())
+        return max(0.0, (1.0 - self.tokens) / self.per_second)
+
     async def take(self) -> float:
         """Wait for the next request's turn; returns the seconds waited (0.0: none)."""
         if self.per_second <= 0:
