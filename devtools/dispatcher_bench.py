@@ -81,6 +81,9 @@ class _Attempts:
     async def settled(self, subscription_key: str, message_id: str) -> bool:
         return False
 
+    async def unsent(self, subscription_key: str, message_ids: list[str]) -> None:
+        pass
+
     def record(self, subscription_key: str, message_id: str, entries: list[dict[str, Any]],
                settled: bool, last_status: str = "", acked_first_time: bool = False,
                lazy: bool = False) -> asyncio.Future[None]:

@@ -181,3 +181,59 @@ async def test_subs_resume_closes_an_open_breaker_at_once(start_worker, endpoint
     assert time.monotonic() - resumed < 10
     assert dispatcher.state is State.ACTIVE
     await redis.aclose()
+
+
+@pytest.mark.timeout(180)
+async def test_the_breaker_decides_before_an_outage_dead_letters_anything(
+        start_worker, endpoint: Endpoint, client: Client, topic):
+    """An endpoint that goes down as 100 messages arrive, `max_deliver: 3`, backoff 0.2-1 s, a breaker
+    of 5 s / 2 s: every message's last attempt waits for the breaker, which opens; none is dead-lettered,
+    only probes reach the endpoint while it is open, and everything is delivered once it is back.
+    Before, all 100 were dead-lettered within 2 s of the outage's start."""
+    down_until: list[float] = []
+
+    def down_for_a_while(r: Received) -> web.Response:
+        if not down_until:
+            down_until.append(r.at + 15)
+        return web.Response(status=503 if r.at < down_until[0] else 204)
+
+    endpoint.behaviour = down_for_a_while
+    definition = push_sub("outage", topic, endpoint.url, max_deliver=3, dead_letter={"topic": topic + "-dlq"},
+                          retry={"min_backoff_seconds": 0.2, "max_backoff_seconds": 1})
+    definition["deliver"]["push"]["breaker"] = {"open_after_seconds": 5, "probe_interval_seconds": 2}
+    sub = parse_subscription(definition, trusted=True)
+    w = await start_worker(sub)
+    client.publish(topic, [b"m%d" % i for i in range(100)])
+    dispatcher = w.dispatchers[sub.key]
+    await eventually(lambda: dispatcher.breaker.is_open, timeout=30, what="the breaker opens")
+    opened_at = time.monotonic()
+    await eventually(lambda: len({r.body for r in endpoint.requests if r.acked}) == 100, timeout=120,
+                     what="every message delivered once the endpoint is back")
+    assert dispatcher.stats.dead_lettered == 0
+    back = down_until[0]
+    sent_while_open = [r for r in endpoint.requests if opened_at + 0.5 < r.at < back]  # after its last in flight
+    assert len(sent_while_open) <= (back - opened_at) / 2 + 1, len(sent_while_open)
+    for copies in endpoint.by_id().values():  # numbers only go up, whatever was held back unsent
+        numbers = [int(r.headers["Pubsub-Delivery-Attempt"]) for r in copies]
+        assert numbers == sorted(set(numbers)), numbers
+
+
+async def test_a_message_that_fails_alone_is_dead_lettered_on_time(start_worker, endpoint: Endpoint, client: Client,
+                                                                    topic):
+    """Its endpoint acks the other messages: the breaker (on, by default) has nothing to decide, and the
+    message is dead-lettered after its max_deliver attempts, within its backoff's time."""
+    endpoint.behaviour = lambda r: web.Response(status=500 if r.body_payload == b"poison" else 204)
+    definition = push_sub("alone", topic, endpoint.url, max_deliver=3, dead_letter={"topic": topic + "-dlq"},
+                          retry={"min_backoff_seconds": 0.2, "max_backoff_seconds": 1})
+    sub = parse_subscription(definition, trusted=True)
+    w = await start_worker(sub)
+    dispatcher = w.dispatchers[sub.key]
+    client.publish(topic, [b"poison"])
+    began = time.monotonic()
+    while dispatcher.stats.dead_lettered == 0 and time.monotonic() - began < 30:
+        client.publish(topic, [b"healthy"])  # the others keep being acked meanwhile
+        await asyncio.sleep(0.1)
+    took = time.monotonic() - began
+    assert dispatcher.stats.dead_lettered == 1 and took < 3.5, took  # backoffs 0.2 + 0.4 s, and the stream's pace
+    poisoned = [r for r in endpoint.requests if r.body_payload == b"poison"]
+    assert [int(r.headers["Pubsub-Delivery-Attempt"]) for r in poisoned] == [1, 2, 3]

@@ -157,8 +157,10 @@ async def test_timeouts_retry_with_growing_delays_then_dead_letter(start_worker,
     watcher = client.watch(dlq)
     from worker.subscriptions import RetryPolicy
 
+    # Breaker off: alone on its subscription, this message's failures are every attempt the endpoint
+    # gets, so its last attempt would wait for the breaker's decision (tests/test_breaker.py).
     sub = make_sub(topic, endpoint.url, ack_deadline_seconds=1, max_deliver=4, dead_letter_topic=dlq,
-                   retry=RetryPolicy(0.2, 5.0))
+                   retry=RetryPolicy(0.2, 5.0), breaker=None)
     await start_worker(sub)
     [mid] = client.publish(topic, [b"slow"])
     [dead] = await asyncio.to_thread(Client.drain, watcher, 1, 40.0)

@@ -36,6 +36,25 @@ class Breaker:
         self._probing = 0  # the id of the probe under way, 0: none
         self._probe_due = 0.0
         self._timer: asyncio.TimerHandle | None = None
+        self.changed = asyncio.Event()  # set (then replaced) when it opens or closes, or an attempt is acked
+
+    def _changed(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def acked(self) -> None:
+        """An attempt was acked: the failing streak is over; who waits for a decision goes on."""
+        self._changed()
+
+    def undecided(self, since: float) -> float:
+        """Seconds until the breaker decides about a failing streak that began by `since` (monotonic):
+        every attempt since then failed, enough of them to open it, and it has not opened yet. 0.0: there
+        is nothing to wait for (it is off or open, something was acked since, or too few failed)."""
+        policy, health = self.policy, self.health
+        if policy is None or self.opened_at is not None or health.failures_in_row < ERROR_MIN_FAILURES \
+                or health.failing_since > since:
+            return 0.0
+        return max(0.0, health.failing_since + policy.open_after_seconds - self.clock())
 
     @property
     def is_open(self) -> bool:
@@ -57,6 +76,7 @@ class Breaker:
         self.opened_at, self.opened_wall = self.clock(), time.time()
         self._probe_due = self.opened_at + self.policy.probe_interval_seconds
         self.on_change()
+        self._changed()
 
     async def turn(self, publish_time_ms: int) -> int:
         """Wait while the breaker is open. Not 0: this message is the probe of that id (report it
@@ -101,6 +121,7 @@ class Breaker:
             if not waiter.done():
                 waiter.set_result(0)
         self.on_change()
+        self._changed()
 
     def set_policy(self, policy: BreakerPolicy | None) -> None:
         """A live edit; `off` closes an open breaker."""

@@ -265,6 +265,13 @@ class AttemptStore:
                                         (self.history_ttl_seconds, HISTORY_CAP, self.settled_ttl_seconds), op_keys,
                                         op_args, subscription_key, lazy)
 
+    async def unsent(self, subscription_key: str, message_ids: list[str]) -> None:
+        """Attempts begun for `message_ids` that no request carried (an open breaker or a lost lease held
+        them back after they were counted): their numbers stay used, but they use up no attempt of
+        max_deliver (counted as the breaker's probes are)."""
+        await self._call(subscription_key, lambda: asyncio.gather(*(self.pipeliner.submit(
+            "HINCRBY", keys.message_key(subscription_key, message_id), "probes", 1) for message_id in message_ids)))
+
     async def settled(self, subscription_key: str, message_id: str) -> bool:
         """Whether the message was settled already (its settled marker is there), without counting an
         attempt: a message settled without a request checks this first, so that a copy the broker hands

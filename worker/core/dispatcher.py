@@ -128,6 +128,8 @@ class AttemptLog(Protocol):
 
     async def settled(self, subscription_key: str, message_id: str) -> bool: ...
 
+    async def unsent(self, subscription_key: str, message_ids: list[str]) -> None: ...
+
     def record(self, subscription_key: str, message_id: str, entries: list[dict[str, Any]],
                settled: bool, last_status: str = "", acked_first_time: bool = False,
                lazy: bool = False) -> Awaitable[None]: ...
@@ -183,9 +185,12 @@ def _raw_data(message: Any) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class _Again:
-    """A message to try again: after `retry_delay` seconds (a counted retry), or at once (None)."""
+    """A message to try again: after `retry_delay` seconds (a counted retry), or at once (None);
+    `last_next`: its next attempt is its last."""
 
     retry_delay: float | None = None
+    last_next: bool = False
+    failed_at: float = 0.0  # when its attempt's failure was known (monotonic); 0.0: it made no request
 
 
 AGAIN = _Again()
@@ -579,21 +584,25 @@ class Dispatcher:
                 del unsettled[env.message_id]
                 if record is not None:
                     records.append(record)
+        first_failed_at = 0.0
         while pending and not self._stopping.is_set():
             sub = self.sub
             if not (self.may_deliver() or await self._wait_until_may_deliver()):
                 return
             oldest = min(env.publish_time_ms for _, env in pending)
             probe = await self.breaker.turn(oldest) if self.breaker.holds() else 0
-            pending, delay = await self._try_batch_once(pending, sub, probe, records, unsettled)
+            pending, delay, last_next = await self._try_batch_once(pending, sub, probe, records, unsettled)
             if pending and delay is not None:
+                first_failed_at = first_failed_at or time.monotonic()
                 await self._hold_for_retry(delay, len(pending))
+            if pending and last_next:
+                await self._await_breaker_decision(first_failed_at)
 
     async def _try_batch_once(self, pending: list[Item], sub: Subscription, probe: int,
                               records: list[Awaitable[None]],
-                              unsettled: dict[str, Item]) -> tuple[list[Item], float | None]:
-        """One request for the batch's `pending` messages (one attempt each): those still to try and
-        the delay before they are (None: at once)."""
+                              unsettled: dict[str, Item]) -> tuple[list[Item], float | None, bool]:
+        """One request for the batch's `pending` messages (one attempt each): those still to try, the
+        delay before they are (None: at once), and whether one of them is then at its last attempt."""
         try:
             begun = await self.attempts.begin_all(sub.key, [env.message_id for _, env in pending], probe != 0)
             limit = sub.attempt_limit
@@ -607,10 +616,12 @@ class Dispatcher:
                     if settled is not None:
                         records.append(settled)
             if not sending:
-                return [], None
-            outcome = await self._attempt_batch(sub, sending)
-            if outcome is None:  # the lease could not be vouched for right before sending: no request
-                return [(message, env) for message, env, _ in sending], None
+                return [], None, False
+            outcome = await self._attempt_batch(sub, sending, probe != 0)
+            if outcome is None:  # held back right before sending (the breaker opened, the lease lapsed)
+                if not probe:
+                    await self.attempts.unsent(sub.key, [env.message_id for _, env, _ in sending])
+                return [(message, env) for message, env, _ in sending], None, False
             if probe:
                 self.breaker.probed(probe, outcome.acked)
             entries = []
@@ -633,14 +644,14 @@ class Dispatcher:
                 records.append(self.attempts.record_all(sub.key, acked, settled=True, lazy=True))
                 self.stats.acked += len(sending)
                 self.m.acked.inc(len(sending))
-                return [], None
+                return [], None, False
             self.failure_log.info("batch delivery failed", messages=len(sending), status=outcome.last_status,
                                   detail=outcome.detail, latency=round(outcome.latency, 4), probe=probe != 0)
             await self.attempts.record_all(sub.key, [(env.message_id, [entry], False) for (_, env, _), entry
                                                      in zip(sending, entries, strict=True)],
                                            settled=False, last_status=outcome.last_status)
             if probe and not outcome.permanent:
-                return [(message, env) for message, env, _ in sending], None
+                return [(message, env) for message, env, _ in sending], None, False
             again: list[Item] = []
             for message, env, record in sending:
                 if (limit is not None and record.spent >= limit) or outcome.permanent:
@@ -651,20 +662,23 @@ class Dispatcher:
                 else:
                     again.append((message, env))
             most = max(record.number for _, _, record in sending)
-            return again, retry_delay(sub.retry, most, outcome.retry_after)
+            # The breaker decides before any of them spends its last attempt (`_await_breaker_decision`).
+            last_next = limit is not None and any(
+                record.spent + 1 >= limit for _, env, record in sending if env.message_id in unsettled)
+            return again, retry_delay(sub.retry, most, outcome.retry_after), last_next
         finally:
             if probe:  # answered already, this does nothing; else no request was made
                 self.breaker.probed(probe, None)
 
-    async def _attempt_batch(self, sub: Subscription,
-                             sending: list[tuple[Any, Envelope, AttemptRecord]]) -> Outcome | None:
+    async def _attempt_batch(self, sub: Subscription, sending: list[tuple[Any, Envelope, AttemptRecord]],
+                             probe: bool = False) -> Outcome | None:
         """One request carrying `sending` (one message and no batch in effect: the single-message form)."""
         if sub.batch is None and len(sending) == 1:
             _, env, record = sending[0]
-            return await self._attempt(sub, env, record.number)
+            return await self._attempt(sub, env, record.number, probe)
         request = build_batch_request(sub, [(env, record.number) for _, env, record in sending])
         webhook_id = batch_id([env.message_id for _, env, _ in sending])
-        return await self._request(sub, request, webhook_id, len(sending))
+        return await self._request(sub, request, webhook_id, len(sending), probe)
 
     # -- one message -------------------------------------------------------------------------
 
@@ -734,6 +748,7 @@ class Dispatcher:
         """Deliver until acked, dead-lettered or dropped; returns the settled record still to write."""
         if not self._sendable(env):
             return await self._settle_unsent(message, env)
+        first_failed_at = 0.0
         while not self._stopping.is_set():
             sub = self.sub  # an edit applies from the next attempt on
             if not (self.may_deliver() or await self._wait_until_may_deliver()):
@@ -744,9 +759,26 @@ class Dispatcher:
             step = await self._try_once(message, env, sub, probe)
             if not isinstance(step, _Again):
                 return step
+            first_failed_at = first_failed_at or step.failed_at
             if step.retry_delay is not None:
                 await self._hold_for_retry(step.retry_delay)
+            if step.last_next:
+                await self._await_breaker_decision(first_failed_at)
         return None
+
+    async def _await_breaker_decision(self, since: float) -> None:
+        """Before a message's last attempt: while every attempt to the endpoint has failed since this
+        message's first failed (`since`: the endpoint, not the message, is failing) and the breaker has
+        not decided,
+        wait for it. It opens: the message waits its turn uncounted, not dead-lettered. Something is
+        acked meanwhile: the last attempt goes as usual. Without it, an endpoint that goes down had
+        every message of its breaker's first minutes dead-lettered before the breaker opened."""
+        while not self._stopping.is_set():
+            wait = self.breaker.undecided(since)
+            if wait <= 0:
+                self.breaker.holds()  # its time may have come: it opens now, not at the next attempt
+                return
+            await wait_any(self.breaker.changed, self._stopping, seconds=wait)
 
     async def _try_once(self, message: Any, env: Envelope, sub: Subscription,
                         probe: int) -> Awaitable[None] | _Again | None:
@@ -757,9 +789,12 @@ class Dispatcher:
             limit = sub.attempt_limit
             if not self._needs_request(env, record, limit):
                 return await self._settle_without_request(message, env, sub, record)
-            outcome = await self._attempt(sub, env, record.number)
-            if outcome is None:  # the lease could not be vouched for right before sending: no request
-                return AGAIN  # `_wait_until_may_deliver` waits for a renewal (next number) or the stop
+            outcome = await self._attempt(sub, env, record.number, probe != 0)
+            answered_at = time.monotonic()
+            if outcome is None:  # held back right before sending (the breaker opened, the lease lapsed)
+                if not probe:
+                    await self.attempts.unsent(sub.key, [env.message_id])  # uses up no attempt
+                return AGAIN  # the breaker's turn, or `_wait_until_may_deliver`, waits
             if probe:
                 self.breaker.probed(probe, outcome.acked)
             entry = attempt_entry(record.number, outcome, self.ctx.worker_id)
@@ -784,7 +819,8 @@ class Dispatcher:
             # every probe, and the breaker would never close.
             if (limit is not None and record.spent >= limit) or outcome.permanent:
                 return await self._give_up(message, env, sub, record.number, outcome.last_status, [])
-            return _Again(retry_delay(sub.retry, record.number, outcome.retry_after))
+            return _Again(retry_delay(sub.retry, record.number, outcome.retry_after),
+                          last_next=limit is not None and record.spent + 1 >= limit, failed_at=answered_at)
         finally:
             if probe:  # answered already, this does nothing; else no request was made
                 self.breaker.probed(probe, None)
@@ -818,14 +854,16 @@ class Dispatcher:
         # Exhausted in an earlier life (crash before the dead-letter was confirmed): no new request.
         return await self._give_up(message, env, sub, record.number - 1, record.last_status or "unknown", [])
 
-    async def _attempt(self, sub: Subscription, env: Envelope, attempt: int) -> Outcome | None:
-        """One request, or None when the lease was lost while waiting for an endpoint slot."""
-        return await self._request(sub, build_request(sub, env, attempt), env.message_id)
+    async def _attempt(self, sub: Subscription, env: Envelope, attempt: int, probe: bool = False) -> Outcome | None:
+        """One request, or None when it was held back while it waited for its turn (`_request`)."""
+        return await self._request(sub, build_request(sub, env, attempt), env.message_id, probe=probe)
 
     async def _request(self, sub: Subscription, request: PushRequest, webhook_id: str,
-                       messages: int = 1) -> Outcome | None:
+                       messages: int = 1, probe: bool = False) -> Outcome | None:
         """Send `request` (carrying `messages`; `webhook_id`: its id when signed) once the rate limit
-        and the endpoint's window allow; None when the lease was lost meanwhile."""
+        and the endpoint's window allow; None when it may not go any more: the lease was lost, or the
+        breaker opened meanwhile and this is no probe (requests queued for the rate limit went out
+        after it had opened)."""
         if request.omitted_attributes:
             self.m.attributes_omitted.inc(request.omitted_attributes)
         # The rate limit before a concurrency slot: a request waiting for its turn holds no slot.
@@ -833,7 +871,8 @@ class Dispatcher:
         if waited:
             self.m.rate_limited_seconds.inc(waited)
         ticket = await self.endpoint_limit.acquire()
-        if not self.may_deliver():  # checked again right before the request: Redis may have been slow
+        # Checked again right before the request: Redis may have been slow, the breaker may have opened.
+        if not self.may_deliver() or (self.breaker.is_open and not probe):
             self.endpoint_limit.release(None, ticket)
             return None
         try:
@@ -843,6 +882,8 @@ class Dispatcher:
             raise
         self.endpoint_limit.release(outcome, ticket)
         self.health.record(outcome.acked, outcome.last_status)
+        if outcome.acked:
+            self.breaker.acked()
         self.stats.recent.record(outcome, messages)
         self._report_state()  # Error comes with time, so compare with what was reported
         self.m.delivery(outcome.label).inc(messages)
