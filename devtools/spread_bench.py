@@ -22,12 +22,12 @@ CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 100_000
 
 
-def cgroups_available() -> str:
-    """Why the section cannot run here ("" when it can)."""
-    if not (CPU_CGROUP / "cpu.cfs_quota_us").exists():
-        return "no cgroup v1 cpu controller at /sys/fs/cgroup/cpu"
+def cgroups_available(controller: Path = CPU_CGROUP, limit_file: str = "cpu.cfs_quota_us") -> str:
+    """Why cgroups of a v1 `controller` cannot be made here ("" when they can)."""
+    if not (controller / limit_file).exists():
+        return f"no cgroup v1 {controller.name} controller at {controller}"
     try:
-        probe = CPU_CGROUP / f"pw-bench-probe-{time.monotonic_ns()}"
+        probe = controller / f"pw-probe-{time.monotonic_ns()}"
         probe.mkdir()
         probe.rmdir()
     except OSError as e:

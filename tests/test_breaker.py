@@ -39,6 +39,19 @@ async def suspended(start_worker, client: Client, redis: aioredis.Redis, definit
     return w, w.dispatchers[key]
 
 
+def down_for(seconds: float) -> tuple[Any, list[float]]:
+    """An endpoint behaviour answering 503 for `seconds` from its first request, then 204; and the
+    list that gets the moment it comes back."""
+    down_until: list[float] = []
+
+    def behaviour(r: Received) -> web.Response:
+        if not down_until:
+            down_until.append(r.at + seconds)
+        return web.Response(status=503 if r.at < down_until[0] else 204)
+
+    return behaviour, down_until
+
+
 def failing_for(health: EndpointHealth, seconds: float, failures: int = 3) -> None:
     for _ in range(failures):
         health.record(False, "503")
@@ -110,14 +123,7 @@ async def test_an_endpoint_down_for_two_minutes_dead_letters_nothing_and_gets_on
     """Down for 120 s with S = 10 and P = 5: the subscription is Suspended (state, reason, metric),
     once open only probes reach the endpoint (one per P), nothing is dead-lettered, and every
     message is delivered once it is back; the probes used up no attempts."""
-    down_until: list[float] = []
-
-    def down_for_two_minutes(r: Received) -> web.Response:
-        if not down_until:
-            down_until.append(r.at + 120)
-        return web.Response(status=503 if r.at < down_until[0] else 204)
-
-    endpoint.behaviour = down_for_two_minutes
+    endpoint.behaviour, down_until = down_for(120)
     definition = push_sub("flaky", topic, endpoint.url, max_deliver=6, dead_letter={"topic": topic + "-dlq"},
                           retry={"min_backoff_seconds": 3, "max_backoff_seconds": 3})
     # Attempts at 0, 3, 6, 9 s fail; the breaker opens at 10 s, before the 6th and last attempt.
@@ -190,14 +196,7 @@ async def test_the_breaker_decides_before_an_outage_dead_letters_anything(
     of 5 s / 2 s: every message's last attempt waits for the breaker, which opens; none is dead-lettered,
     only probes reach the endpoint while it is open, and everything is delivered once it is back.
     Before, all 100 were dead-lettered within 2 s of the outage's start."""
-    down_until: list[float] = []
-
-    def down_for_a_while(r: Received) -> web.Response:
-        if not down_until:
-            down_until.append(r.at + 15)
-        return web.Response(status=503 if r.at < down_until[0] else 204)
-
-    endpoint.behaviour = down_for_a_while
+    endpoint.behaviour, down_until = down_for(15)
     definition = push_sub("outage", topic, endpoint.url, max_deliver=3, dead_letter={"topic": topic + "-dlq"},
                           retry={"min_backoff_seconds": 0.2, "max_backoff_seconds": 1})
     definition["deliver"]["push"]["breaker"] = {"open_after_seconds": 5, "probe_interval_seconds": 2}

@@ -21,6 +21,7 @@ import redis
 import yaml
 
 from devtools import apache_pulsar
+from devtools.spread_bench import cgroups_available
 from tests.support import brokers
 from tests.support.builders import push_sub
 from tests.support.endpoints import Endpoint
@@ -33,19 +34,6 @@ POD_BYTES = 1 << 30
 FLEET = "contain"
 SUBSCRIPTIONS = 50
 POISONED = 17
-
-
-def memory_cgroups() -> str:
-    """Why the test cannot run here ("" when it can)."""
-    if not (MEMORY / "memory.limit_in_bytes").exists():
-        return "no cgroup v1 memory controller at /sys/fs/cgroup/memory"
-    probe = MEMORY / f"pw-probe-{uuid.uuid4().hex[:8]}"
-    try:
-        probe.mkdir()
-        probe.rmdir()
-    except OSError as e:
-        return f"cannot create a memory cgroup ({e.strerror}): run as root"
-    return ""
 
 
 @contextlib.contextmanager
@@ -129,7 +117,7 @@ def unguarded_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[objec
 @pytest.mark.timeout(480)
 async def test_a_bomb_costs_at_most_two_deaths_and_quarantines_its_subscription_alone(
         unguarded_broker, redis_url, endpoint: Endpoint, tmp_path: Path):
-    why = memory_cgroups()
+    why = cgroups_available(MEMORY, "memory.limit_in_bytes")
     if why:
         pytest.skip(why)
     broker = unguarded_broker

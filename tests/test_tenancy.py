@@ -320,6 +320,6 @@ def test_a_project_directory_that_links_out_of_the_secrets_dir_is_refused(tmp_pa
     os.symlink(elsewhere, secrets / "p-evil")
     os.symlink("..data/p-a", secrets / "p-a")
     store = SecretStore(secrets_dir=secrets)
-    with pytest.raises(SecretUnavailable, match="the project's directory links outside secrets.dir"):
+    with pytest.raises(SecretUnavailable, match=r"the project's directory links outside secrets\.dir"):
         store.read(SecretRef(secret="token", project="p-evil"))
     assert store.read(SecretRef(secret="token", project="p-a")) == b"p-a's own"
