@@ -15,6 +15,7 @@ import itertools
 import time
 from collections.abc import Callable
 
+from worker.aio import wait_any
 from worker.core.endpoint_health import ERROR_MIN_FAILURES, EndpointHealth
 from worker.subscriptions import BreakerPolicy
 
@@ -36,15 +37,26 @@ class Breaker:
         self._probing = 0  # the id of the probe under way, 0: none
         self._probe_due = 0.0
         self._timer: asyncio.TimerHandle | None = None
-        self.changed = asyncio.Event()  # set (then replaced) when it opens or closes, or an attempt is acked
+        self._changed = asyncio.Event()  # set (then replaced) when it opens or closes, or an attempt is acked
+        self._deciding = 0  # messages waiting in `decision`
 
-    def _changed(self) -> None:
-        self.changed.set()
-        self.changed = asyncio.Event()
+    def _change(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     def acked(self) -> None:
-        """An attempt was acked: the failing streak is over; who waits for a decision goes on."""
-        self._changed()
+        """An attempt was acked: the failing streak is over; who waits for a decision goes on (asked
+        after every ack: nothing is done while nobody waits)."""
+        if self._deciding:
+            self._change()
+
+    async def decision(self, stop: asyncio.Event, seconds: float) -> None:
+        """Wait up to `seconds` for the breaker to open or close, an ack, or `stop`."""
+        self._deciding += 1
+        try:
+            await wait_any(self._changed, stop, seconds=seconds)
+        finally:
+            self._deciding -= 1
 
     def undecided(self, since: float) -> float:
         """Seconds until the breaker decides about a failing streak that began by `since` (monotonic):
@@ -76,7 +88,7 @@ class Breaker:
         self.opened_at, self.opened_wall = self.clock(), time.time()
         self._probe_due = self.opened_at + self.policy.probe_interval_seconds
         self.on_change()
-        self._changed()
+        self._change()
 
     async def turn(self, publish_time_ms: int) -> int:
         """Wait while the breaker is open. Not 0: this message is the probe of that id (report it
@@ -121,7 +133,7 @@ class Breaker:
             if not waiter.done():
                 waiter.set_result(0)
         self.on_change()
-        self._changed()
+        self._change()
 
     def set_policy(self, policy: BreakerPolicy | None) -> None:
         """A live edit; `off` closes an open breaker."""

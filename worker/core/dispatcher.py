@@ -778,7 +778,7 @@ class Dispatcher:
             if wait <= 0:
                 self.breaker.holds()  # its time may have come: it opens now, not at the next attempt
                 return
-            await wait_any(self.breaker.changed, self._stopping, seconds=wait)
+            await self.breaker.decision(self._stopping, wait)
 
     async def _try_once(self, message: Any, env: Envelope, sub: Subscription,
                         probe: int) -> Awaitable[None] | _Again | None:
