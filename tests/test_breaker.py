@@ -224,7 +224,9 @@ async def test_a_message_that_fails_alone_is_dead_lettered_on_time(start_worker,
     endpoint.behaviour = lambda r: web.Response(status=500 if r.body_payload == b"poison" else 204)
     definition = push_sub("alone", topic, endpoint.url, max_deliver=3, dead_letter={"topic": topic + "-dlq"},
                           retry={"min_backoff_seconds": 0.2, "max_backoff_seconds": 1})
+    del definition["deliver"]["push"]["breaker"]  # the product's default: on
     sub = parse_subscription(definition, trusted=True)
+    assert sub.breaker == BreakerPolicy(300, 30)
     w = await start_worker(sub)
     dispatcher = w.dispatchers[sub.key]
     client.publish(topic, [b"poison"])

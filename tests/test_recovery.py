@@ -30,7 +30,8 @@ def worker_config(path: Path, broker_url: str, redis: str | dict, topic: str, ur
             "name": "crashy", "topic": topic, "type": sub.get("type", "shared"),
             "max_deliver": sub.get("max_deliver", 5),
             "ack_deadline_seconds": 5, "retry": {"min_backoff_seconds": 0.3, "max_backoff_seconds": 0.6},
-            "deliver": {"mode": "push", "push": {"url": url}},
+            # The breaker off, as in every test not about it (tests/support/builders.push_sub says why).
+            "deliver": {"mode": "push", "push": {"url": url, "breaker": "off"}},
             "dead_letter": {"topic": topic + "-dlq"},
             **({"max_ack_pending": sub["max_ack_pending"]} if "max_ack_pending" in sub else {}),
         }],

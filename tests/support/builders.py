@@ -35,10 +35,12 @@ TEST_DEFAULTS: dict[str, Any] = {"ack_deadline_seconds": 5, "max_deliver": 3,
 
 
 def push_sub(name: str, topic: str, url: str, **extra: Any) -> dict[str, Any]:
-    """A push subscription definition as a user writes it (YAML/JSON), with TEST_DEFAULTS; `extra`
-    overrides."""
+    """A push subscription definition as a user writes it (YAML/JSON), with TEST_DEFAULTS and the
+    breaker off; `extra` overrides. The breaker is on by default in the product: there, an endpoint
+    that fails every attempt dead-letters nothing until the breaker decides (five minutes), which a
+    test of dead-lettering would wait for; tests/test_breaker.py tests it, on."""
     return {"name": name, "topic": topic, **copy.deepcopy(TEST_DEFAULTS),
-            "deliver": {"mode": "push", "push": {"url": url}}, **extra}
+            "deliver": {"mode": "push", "push": {"url": url, "breaker": "off"}}, **extra}
 
 
 def make_sub(topic: str, url: str, **overrides: Any) -> Subscription:
