@@ -129,9 +129,14 @@ class FleetHarness:
 
 
 def fleet_sub(name: str, topic: str, url: str, **extra) -> dict:
-    """Fleet tests retry for as long as they run (messages must arrive whatever the owner does)."""
-    return push_sub(name, topic, url, **{"max_deliver": 1000,
-                                         "retry": {"min_backoff_seconds": 0.2, "max_backoff_seconds": 0.5}, **extra})
+    """Fleet tests retry for as long as they run (messages must arrive whatever the owner does), with
+    the breaker at its default: the previous release's workers (tests/test_upgrade.py) know no
+    `breaker` field, and nothing here is dead-lettered for it to hold back."""
+    definition = push_sub(name, topic, url, **{"max_deliver": 1000,
+                                               "retry": {"min_backoff_seconds": 0.2, "max_backoff_seconds": 0.5},
+                                               **extra})
+    definition["deliver"]["push"].pop("breaker", None)
+    return definition
 
 
 def topics(n: int) -> list[str]:
