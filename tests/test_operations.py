@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -289,3 +290,42 @@ async def test_dead_letters_are_selected_by_when_they_failed_and_how_and_a_dry_r
     assert await listed() == sorted(later)  # the 404s stay for another decision
     code, _, err = await cli("dlq", "list", sub.name, "--config", config, "--since", "yesterday")
     assert code == 2 and "--since: must be an RFC 3339 time" in err, err
+
+
+@pytest.mark.apache_pulsar  # pulsar-lite refuses (times out) a second consumer on the cursor while one holds messages
+async def test_dlq_list_says_when_the_broker_holds_dead_letters_it_did_not_return(
+        broker, client: Client, topic, redis_url, tmp_path):
+    """Dead letters the cursor holds but the broker does not hand out (another consumer of the cursor
+    took them here; pulsar-lite's stalls over its flow limit the same way) are counted from the
+    broker's backlog: `dlq list` says so instead of "no dead letters", and lists them once returned."""
+    import pulsar
+
+    from tests.support import brokers
+    from worker.deadletter import DLQ_CURSOR
+
+    dlq_topic = topic + "-dlq"
+    config, _ = worker_yaml(tmp_path, broker.url, redis_url,
+                            push_sub("held-push", topic, "https://example.com/push",
+                                     dead_letter={"topic": dlq_topic}))
+    doc = yaml.safe_load(Path(config).read_text())
+    doc["pulsar"].update({"admin_url": brokers.admin_url(broker)} if brokers.admin_url(broker)
+                         else {"metrics_url": broker.metrics_url})
+    Path(config).write_text(yaml.safe_dump(doc))
+    holder = client.client.subscribe(dlq_topic, DLQ_CURSOR, consumer_type=pulsar.ConsumerType.Shared,
+                                     initial_position=pulsar.InitialPosition.Earliest, receiver_queue_size=100)
+    props = {"pubsub.subscription": "held-push", "pubsub.original_topic": topic, "pubsub.last_status": "503"}
+    client.publish(dlq_topic, [b"a", b"b", b"c"], properties=props)
+    held = [holder.receive(timeout_millis=10_000) for _ in range(3)]  # taken, not acked: held by this consumer
+
+    code, out, err = await cli("dlq", "list", "held-push", "--config", config)
+    assert code == 0, err
+    assert "no dead letters returned" in out and "holds 3 more message(s)" in out, out
+    code, out, err = await cli("dlq", "list", "held-push", "--config", config, "--json")
+    assert json.loads(out)["unreturned"] == 3 and json.loads(out)["messages"] == []
+
+    holder.close()  # back to the cursor: listed now, nothing said of held ones
+    code, out, err = await cli("dlq", "list", "held-push", "--config", config, "--json")
+    assert code == 0, err
+    listed = json.loads(out)
+    assert len(listed["messages"]) == 3 and listed["unreturned"] == 0, listed
+    assert len(held) == 3

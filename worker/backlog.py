@@ -17,7 +17,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from worker.aio import wait_event
-from worker.broker_admin import BODY_CAP, AdminError, read_capped, refusal, subscription_stats
+from worker.broker_admin import BODY_CAP, AdminError, read_capped, refusal, topic_stats
 from worker.core.metrics import Metrics
 from worker.fleet.expiry import ExpiryWatch
 from worker.subscriptions import Subscription, topic_parts
@@ -62,19 +62,27 @@ class BacklogReader:
 
     async def read(self, subs: Iterable[Subscription]) -> dict[str, float]:
         subs = list(subs)
+        found = await self.read_cursors({(s.topic, s.pulsar_subscription) for s in subs})
+        return {s.key: v for s in subs if (v := found.get((s.topic, s.pulsar_subscription))) is not None}
+
+    async def read_cursors(self, cursors: Iterable[tuple[str, str]]) -> dict[tuple[str, str], float]:
+        """{(topic, Pulsar subscription): backlog} for those the broker reports."""
+        out: dict[tuple[str, str], float] = {}
         if self.admin_url:
-            return {s.key: v for s in subs if (v := await self._from_admin(s)) is not None}
-        if self.metrics_url:
+            for topic, name in cursors:
+                stats = await topic_stats(self.session, self.admin_url, topic)
+                entry = ((stats or {}).get("subscriptions") or {}).get(name)
+                if isinstance(entry, dict):
+                    out[(topic, name)] = float(entry.get("msgBacklog", 0))
+        elif self.metrics_url:
             samples = parse_backlog_metrics(await self._get_text(self.metrics_url))
-            out: dict[str, float] = {}
-            for s in subs:
-                _, tenant, namespace, _ = topic_parts(s.topic)
-                values = [v for (t, ns, name), v in samples.items() if name == s.pulsar_subscription
-                          and _topic_matches(t, s.topic) and ns in ("", f"{tenant}/{namespace}")]
+            for topic, name in cursors:
+                _, tenant, namespace, _ = topic_parts(topic)
+                values = [v for (t, ns, label), v in samples.items() if label == name
+                          and _topic_matches(t, topic) and ns in ("", f"{tenant}/{namespace}")]
                 if values:
-                    out[s.key] = sum(values)
-            return out
-        return {}
+                    out[(topic, name)] = sum(values)
+        return out
 
     async def _get_text(self, url: str) -> str:
         timeout = aiohttp.ClientTimeout(total=10)
@@ -89,11 +97,6 @@ class BacklogReader:
                 raise refusal("pulsar.metrics_url", response.status, body, self.session)
             response.raise_for_status()
             return body.decode("utf-8", "replace")
-
-    async def _from_admin(self, sub: Subscription) -> float | None:
-        assert self.admin_url is not None
-        entry = await subscription_stats(self.session, self.admin_url, sub)
-        return None if entry is None else float(entry.get("msgBacklog", 0))
 
 
 class BacklogReport:

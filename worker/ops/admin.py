@@ -53,6 +53,8 @@ class Target:
     redis_url: str | None = field(default=None, repr=False)
     pulsar_url: str | None = None
     configured: bool = False  # `settings` are a worker's config (--config), not the defaults
+    # The broker's Prometheus page when no pulsar.admin_url or metrics_url is configured (an embedded broker's)
+    pulsar_metrics_url: str | None = None
 
     @property
     def fleet(self) -> str:
@@ -95,7 +97,10 @@ def locate(config: str | None, redis_url: str | None = None, pulsar_url: str | N
         if settings.redis.mode == "standalone":  # a cluster or Sentinels are named by the config
             redis_url = redis_url or endpoints.get("redis_url")
         pulsar_url = pulsar_url or endpoints.get("pulsar_url")
-    return Target(settings, redis_url, pulsar_url, configured=config is not None)
+        metrics_url = endpoints.get("pulsar_metrics_url") if pulsar_url == endpoints.get("pulsar_url") else None
+    else:
+        metrics_url = None
+    return Target(settings, redis_url, pulsar_url, configured=config is not None, pulsar_metrics_url=metrics_url)
 
 
 def _load_definitions(path: str) -> list[Any]:

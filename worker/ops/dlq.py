@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import aiohttp
 import pulsar
 import pulsar.asyncio as pulsar_async
 from aiolimiter import AsyncLimiter
@@ -36,6 +37,8 @@ from aiolimiter import AsyncLimiter
 from worker import consumer as pulsar_adapter
 from worker import logs
 from worker.admission import check_secrets, secret_store
+from worker.backlog import BacklogReader
+from worker.broker_admin import AdminError, make_session
 from worker.config import PulsarSettings
 from worker.core import keys
 from worker.core.attempts import AttemptStore
@@ -44,7 +47,7 @@ from worker.core.dispatcher import DeliveryContext, Dispatcher
 from worker.core.messages import Envelope, base64_text, rfc3339
 from worker.core.metrics import Metrics
 from worker.core.redis_batch import Pipeliner
-from worker.deadletter import DeadLetterPublisher, subscribe_cursor
+from worker.deadletter import DLQ_CURSOR, DeadLetterPublisher, subscribe_cursor
 from worker.errors import NotFound, UsageError
 from worker.oidc import Tokens
 from worker.ops.admin import Admin, Target
@@ -172,6 +175,26 @@ class DeadLetterSource:
         await self.consumer.close()
 
 
+@dataclasses.dataclass
+class Peek:
+    """What one read of the cursor found: the selected dead letters (`found`, when kept) and their
+    `count`, every message it was handed (`seen`, anyone's), and how many the broker holds on the
+    cursor beyond those (`unreturned`; None: unknown)."""
+
+    found: list[pulsar.Message] = dataclasses.field(default_factory=list)
+    count: int = 0
+    seen: int = 0
+    unreturned: int | None = None
+
+
+def _unreturned_line(unreturned: int | None) -> str:
+    if not unreturned:
+        return ""
+    return (f"\nthe broker holds {unreturned} more message(s) on the dead-letter cursor that it did not return: "
+            "held by another consumer of the cursor (a redrive running?), or over pulsar-lite's flow limit "
+            "(about 20 MiB a request); they may be this subscription's")
+
+
 class DeadLetters:
     """The `dlq` commands for one fleet; each returns its Output."""
 
@@ -199,22 +222,41 @@ class DeadLetters:
                 await asyncio.wait_for(consumer.close(), timeout=5.0)
 
     async def _peek(self, sub: Subscription, limit: int, selection: Selection = Selection(),
-                    keep: bool = True) -> tuple[list[pulsar.Message], int]:
+                    keep: bool = True) -> Peek:
         """Up to `limit` of this subscription's selected dead letters, oldest first (only counted unless
         `keep`: a count holds no payloads), and how many; all released on return."""
-        found: list[pulsar.Message] = []
-        count = 0
+        peek = Peek()
         async with self._cursor(sub) as consumer:
-            while count < limit:
+            while peek.count < limit:
                 try:
                     message = await asyncio.wait_for(consumer.receive(), QUIET_SECONDS)
                 except TimeoutError:
+                    peek.unreturned = await self._unreturned(sub, peek.seen)
                     break
+                peek.seen += 1
                 if is_for(sub, message) and selection.takes(message):
-                    count += 1
+                    peek.count += 1
                     if keep:
-                        found.append(message)
-        return found, count
+                        peek.found.append(message)
+        return peek
+
+    async def _unreturned(self, sub: Subscription, seen: int) -> int | None:
+        """Messages on the cursor the broker did not hand out while it was read (pulsar-lite holds back
+        what exceeds its flow limit, another consumer of the cursor holds what it took), from the
+        broker's backlog; None when no broker stats are reachable (pulsar.admin_url, metrics_url)."""
+        pulsar_settings = self.target.settings.pulsar
+        metrics_url = pulsar_settings.metrics_url or self.target.pulsar_metrics_url
+        if not (pulsar_settings.admin_url or metrics_url):
+            return None
+        assert sub.dead_letter_topic is not None
+        async with make_session(pulsar_settings.auth_token, pulsar_settings.tls_trust_certs_file) as session:
+            try:
+                found = await BacklogReader(session, pulsar_settings.admin_url, metrics_url).read_cursors(
+                    [(sub.dead_letter_topic, DLQ_CURSOR)])
+            except (aiohttp.ClientError, TimeoutError, AdminError, ValueError):
+                return None
+        backlog = found.get((sub.dead_letter_topic, DLQ_CURSOR))
+        return None if backlog is None else max(0, int(backlog) - seen)
 
     @staticmethod
     def _summary(message: pulsar.Message) -> dict[str, Any]:
@@ -227,19 +269,23 @@ class DeadLetters:
 
     async def list(self, admin: Admin, name: str, limit: int, selection: Selection = Selection()) -> Output:
         sub = await self.subscription(admin, name)
-        rows = [self._summary(m) for m in (await self._peek(sub, limit, selection))[0]]
+        peek = await self._peek(sub, limit, selection)
+        rows = [self._summary(m) for m in peek.found]
         data = {"subscription": sub.key, "dead_letter_topic": sub.dead_letter_topic, **selection.describe(),
-                "messages": rows}
+                "messages": rows, "unreturned": peek.unreturned}
+        hidden = _unreturned_line(peek.unreturned)
         if not rows:
-            return Output(data, f"{sub.key}: no dead letters in {sub.dead_letter_topic}")
+            found = "no dead letters returned" if peek.unreturned else "no dead letters"
+            return Output(data, f"{sub.key}: {found} in {sub.dead_letter_topic}{hidden}")
         more = f"\n(first {limit} shown; --limit for more)" if len(rows) >= limit else ""
         return Output(data, f"{sub.key}: {len(rows)} dead letter(s) in {sub.dead_letter_topic}\n"
-                            + table(rows, list(rows[0])) + more)
+                            + table(rows, list(rows[0])) + more + hidden)
 
     async def show(self, admin: Admin, name: str, message_id: str, limit: int) -> Output:
         """One dead letter (by its own id or its original id), with payload and attempt history."""
         sub = await self.subscription(admin, name)
-        for message in (await self._peek(sub, limit))[0]:
+        peek = await self._peek(sub, limit)
+        for message in peek.found:
             summary = self._summary(message)
             if message_id in (summary["dead_letter_id"], summary["message_id"]):
                 data = message.data() or b""
@@ -257,14 +303,17 @@ class DeadLetters:
                          if v is not None]
                 return Output({**out, "history": history.data["history"] if history else []},
                               "\n".join(lines) + ("\n\nattempts:\n" + history.text if history else ""))
-        raise NotFound(f"no dead letter {message_id} for {sub.key} among the first {limit} (--limit to look further)")
+        raise NotFound(f"no dead letter {message_id} for {sub.key} among the first {limit} (--limit to look further)"
+                       + _unreturned_line(peek.unreturned).replace("\n", "; "))
 
     async def dry_run(self, admin: Admin, name: str, limit: int | None, selection: Selection) -> Output:
         """What a redrive with the same selection would take; nothing moves."""
         sub = await self.subscription(admin, name)
-        _, count = await self._peek(sub, limit or DRY_RUN_LIMIT, selection, keep=False)
-        result = {"subscription": sub.key, "would_redrive": count, **selection.describe()}
-        return Output(result, f"{sub.key}: a redrive would take {count} dead letter(s); nothing was moved")
+        peek = await self._peek(sub, limit or DRY_RUN_LIMIT, selection, keep=False)
+        result = {"subscription": sub.key, "would_redrive": peek.count, **selection.describe(),
+                  "unreturned": peek.unreturned}
+        return Output(result, f"{sub.key}: a redrive would take {peek.count} dead letter(s); nothing was moved"
+                              + _unreturned_line(peek.unreturned))
 
     async def redrive(self, admin: Admin, name: str, rate: float, limit: int | None, concurrency: int,
                       progress: Callable[[str], None], message_id: str | None = None,
