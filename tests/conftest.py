@@ -7,6 +7,7 @@ Nothing here is a mock: the broker, Redis and endpoints are the programs a user 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import os
 import shutil
@@ -29,6 +30,8 @@ from tests.support.helpers import eventually, self_signed
 from tests.support.pulsar_client import Client
 from tests.support.redis_targets import RedisTarget
 from worker import embedded
+from worker.api.server import AdminServer
+from worker.api.settings import AdminSettings
 from worker.config import RedisSettings
 from worker.fleet.registry import Registry
 from worker.service import Worker
@@ -261,6 +264,23 @@ async def start_worker(broker: Any, redis_target: RedisTarget) -> AsyncIterator[
     yield start
     for w in workers:
         await w.close()
+
+
+@pytest.fixture
+async def start_admin() -> AsyncIterator[Callable[..., Awaitable[AdminServer]]]:
+    """The operator API and console for a started worker's fleet, in the test's process (`push-worker
+    admin` runs the same server in a process of its own: tests/test_admin_process.py)."""
+    servers: list[AdminServer] = []
+
+    async def start(w: Worker, settings: AdminSettings) -> AdminServer:
+        server = AdminServer(settings, dataclasses.replace(w.settings, admin=settings), w.redis_url, w.pulsar_url)
+        servers.append(server)
+        await server.start()
+        return server
+
+    yield start
+    for server in servers:
+        await server.close()
 
 
 @pytest.fixture

@@ -97,12 +97,11 @@ def definition(name: str, topic: str, url: str) -> dict[str, Any]:
 
 
 async def test_an_operator_finds_a_failing_subscription_reads_why_pauses_it_and_redrives_a_dead_letter(
-        start_worker, endpoint: Endpoint, client: Client, browser, tmp_path: Path):
+        start_worker, start_admin, endpoint: Endpoint, client: Client, browser, tmp_path: Path):
     settings, tokens = admin_settings(tmp_path / "admin")
-    w = await start_worker(admin=settings, fleet=FleetSettings(name="console-" + uuid.uuid4().hex[:8],
-                                                               lease_seconds=3, heartbeat_seconds=0.5))
-    assert w.admin is not None
-    base = f"http://127.0.0.1:{w.admin.port}"
+    w = await start_worker(fleet=FleetSettings(name="console-" + uuid.uuid4().hex[:8], lease_seconds=3,
+                                               heartbeat_seconds=0.5))
+    base = f"http://127.0.0.1:{(await start_admin(w, settings)).port}"
     alice = ApiClient(base, tokens["alice"])
     suffix = uuid.uuid4().hex[:8]
     failing_topic, fine_topic = f"persistent://p-a/main/orders-{suffix}", f"persistent://p-a/main/audit-{suffix}"
@@ -216,11 +215,10 @@ def _page_text(pages: Pages, path: str) -> str:
 
 
 async def test_a_form_posted_from_another_site_or_without_the_session_value_changes_nothing(
-        start_worker, endpoint: Endpoint, tmp_path: Path):
+        start_worker, start_admin, endpoint: Endpoint, tmp_path: Path):
     settings, tokens = admin_settings(tmp_path / "admin")
-    w = await start_worker(admin=settings, fleet=FleetSettings(name="csrf-" + uuid.uuid4().hex[:8]))
-    assert w.admin is not None
-    base = f"http://127.0.0.1:{w.admin.port}"
+    w = await start_worker(fleet=FleetSettings(name="csrf-" + uuid.uuid4().hex[:8]))
+    base = f"http://127.0.0.1:{(await start_admin(w, settings)).port}"
     topic = f"persistent://p-a/main/csrf-{uuid.uuid4().hex[:8]}"
     assert (await ApiClient(base, tokens["alice"]).call(
         "POST", "/v1/projects/p-a/subscriptions", definition("target", topic, endpoint.url)))[0] == 201

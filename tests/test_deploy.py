@@ -32,7 +32,9 @@ def rendered() -> dict[str, dict]:
     out = subprocess.run(["kubectl", "kustomize", str(DEPLOY / "overlays" / "example")], capture_output=True,
                          text=True, check=True).stdout
     docs = [d for d in yaml.safe_load_all(out) if d]
-    return {d["kind"]: d for d in docs}
+    # By kind, and by kind/name where a kind has several (the workers' and the admin process's)
+    return {d["kind"]: d for d in docs if d["metadata"]["name"] != "push-worker-admin"} | \
+        {f'{d["kind"]}/{d["metadata"]["name"]}': d for d in docs}
 
 
 def exported_metric_names() -> set[str]:
@@ -47,7 +49,8 @@ def exported_metric_names() -> set[str]:
 def test_every_object_validates(rendered):
     assert {"Namespace", "ServiceAccount", "ConfigMap", "Service", "Deployment", "PodDisruptionBudget",
             "HorizontalPodAutoscaler", "ServiceMonitor"} <= set(rendered)
-    for kind, obj in rendered.items():
+    for obj in rendered.values():
+        kind = obj["kind"]
         if kind not in CRDS:
             kubernetes_validate.validate(obj, "1.30", strict=True)
         assert kind == "Namespace" or obj["metadata"]["namespace"] == "pubsub"
@@ -117,6 +120,46 @@ def test_cross_references(rendered):
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     assert f"EXPOSE {ports['http']}" in dockerfile
     assert f"USER {pod['securityContext']['runAsUser']}" in dockerfile
+
+
+@needs_kubectl
+def test_the_admin_process_has_its_own_deployment_probes_and_service(rendered):
+    """`push-worker admin` on pods of its own: its ports are the config's, its probes its status
+    listener's, its Service the admin port, the tokens' and projects' secrets mounted where the
+    config reads them, non-root and bounded like the workers."""
+    admin = rendered["Deployment/push-worker-admin"]
+    settings = parse_settings(yaml.safe_load(rendered["ConfigMap"]["data"]["worker.yaml"]), env={})
+    assert settings.admin is not None and settings.admin.host == "0.0.0.0"
+    pod = admin["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert container["command"] + container["args"] == ["push-worker", "admin", "--config",
+                                                         "/etc/push-worker/worker.yaml"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"http": settings.http.port, "admin": settings.admin.port}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    service = rendered["Service/push-worker-admin"]
+    assert service["spec"]["ports"][0]["targetPort"] == "admin"
+    labels = admin["spec"]["template"]["metadata"]["labels"]
+    for selector in (admin["spec"]["selector"]["matchLabels"], service["spec"]["selector"],
+                     rendered["PodDisruptionBudget/push-worker-admin"]["spec"]["selector"]["matchLabels"]):
+        assert selector.items() <= labels.items()
+    # Never the workers' pods: their selectors do not match the admin pods, nor the other way round.
+    worker_labels = rendered["Deployment/push-worker"]["spec"]["template"]["metadata"]["labels"]
+    assert not service["spec"]["selector"].items() <= worker_labels.items()
+    assert not rendered["Service/push-worker"]["spec"]["selector"].items() <= labels.items()
+    mounts = [m["mountPath"] for m in container["volumeMounts"]]
+    assert all(any(t.file.startswith(m + "/") for m in mounts) for t in settings.admin.tokens)
+    assert str(settings.secrets_dir) in mounts
+    projected = {v["name"]: v for v in pod["volumes"]}["project-secrets"]["projected"]["sources"]
+    workers = {v["name"]: v for v in rendered["Deployment/push-worker"]["spec"]["template"]["spec"]["volumes"]}
+    assert projected == workers["project-secrets"]["projected"]["sources"] and projected  # the overlay's, both
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["resources"]["requests"] and container["resources"]["limits"]
+    env = {e["name"]: e for e in container["env"]}
+    for name in ("PUSH_WORKER_PULSAR_URL", "PUSH_WORKER_REDIS_URL", "PUSH_WORKER_PULSAR_TOKEN"):
+        assert "secretKeyRef" in env[name]["valueFrom"]
 
 
 def test_alerts_use_the_job_name_the_service_monitor_produces():

@@ -34,7 +34,7 @@ def definition(name: str, topic: str, url: str, **extra: Any) -> dict[str, Any]:
 
 
 @pytest.fixture
-async def fleet(start_worker, tmp_path: Path):
+async def fleet(start_worker, start_admin, tmp_path: Path):
     """A worker with the admin listener; clients per principal; the secret its subscriptions use."""
     secrets = tmp_path / "secrets"
     for project in ("p-a", "p-b"):
@@ -42,11 +42,9 @@ async def fleet(start_worker, tmp_path: Path):
         (secrets / project / "push-token").write_text(f"{project}-bearer-{uuid.uuid4().hex}")
     issuer = new_issuer()
     settings, tokens = admin_settings(tmp_path / "admin", issuer)
-    w = await start_worker(admin=settings, secrets_dir=secrets,
-                           fleet=FleetSettings(name="api-" + uuid.uuid4().hex[:8], lease_seconds=3,
-                                               heartbeat_seconds=0.5))
-    assert w.admin is not None
-    base = f"http://127.0.0.1:{w.admin.port}"
+    w = await start_worker(secrets_dir=secrets, fleet=FleetSettings(name="api-" + uuid.uuid4().hex[:8],
+                                                                    lease_seconds=3, heartbeat_seconds=0.5))
+    base = f"http://127.0.0.1:{(await start_admin(w, settings)).port}"
     clients = {name: ApiClient(base, token) for name, token in tokens.items()}
     return w, base, clients, issuer, secrets, tmp_path / "admin"
 

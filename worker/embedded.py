@@ -177,7 +177,7 @@ def _size(path: Path | None) -> int:
 _PR_SET_PDEATHSIG = 1
 
 
-def _parent_death_signal() -> Callable[[], None] | None:
+def parent_death_signal() -> Callable[[], None] | None:
     """What a child runs before exec so that the kernel sends it SIGTERM when the thread that started
     it ends (Linux); None elsewhere. libc is loaded here, in the parent: the child only calls it."""
     if not sys.platform.startswith("linux"):
@@ -203,7 +203,7 @@ def _spawn(argv: list[str], cwd: Path | None, log_path: Path | None,
     try:
         return subprocess.Popen(argv, cwd=cwd, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                                 start_new_session=True,
-                                preexec_fn=_parent_death_signal() if die_with_parent else None)
+                                preexec_fn=parent_death_signal() if die_with_parent else None)
     finally:
         if log_path and not isinstance(log, int):
             log.close()

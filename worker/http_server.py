@@ -6,15 +6,22 @@ from __future__ import annotations
 import os
 import ssl
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from worker.core.metrics import Metrics
 from worker.errors import StartupError
 from worker.oidc import Tokens, openid_configuration
 
 ReadyCheck = Callable[[], Awaitable[tuple[bool, str]]]
+
+
+class Exposed(Protocol):
+    """Metrics on a registry of their own (a worker's, or the admin process's)."""
+
+    registry: CollectorRegistry
+
 AliveCheck = Callable[[], tuple[bool, str]]
 
 
@@ -35,7 +42,7 @@ async def listen(runner: web.AppRunner, host: str, port: int, section: str, hint
 class StatusServer:
     """Serves metrics and probes; `port` is the bound port (useful when configured as 0)."""
 
-    def __init__(self, host: str, port: int, metrics: Metrics, ready: ReadyCheck,
+    def __init__(self, host: str, port: int, metrics: Exposed, ready: ReadyCheck,
                  alive: AliveCheck | None = None, tokens: Tokens | None = None) -> None:
         self.host, self.port = host, port
         self.metrics = metrics

@@ -20,7 +20,7 @@ from worker import broker_admin, compiled, logs, redis_client, redis_start, reso
 from worker import consumer as pulsar_adapter
 from worker.admission import admit_for, secret_store
 from worker.aio import wait_event
-from worker.api.server import AdminServer
+from worker.api.beside import AdminBeside
 from worker.backlog import BacklogReader, BacklogReport
 from worker.broker_watch import BrokerWatch
 from worker.config import Settings
@@ -50,8 +50,9 @@ PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "AL
 class Worker:
     """One worker process's delivery machinery."""
 
-    def __init__(self, settings: Settings, worker_id: str | None = None) -> None:
+    def __init__(self, settings: Settings, worker_id: str | None = None, config_path: str | None = None) -> None:
         self.settings = settings
+        self.config_path = config_path  # for the admin process beside an embedded worker
         self.worker_id = worker_id or os.environ.get("PUSH_WORKER_ID") or f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = Metrics()
         self.secrets = secret_store(settings)
@@ -68,7 +69,7 @@ class Worker:
         self.fleet: Fleet | None = None
         self.status: StatusServer | None = None
         self.backlog: BacklogReport | None = None
-        self.admin: AdminServer | None = None
+        self.admin: AdminBeside | None = None
 
     async def __aenter__(self) -> Worker:
         try:
@@ -127,10 +128,8 @@ class Worker:
                                                 max_payload_bytes=s.destinations.max_request_bytes),
                               self._stop, self._served_one)
         reader = BacklogReader(session, s.pulsar.admin_url, s.pulsar.metrics_url or local.metrics_url)
-        if s.admin is not None:  # the operator API and console; any worker answers (the state is in Redis)
-            self.admin = AdminServer(s.admin, s, self.redis_url, self.pulsar_url)
-            await self.admin.start()
-            self._cleanup("close the admin listener", self.admin.close, 5)
+        if s.admin is not None:
+            self._admin_beside(local)
         if not await redis_start.wait_until_answering(self.redis, self._stop, self.log, self.metrics.redis_errors.inc):
             return  # stopped while waiting
         await redis_start.warn_if_evicting(self.redis, self.log)
@@ -150,6 +149,18 @@ class Worker:
                             s.fleet.broker_lost_after_seconds, self.fleet.step_out, self.fleet.step_in, self._stop)
         self.supervisor.spawn("broker-watch", watch.run)
         self.supervisor.spawn("start", self._announce_start)
+
+    def _admin_beside(self, local: LocalServices) -> None:
+        """The operator API and console run in a process of their own (`push-worker admin`): started
+        here beside an embedded worker, on their own Deployment otherwise."""
+        if not local.services or self.config_path is None:
+            self.log.info("admin: is served by `push-worker admin --config FILE`, a process of its own; this "
+                             "worker does not serve it")
+            return
+        urls = {"redis_url": local.redis_url or "", "pulsar_url": local.pulsar_url or ""}
+        self.admin = AdminBeside(self.config_path, urls, self.log)
+        self.supervisor.spawn("admin", self.admin.run)
+        self._cleanup("stop the admin process", self.admin.close, 15)
 
     def _delivery_context(self, pipeliner: Pipeliner) -> DeliveryContext:
         """What every subscription's dispatcher shares: the endpoint client, the attempt store, the

@@ -18,12 +18,14 @@ from aiohttp import web
 from worker import logs
 from worker.api.auth import Authenticator, Unauthorized
 from worker.api.console import Console
+from worker.api.limits import MAX_CONNECTIONS, CallerLimits, CappedRunner, TooMany
+from worker.api.metrics import AdminMetrics
 from worker.api.operations import Conflict, Operations
 from worker.api.routes import PRINCIPAL, Api, Forbidden, Handler
 from worker.api.settings import AdminSettings
-from worker.cli import explain
 from worker.config import Settings
 from worker.errors import ConfigError, NotFound, StartupError
+from worker.explain import explain
 from worker.http_server import listen
 
 MAX_BODY_BYTES = 64 * 1024  # a definition is at most 16 KiB as JSON
@@ -53,12 +55,15 @@ def bearer(request: web.Request) -> str:
 
 
 class AdminServer:
-    def __init__(self, settings: AdminSettings, worker_settings: Settings, redis_url: str, pulsar_url: str) -> None:
+    def __init__(self, settings: AdminSettings, worker_settings: Settings, redis_url: str, pulsar_url: str,
+                 metrics: AdminMetrics | None = None) -> None:
         self.settings = settings
+        self.metrics = metrics or AdminMetrics()
         self.ops = Operations(worker_settings, redis_url, pulsar_url)
         self.port = settings.port
         self.log = logs.get()
         self._runner: web.AppRunner | None = None
+        self.limits = CallerLimits()
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -72,7 +77,8 @@ class AdminServer:
         app = web.Application(middlewares=[self._guard], client_max_size=MAX_BODY_BYTES)
         Api(self.ops).add_routes(app)
         Console(self.ops, self.auth, secure_cookie=self.tls).add_routes(app)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = CappedRunner(app, MAX_CONNECTIONS, self.metrics.limited.labels("connections").inc,
+                                    access_log=None)
         await self._runner.setup()
         context = None
         if self.tls:
@@ -106,6 +112,10 @@ class AdminServer:
     async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             response = await self._authenticated(request, handler)
+        except TooMany as e:
+            self.metrics.limited.labels(e.limit).inc()
+            response = self._error(request, 429, str(e))
+            response.headers["Retry-After"] = str(e.retry_after)
         except web.HTTPRedirection as e:  # the console's redirects (after a form, to the login page)
             response = web.Response(status=e.status, headers={"Location": e.headers.get("Location", "/console/")})
         except web.HTTPException as e:  # aiohttp's own (404 of an unknown path, 405, 413): as JSON or a page
@@ -115,11 +125,12 @@ class AdminServer:
             if status == 500:
                 self.log.exception("admin request failed", path=request.path)
                 text = "internal error (the worker's log has the details)"
-            elif status == 401:
-                self.log.info("admin request refused", path=request.path, reason=str(e))
+            elif status == 401:  # counted, not logged: an anonymous flood must not flood the log
+                self.metrics.refused_anonymous.inc()
                 text = "a valid bearer token is required"
             response = self._error(request, status, text)
         response.headers.update(SECURITY_HEADERS)
+        self.metrics.requests.labels(f"{response.status // 100}xx").inc()
         return response
 
     async def _authenticated(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -132,15 +143,16 @@ class AdminServer:
                 request[PRINCIPAL] = await self.auth.principal(token)
             except Unauthorized:
                 raise web.HTTPFound("/console/login") from None
+        else:
+            request[PRINCIPAL] = await self.auth.principal(bearer(request))
+        with self.limits.admit(request[PRINCIPAL].subject):
             return await handler(request)
-        request[PRINCIPAL] = await self.auth.principal(bearer(request))
-        return await handler(request)
 
     def _error(self, request: web.Request, status: int, text: str) -> web.StreamResponse:
         if request.path.startswith("/console"):
             return Console.error_page(status, text)
         codes = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "not_allowed",
-                 409: "conflict", 413: "too_large", 500: "internal", 503: "unavailable"}
+                 409: "conflict", 413: "too_large", 429: "too_many_requests", 500: "internal", 503: "unavailable"}
         headers: dict[str, Any] = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
         response = web.json_response({"error": {"code": codes.get(status, "error"), "message": text}},
                                      status=status)

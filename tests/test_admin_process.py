@@ -1,0 +1,110 @@
+"""`push-worker admin`: the operator API and console in a process of their own, as deployed
+(deploy/base/admin-deployment.yaml) and as an embedded worker starts it beside itself."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.support.admin import PRINCIPALS, admin_settings
+from tests.support.helpers import env, eventually, http_get, spawn_worker, stop_worker
+from worker.embedded import free_port
+
+
+def _admin_section(directory: Path, port: int) -> tuple[dict[str, Any], dict[str, str]]:
+    settings, tokens = admin_settings(directory)
+    section = {"host": "127.0.0.1", "port": port,
+               "tokens": [{"subject": t.subject, "file": t.file, "roles": PRINCIPALS[t.subject]}
+                          for t in settings.tokens]}
+    return section, tokens
+
+
+def _api(port: int, path: str, token: str) -> tuple[int, Any]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+    except OSError:
+        return 0, None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+async def test_push_worker_admin_serves_the_api_and_its_probes_and_stops_on_sigterm(broker, redis_url, tmp_path):
+    admin_port, http_port = free_port(), free_port()
+    section, tokens = _admin_section(tmp_path / "tokens", admin_port)
+    config = tmp_path / "worker.yaml"
+    config.write_text(yaml.safe_dump({"pulsar": {"service_url": broker.url}, "redis": {"url": redis_url},
+                                      "http": {"port": http_port}, "admin": section, "log": {"format": "json"}}))
+    with open(tmp_path / "admin.log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "admin", "--config", str(config)],
+                                stdout=log, stderr=log, env=env())
+    try:
+        await eventually(lambda: http_get(f"http://127.0.0.1:{http_port}/readyz")[0] == 200, timeout=30,
+                         what="the admin process ready")
+        assert http_get(f"http://127.0.0.1:{http_port}/healthz")[0] == 200
+        status, listed = await asyncio.to_thread(_api, admin_port, "/v1/projects/p-a/subscriptions", tokens["alice"])
+        assert status == 200 and listed["subscriptions"] == []
+        assert (await asyncio.to_thread(_api, admin_port, "/v1/projects/p-a/subscriptions", "forged"))[0] == 401
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=5) as answer:
+            metrics = answer.read().decode()
+        assert "pushworker_admin_refused_anonymous_total 1.0" in metrics, metrics
+        assert 'pushworker_admin_requests_total{status="2xx"} 1.0' in metrics
+    finally:
+        assert stop_worker(proc, 15) == 0
+    assert "admin process stopped" in (tmp_path / "admin.log").read_text()
+
+
+async def test_push_worker_admin_without_an_admin_section_says_so_in_one_line(redis_url, broker, tmp_path):
+    config = tmp_path / "worker.yaml"
+    config.write_text(yaml.safe_dump({"pulsar": {"service_url": broker.url}, "redis": {"url": redis_url}}))
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "worker.cli", "admin", "--config", str(config),
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                                                env=env())
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 2
+    assert err.decode().strip() == ("push-worker: invalid configuration: config: admin: is required: push-worker "
+                                    "admin serves the admin: section's listener (docs/operator-api.md)")
+
+
+async def test_an_embedded_worker_starts_the_admin_process_beside_it_and_takes_it_along_when_killed(tmp_path):
+    admin_port = free_port()
+    section, tokens = _admin_section(tmp_path / "tokens", admin_port)
+    config = tmp_path / "worker.yaml"
+    config.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state"), "http": {"port": free_port()},
+                                      "admin": section, "log": {"format": "json"}}))
+    log = tmp_path / "worker.log"
+    proc = spawn_worker(config, log)
+    try:
+        await eventually(lambda: asyncio.to_thread(lambda: _api(admin_port, "/v1/projects/p-a/subscriptions",
+                                                                tokens["alice"])[0] == 200),
+                         timeout=60, what="the API answering beside the embedded worker")
+        started = [json.loads(line) for line in log.read_text().splitlines()
+                   if line.startswith("{") and '"admin process started"' in line]
+        child = next(line["pid"] for line in started if "pid" in line)
+        assert child != proc.pid and _pid_alive(child)  # a process of its own
+        proc.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(proc.wait, 10)
+        await eventually(lambda: not _pid_alive(child), timeout=20, what="the admin process gone with the worker")
+    finally:
+        if proc.poll() is None:
+            stop_worker(proc, 30)
+    assert os.path.exists(log)
