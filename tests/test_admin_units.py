@@ -8,7 +8,8 @@ from unittest import mock
 from worker.api.operations import merged
 from worker.api.settings import parse_roles
 from worker.core import recent
-from worker.core.delivery import Outcome, Result, answer_text
+from worker.core.delivery import Outcome, Result
+from worker.core.redact import answer_text
 
 
 def test_roles_are_admin_or_a_role_on_a_project_and_the_stronger_of_two_wins():
@@ -66,11 +67,50 @@ def test_an_answer_keeps_no_credential_of_the_request_whole_in_parts_or_cut_off(
     headers = {"Authorization": "Bearer s3cr3t-token-value", "webhook-signature": "v1,c2lnbmF0dXJlMQ== v1,c2lnMg==",
                "Content-Type": "application/json"}
     text = answer_text(b"got Bearer s3cr3t-token-value and v1,c2lnbmF0dXJlMQ== json", headers)
-    assert "s3cr3t" not in text and "c2lnbmF0dXJlMQ" not in text and text.startswith("got [redacted]")
+    assert "s3cr3t" not in text and "c2lnbmF0dXJlMQ" not in text and text.startswith("got Bearer [redacted]")
     assert "application/json" not in headers["Authorization"] and "json" in text  # other words stay
     cut = answer_text(b"echo: s3cr3t-tok", headers)  # the preview ended inside the token
     assert cut == "echo: [redacted]"
     assert answer_text("caf\u00e9 \xff".encode("latin-1"), {}) == "caf\ufffd \ufffd"
+
+
+def _echoes(secret: str) -> dict[str, str]:
+    """The forms an endpoint may echo a credential in (#61's list)."""
+    import base64
+    import json
+    from urllib.parse import quote
+
+    half = len(secret) // 2
+    return {"urlencoded": quote(secret, safe=""), "json": json.dumps(secret).replace("/", "\\/"),
+            "json-unicode": "".join(c if c.isalnum() else f"\\u{ord(c):04X}" for c in secret),
+            "base64": base64.b64encode(secret.encode()).decode(),
+            "base64url": base64.urlsafe_b64encode(secret.encode()).decode().rstrip("="),
+            "hex": secret.encode().hex(), "HEX": secret.encode().hex().upper(),
+            "upper": secret.upper(), "lower": secret.lower(), "halves": f"{secret[:half]} ... {secret[half:]}",
+            "invalid byte": f"{secret[:half]}\udcff{secret[half:]}", "segments": " | ".join(secret.split("."))}
+
+
+def test_an_echoed_credential_is_cut_in_every_encoding_an_endpoint_may_use():
+    """Literal whole-value matches kept URL-encoded, JSON-escaped, base64, hex, other-case, split,
+    byte-inserted and JWT-segment echoes of the token in the attempt log (#61)."""
+    import jwt as pyjwt
+
+    opaque = "tok+en/With+Slash/and=Sign+0123456789abcdefXYZ"
+    signed = pyjwt.encode({"sub": "svc", "aud": "https://endpoint.example", "iat": 1_800_000_000,
+                           "exp": 1_800_003_600}, "k" * 32, algorithm="HS256")
+    for token in (opaque, signed):
+        headers = {"Authorization": f"Bearer {token}"}
+        for form, echoed in _echoes(token).items():
+            raw = f"you sent {echoed} to us".encode("utf-8", "surrogateescape")
+            text = answer_text(raw, headers)
+            assert text.startswith("you sent ") and text.endswith(" to us"), (form, text)
+            # No run of 8 characters of the credential, in any of its encodings, is left
+            left = text.replace("[redacted]", "\0")
+            for encoded in _echoes(token).values():
+                for i in range(len(encoded) - 7):
+                    assert encoded[i:i + 8].lower() not in left.lower(), (form, encoded[i:i + 8], text)
+    assert answer_text(b"nothing secret here at all", {"Authorization": f"Bearer {opaque}"}) == \
+        "nothing secret here at all"
 
 
 def test_subs_get_prints_a_series_on_one_line():

@@ -192,7 +192,7 @@ async def test_operator_output_is_inert(redis_url, broker, client: Client, topic
     dlq = topic + "-dlq"
     config, _ = worker_yaml(tmp_path, broker.url, redis_url,
                             push_sub("inert", topic, "https://push.example/h", dead_letter={"topic": dlq}))
-    evil = "\x1b]0;owned\x07\x1b[2J\nforged: line"
+    evil = "\x1b]0;owned\x07\x1b[2J\nforged: line \u202eevil\u2066 \u200b\u2028"  # bidi and invisible too
     producer = client.client.create_producer(dlq, batching_enabled=False)
     producer.send(f"payload {evil}".encode(), properties={
         "pubsub.original_message_id": f"1:2:-1:-1{evil}", "pubsub.last_status": evil, "x": evil,
@@ -205,8 +205,27 @@ async def test_operator_output_is_inert(redis_url, broker, client: Client, topic
     code, shown, err = await cli("dlq", "show", "inert", letter["dead_letter_id"], "--config", config)
     assert code == 0, err
     for out in (listed, shown):
-        assert not any(c in out for c in "\x1b\x07\x9b") and "\\x1b]0;owned\\x07" in out
+        assert not any(c in out for c in "\x1b\x07\x9b\u202e\u2066\u200b\u2028") and "\\x1b]0;owned\\x07" in out
+        assert "\\u202eevil\\u2066 \\u200b\\u2028" in out
     assert "\nforged: line" not in shown and "\\x0aforged: line" in shown
+
+
+async def test_registry_fields_of_any_shape_are_shown_invalid_and_break_no_command(redis_url, tmp_path):
+    """A field without `/` made every command that takes a bare name fail with IndexError for every
+    project; a field named with bidi controls was printed raw by `subs list` (#61)."""
+    registry = redis.Redis.from_url(redis_url)
+    hash_key = keys.fleet_key("default", "registry")
+    registry.hset(hash_key, mapping={"noslash": "{}", "p-a/\u202eevil\u2066": "{}", "p-a/x/y": "{}"})
+    try:
+        for command in (["subs", "get", "orders"], ["history", "orders"], ["queue", "orders", "--state", "retrying"]):
+            code, out, err = await cli(*command, "--redis-url", redis_url)
+            assert code == 3 and err.strip() == "push-worker: orders: no such subscription", (command, err)
+        code, out, err = await cli("subs", "list", "--redis-url", redis_url)
+        assert code == 0, err
+        assert "noslash" in out and "\\u202eevil\\u2066" in out and "\u202e" not in out, out
+    finally:
+        registry.hdel(hash_key, "noslash", "p-a/\u202eevil\u2066", "p-a/x/y")
+        registry.close()
 
 
 async def test_registry_entries_have_size_and_count_limits(redis_url, tmp_path):

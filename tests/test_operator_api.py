@@ -98,6 +98,13 @@ async def test_an_operator_sees_why_messages_fail_and_gets_them_delivered_again(
     bearer = (secrets / "p-a" / "push-token").read_text()
     assert all(bearer not in e["answer"] and "[redacted]" in e["answer"] for e in attempts), attempts
     assert log["history"][-1]["event"] == "dead-lettered"
+    # A viewer reads the attempts, never an answer: one may echo the credential in a form no redaction foresaw.
+    _, viewed = await clients["victor"].call("GET", f"/v1/projects/p-a/subscriptions/orders/messages/{ids[0]}")
+    assert [(e["attempt"], e["status"]) for e in viewed["history"] if "result" in e] == [(1, "503"), (2, "503"),
+                                                                                         (3, "503")]
+    assert {e["answer"] for e in viewed["history"] if "result" in e} == {"(shown to operators only)"}
+    _, dead_viewed = await clients["victor"].call("GET", f"/v1/projects/p-a/subscriptions/orders/dead-letters/{ids[1]}")
+    assert {e["answer"] for e in dead_viewed["history"] if "result" in e} == {"(shown to operators only)"}
 
     status, dead = await alice.call("GET", "/v1/projects/p-a/subscriptions/orders/messages?state=dead")
     assert status == 200 and sorted(m["message_id"] for m in dead["messages"]) == sorted(ids)
@@ -259,3 +266,142 @@ async def test_the_listener_is_off_unless_configured_and_refuses_to_start_withou
     with pytest.raises(ConfigError, match="roles"):
         parse_settings({"admin": {"tokens": [{"subject": "a", "file": "/f", "roles": ["owner:p-a"]}]}})
     await asyncio.sleep(0)
+
+
+async def test_every_refusal_to_a_known_caller_is_audited_and_failed_logins_are_too_at_a_bounded_rate(
+        fleet, endpoint: Endpoint):
+    """Refusals by role, scope, body, form and confirmation wrote nothing; failed console logins no
+    line at all (#61). Anonymous requests are counted, not logged (tests/test_admin_process.py)."""
+    _, base, clients, _, _, _ = fleet
+    topic = f"persistent://p-a/main/aud-{uuid.uuid4().hex[:8]}"
+    assert (await clients["alice"].call("POST", "/v1/projects/p-a/subscriptions",
+                                        definition("aud", topic, endpoint.url)))[0] == 201
+    with structlog.testing.capture_logs() as logged:
+        assert (await clients["victor"].call("POST", "/v1/projects/p-a/subscriptions/aud/pause", {}))[0] == 403
+        assert (await clients["bob"].call("GET", "/v1/projects/p-a/subscriptions/aud"))[0] == 404
+        async with aiohttp.ClientSession() as session:
+            async with session.post(base + "/v1/projects/p-a/subscriptions/aud/seek", data="{not json",
+                                    headers={"Authorization": f"Bearer {clients['alice'].token}",
+                                             "Content-Type": "application/json"}) as answer:
+                assert answer.status == 400
+            for _ in range(5):
+                async with session.post(base + "/console/login", data={"token": "guess"}) as answer:
+                    assert answer.status == 401
+        assert (await ApiClient(base, "forged").call("GET", "/v1/me"))[0] == 401
+    audits = [e for e in logged if e["event"] == "audit"]
+    by_subject = {e["subject"]: e for e in audits}
+    assert by_subject["victor"]["result"].startswith("refused: 403") and by_subject["victor"]["project"] == "p-a"
+    assert by_subject["bob"]["result"] == "refused: 404 no such project" and by_subject["bob"]["target"] == "aud"
+    assert by_subject["alice"]["result"].startswith("refused: 400") and "JSON" in by_subject["alice"]["result"]
+    logins = [e for e in audits if e["action"] == "console login"]
+    assert len(logins) == 1 and logins[0]["failures"] == 1 and logins[0]["result"] == "refused: not a valid token"
+    assert len(audits) == 4  # nothing for the anonymous request, one line a second for failed logins
+
+
+async def test_inputs_the_api_refuses_are_refused_as_documented_and_never_answer_500(
+        fleet, endpoint: Endpoint, client: Client):
+    w, base, clients, issuer, _, _ = fleet
+    alice = clients["alice"]
+    topic = f"persistent://p-a/main/edge-{uuid.uuid4().hex[:8]}"
+    created = await alice.call("POST", "/v1/projects/p-a/subscriptions", definition("edge", topic, endpoint.url))
+    assert created[0] == 201
+    path = "/v1/projects/p-a/subscriptions/edge"
+    # A superscript digit is a digit to str.isdigit; JSON nested 5,000 deep overflowed the parser.
+    assert (await alice.call("GET", path + "/messages?state=retrying&limit=\u00b2"))[0] == 400
+    deep = "[" * 5000 + "]" * 5000
+    async with aiohttp.ClientSession() as session, session.post(
+            base + path + "/seek", data=deep, headers={"Authorization": f"Bearer {alice.token}",
+                                                       "Content-Type": "application/json"}) as answer:
+        assert answer.status == 400 and "nested too deep" in (await answer.json())["error"]["message"]
+    # A trailing newline passed every `^...$` pattern: refused now, and nothing is written.
+    for bad in (definition("nl\n", topic, endpoint.url), definition("nl", topic + "\n", endpoint.url)):
+        status, body = await alice.call("POST", "/v1/projects/p-a/subscriptions", bad)
+        assert status == 400, body
+    assert (await alice.call("GET", "/v1/projects/p-a/subscriptions/nl%0A"))[0] == 404
+    assert [r["name"] for r in (await alice.call("GET", "/v1/projects/p-a/subscriptions"))[1]["subscriptions"]] == [
+        "edge"]
+    assert (await ApiClient(base, issuer.token("", ["admin"])).call("GET", "/v1/me"))[0] == 401  # an empty sub
+    # A missing secret is named, but not where the process reads secrets from.
+    secret_def = {**definition("secretive", topic, endpoint.url)}
+    secret_def["deliver"]["push"]["bearer_token"] = {"secret": "missing-token"}
+    secret_def["topic"] = topic + "-s"
+    assert (await alice.call("POST", "/v1/projects/p-a/subscriptions", secret_def))[0] == 201
+    await eventually(lambda: "p-a/secretive" in w.dispatchers, what="served")
+    [mid] = client.publish(topic + "-s", [b"x"])
+
+    async def attempted() -> Any:
+        history = (await alice.call("GET", f"/v1/projects/p-a/subscriptions/secretive/messages/{mid}"))[1]["history"]
+        return history if any("missing-token" in json.dumps(e) for e in history) else None
+
+    await eventually(attempted, timeout=15, what="an attempt not sent for want of the secret")
+    shown = json.dumps(await attempted())
+    assert "[secrets.dir]" in shown and "/secrets/" not in shown, shown
+    # The console's session ends with a JWT that ends sooner than 8 h; a notice comes from the console only.
+    short = issuer.token("carol", ["operator:p-a"], expires_in=120)
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+        async with session.post(base + "/console/login", data={"token": short}, allow_redirects=False) as answer:
+            assert answer.status == 303
+            assert 0 < int(answer.cookies["pw_console"]["max-age"]) <= 120
+        async with session.get(base + "/console/projects/p-a/subscriptions/edge?notice=Your+account+is+locked",
+                               cookies={"pw_console": short}) as answer:
+            assert answer.status == 200 and "locked" not in await answer.text()
+
+
+async def test_a_caller_past_its_rate_or_concurrency_gets_429_and_others_are_served(fleet):
+    _, base, clients, _, _, _ = fleet
+    async with aiohttp.ClientSession() as session:
+        async def me(token: str) -> tuple[int, str | None]:
+            async with session.get(base + "/v1/me", headers={"Authorization": f"Bearer {token}"}) as answer:
+                await answer.read()
+                return answer.status, answer.headers.get("Retry-After")
+
+        answers = await asyncio.gather(*(me(clients["victor"].token or "") for _ in range(120)))
+        limited = [a for a in answers if a[0] == 429]
+        assert limited and all(retry is not None and int(retry) >= 1 for _, retry in limited), answers
+        assert {status for status, _ in answers} == {200, 429}
+        assert (await me(clients["alice"].token or ""))[0] == 200  # another caller is served meanwhile
+
+
+async def test_slow_and_surplus_connections_are_closed_not_kept(fleet):
+    """250 slowloris connections were held over 40 s (#61): a request head must come within 10 s, and
+    past 256 connections the listener answers 503 at once."""
+    _, base, _, _, _, _ = fleet
+    port = int(base.rsplit(":", 1)[1])
+    slow_reader, slow_writer = await asyncio.open_connection("127.0.0.1", port)
+    slow_writer.write(b"GET /v1/me HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+    await slow_writer.drain()
+    held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(255)]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        answer = await asyncio.wait_for(reader.read(), 5)
+        assert answer.startswith(b"HTTP/1.1 503 ") and b"Retry-After: 1" in answer
+        writer.close()
+        started = asyncio.get_running_loop().time()
+        assert await asyncio.wait_for(slow_reader.read(), 15) == b""  # closed by the listener
+        assert asyncio.get_running_loop().time() - started <= 12
+    finally:
+        slow_writer.close()
+        for _, w in held:
+            w.close()
+
+
+async def test_config_file_subscriptions_answer_409_and_are_no_oracle_for_another_project(
+        start_worker, start_admin, endpoint: Endpoint, tmp_path: Path):
+    from tests.support.builders import make_sub
+
+    mine = make_sub(f"persistent://p-a/main/sa-{uuid.uuid4().hex[:6]}", endpoint.url, name="static-a")
+    theirs = make_sub(f"persistent://p-b/main/sb-{uuid.uuid4().hex[:6]}", endpoint.url, name="static-b")
+    w = await start_worker(mine, theirs, fleet=FleetSettings(name="static-" + uuid.uuid4().hex[:8]))
+    settings, tokens = admin_settings(tmp_path / "admin")
+    base = f"http://127.0.0.1:{(await start_admin(w, settings)).port}"
+    alice = ApiClient(base, tokens["alice"])
+    status, body = await alice.call("DELETE", "/v1/projects/p-a/subscriptions/static-a")
+    assert status == 409 and "config file" in body["error"]["message"], body
+    assert "p-a/static-a" in w.dispatchers
+    # Named like another project's config-file subscription, on that project's topic: the answer is
+    # about this project's tenant, exactly as for any other name (it said "config file").
+    answers = [await alice.call("POST", "/v1/projects/p-a/subscriptions", definition(name, theirs.topic, endpoint.url))
+               for name in ("static-b", "no-such-name")]
+    assert [a[0] for a in answers] == [400, 400]
+    assert answers[0][1]["error"]["message"].replace("static-b", "X") == \
+        answers[1][1]["error"]["message"].replace("no-such-name", "X"), answers

@@ -409,7 +409,7 @@ def _http(h: FieldReader, env: Mapping[str, str]) -> HttpSettings:
 def _fleet(f: FieldReader, env: Mapping[str, str]) -> FleetSettings:
     f.reject_unknown(yaml_fields(FleetSettings))
     fleet_name = env.get("PUSH_WORKER_FLEET") or f.text("name", FleetSettings.name)
-    if not NAME_PATTERN.match(fleet_name):
+    if not NAME_PATTERN.fullmatch(fleet_name):
         if env.get("PUSH_WORKER_FLEET"):
             raise ConfigError("environment", "PUSH_WORKER_FLEET", NAME_RULE)
         raise f.fail("name", NAME_RULE)

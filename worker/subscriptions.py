@@ -216,7 +216,7 @@ def valid_key(key: str) -> bool:
 
 def topic_parts(topic: str) -> tuple[str, str, str, str]:
     """Split `persistent://tenant/ns/name` into its four parts (domain, tenant, namespace, name)."""
-    m = _TOPIC_RE.match(topic)
+    m = _TOPIC_RE.fullmatch(topic)
     if not m:
         raise ValueError(topic)
     return m.group(1), m.group(2), m.group(3), m.group(4)
@@ -229,7 +229,7 @@ def _check_topic(r: FieldReader, name: str, value: str) -> tuple[str, str, str, 
         raise r.fail(name, TOPIC_RULE) from None
     if parts[0] != "persistent":  # a non-persistent topic drops what no consumer holds: push must not lose messages
         raise r.fail(name, "must be persistent:// (a non-persistent topic loses messages no consumer holds)")
-    if not PROJECT_PATTERN.match(parts[1]):
+    if not PROJECT_PATTERN.fullmatch(parts[1]):
         raise r.fail(name, f"must be in {PROJECT_RULE} (got tenant {parts[1]!r})")
     return parts
 
@@ -280,7 +280,7 @@ def _secret_ref(r: FieldReader, name: str, value: Any, project: str, trusted: bo
         return SecretRef(secret=secret, project=project)
     if kinds[0] == "env":
         env = ref.text("env")
-        if not _ENV_NAME_RE.match(env):
+        if not _ENV_NAME_RE.fullmatch(env):
             raise ref.fail("env", "must be an environment variable name (letters, digits, underscore)")
         return SecretRef(env=env)
     return SecretRef(file=ref.text("file"))
@@ -317,7 +317,7 @@ def parse_subscription(data: Any, where: str = "", *, trusted: bool = False, sto
     r = FieldReader(where, data)
     r.reject_unknown(yaml_fields(Subscription))
     name = r.text("name")
-    if not NAME_PATTERN.match(name):
+    if not NAME_PATTERN.fullmatch(name):
         raise r.fail("name", NAME_RULE)
     display_name = data.get("display_name")
     if display_name is not None and (not isinstance(display_name, str) or len(display_name) > 256):
@@ -510,6 +510,6 @@ def _cloudevents(push: FieldReader, content: str) -> CloudEvents:
     for name in ("type", "source"):
         if ce.has(name):
             values[name] = ce.text(name)
-            if not _HEADER_TEXT_RE.match(values[name]):
+            if not _HEADER_TEXT_RE.fullmatch(values[name]):
                 raise ce.fail(name, "must be 1-256 visible ASCII characters without spaces")
     return declared(CloudEvents, ce, **values)

@@ -43,6 +43,7 @@ class Principal:
     subject: str
     grants: Grants
     token: str  # kept for the console's CSRF value; never logged
+    expires_at: float | None = None  # a JWT's exp (epoch seconds): the console's session ends with it
 
 
 class StaticTokens:
@@ -166,4 +167,7 @@ class Authenticator:
         grants = parse_roles(claims.get(settings.roles_claim))
         if grants is None:
             raise Unauthorized(f"JWT without usable roles in {settings.roles_claim}")
-        return Principal(str(claims["sub"]), grants, token)
+        subject = claims["sub"]
+        if not isinstance(subject, str) or not subject.strip() or not subject.isprintable() or len(subject) > 256:
+            raise Unauthorized("JWT whose sub is not a name (empty, unprintable or over 256 characters)")
+        return Principal(subject, grants, token, expires_at=float(claims["exp"]))

@@ -15,29 +15,60 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import time
+from collections.abc import Callable
 from importlib import resources
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, urlencode, urlsplit
 
 import jinja2
+import markupsafe
 import yaml
 from aiohttp import web
 
 from worker.api.auth import Authenticator, Principal, Unauthorized
 from worker.api.operations import Operations
-from worker.api.routes import PRINCIPAL, Forbidden, audit, audited, may_act, perform, project_seen, visible_projects
+from worker.api.routes import (
+    PRINCIPAL,
+    FailedLogins,
+    Forbidden,
+    audit,
+    audited,
+    may_act,
+    perform,
+    project_seen,
+    visible_projects,
+)
 from worker.core.messages import rfc3339
 from worker.errors import ConfigError, NotFound, PushWorkerError
+from worker.ops.render import inert
 
 COOKIE = "pw_console"
 COOKIE_SECONDS = 8 * 3600
+NOTICE_COOKIE = "pw_notice"  # an action's outcome, shown once on the page it leads to
 FORM_FIELDS = ("to", "message_id", "since", "until", "status")  # an action's arguments, from its page to its form
 ACTIONS = {"pause": "Pause", "resume": "Resume", "seek": "Seek", "redrive": "Redrive"}
 SORTABLE = ("name", "state", "workers", "backlog", "oldest_unacked_age_seconds", "delivery_rate", "p95_latency_ms",
             "errors")
 ANSWER_SHOWN = 256  # bytes of an endpoint's answer on the message page (the attempt log keeps no more)
 
-_env = jinja2.Environment(loader=jinja2.PackageLoader("worker.api", "templates"), autoescape=True)
+def _shown(value: Any) -> Any:
+    """Every value a page prints: control, bidi and invisible characters escaped (render.inert)."""
+    if isinstance(value, markupsafe.Markup):  # the templates' own markup (a macro's output)
+        return value
+    return inert(value, keep_lines=True) if isinstance(value, str) else value
+
+
+def _url_part(value: Any) -> str:
+    """A path segment or query from data: everything but unreserved characters encoded, `/` too,
+    so an id like `../confirm/pause` stays one segment and never points at another page."""
+    if isinstance(value, dict):
+        return urlencode({str(k): str(v) for k, v in value.items()}, quote_via=quote)
+    return quote(str(value), safe="")
+
+
+_env = jinja2.Environment(loader=jinja2.PackageLoader("worker.api", "templates"), autoescape=True, finalize=_shown)
+_env.filters["urlencode"] = _url_part
 
 
 def _time(ms: Any) -> str:
@@ -93,10 +124,13 @@ def render(template: str, http_status: int = 200, **context: Any) -> web.Respons
 class Console:
     COOKIE = COOKIE
 
-    def __init__(self, ops: Operations, auth: Authenticator, secure_cookie: bool) -> None:
+    def __init__(self, ops: Operations, auth: Authenticator, secure_cookie: bool,
+                 on_failed_login: Callable[[], None] = lambda: None) -> None:
         self.ops = ops
         self.auth = auth
         self.secure_cookie = secure_cookie
+        self.failed_logins = FailedLogins()
+        self.on_failed_login = on_failed_login
 
     def add_routes(self, app: web.Application) -> None:
         base = "/console/projects/{project}/subscriptions/{name}"
@@ -132,9 +166,14 @@ class Console:
         try:
             principal = await self.auth.principal(token)
         except Unauthorized:
+            self.on_failed_login()
+            self.failed_logins.failed(request.remote or "-")
             return render("login.html", http_status=401, principal=None, failed=True)
         response = redirect("/console/")
-        response.set_cookie(COOKIE, token, max_age=COOKIE_SECONDS, path="/console", httponly=True,
+        # The session ends with the token: never later than a JWT's exp, 8 h at most.
+        lifetime = COOKIE_SECONDS if principal.expires_at is None else \
+            max(0, min(COOKIE_SECONDS, int(principal.expires_at - time.time())))
+        response.set_cookie(COOKIE, token, max_age=lifetime, path="/console", httponly=True,
                             samesite="Strict", secure=self.secure_cookie)
         audit(principal, "-", "console login", "-", "ok")
         return response
@@ -198,17 +237,20 @@ class Console:
         except PushWorkerError as e:  # the broker is not answering: the rest of the page still helps
             dead, dead_note = None, f"dead letters unavailable: {e}"
         definition = yaml.safe_dump(sub.get("definition"), sort_keys=False) if sub.get("definition") else ""
-        return self._page(request, "subscription.html", project=project, name=name, sub=sub,
+        page = self._page(request, "subscription.html", project=project, name=name, sub=sub,
                           status=sub["status"], definition=definition, retrying=retrying, settled=settled,
-                          dead=dead, dead_note=dead_note, notice=request.query.get("notice", ""),
+                          dead=dead, dead_note=dead_note, notice=request.cookies.get(NOTICE_COOKIE, ""),
                           spark=sparkline(sub["status"]["delivered_per_step"]),
                           can_act=request[PRINCIPAL].grants.acts_on(project))
+        if NOTICE_COOKIE in request.cookies:
+            page.del_cookie(NOTICE_COOKIE, path="/console")  # shown once
+        return page
 
     async def message(self, request: web.Request) -> web.Response:
         project = self._project(request)
         name = request.match_info["name"]
         message_id = request.match_info["message_id"]
-        data = await self.ops.message(project, name, message_id)
+        data = await self.ops.message(project, name, message_id, answers=request[PRINCIPAL].grants.acts_on(project))
         for entry in data["history"]:
             answer = entry.get("answer")
             if isinstance(answer, str):
@@ -242,8 +284,12 @@ class Console:
             body["status"] = [s.strip() for s in form["status"].split(",") if s.strip()]
         with audited(principal, project, action, name):
             outcome = await perform(self.ops, project, name, action, body)
-        notice = _notice(action, outcome)
-        return redirect(f"/console/projects/{quote(project)}/subscriptions/{quote(name)}?notice={quote(notice)}")
+        # The outcome goes to the next page in a short-lived cookie, never in the URL: a link of
+        # someone else's cannot make the console show an official-looking notice.
+        response = redirect(f"/console/projects/{quote(project, safe='')}/subscriptions/{quote(name, safe='')}")
+        response.set_cookie(NOTICE_COOKIE, _notice(action, outcome), max_age=60, path="/console", httponly=True,
+                            samesite="Strict", secure=self.secure_cookie)
+        return response
 
 
 def _notice(action: str, outcome: dict[str, Any]) -> str:

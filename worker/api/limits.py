@@ -22,8 +22,8 @@ from aiohttp import web
 
 HEADER_SECONDS = 10.0
 MAX_CONNECTIONS = 256
-CALLER_RATE = 20.0
-CALLER_BURST = 40
+CALLER_RATE = 50.0
+CALLER_BURST = 100
 CALLER_CONCURRENCY = 8
 _FORGET_AFTER = 1000  # callers remembered before idle ones are forgotten
 

@@ -11,13 +11,14 @@ import copy
 import dataclasses
 from typing import Any
 
+from worker.api.shared_reads import SharedReads
 from worker.config import Settings
 from worker.core.recent import OUTCOMES
 from worker.errors import ConfigError, NotFound, PushWorkerError
 from worker.fleet.seek import SeekTarget
 from worker.ops.admin import Admin, Target
 from worker.ops.dlq import DeadLetters, Selection
-from worker.subscriptions import NAME_PATTERN, PROJECT_PATTERN
+from worker.subscriptions import NAME_PATTERN, NAME_RULE, PROJECT_PATTERN, parse_subscription
 
 MESSAGE_STATES = ("inflight", "retrying", "dead")
 NO_SUCH_PROJECT = "no such project"
@@ -47,21 +48,24 @@ class Operations:
     def __init__(self, settings: Settings, redis_url: str, pulsar_url: str) -> None:
         target = Target(settings, redis_url, pulsar_url, configured=True)
         self.admin = Admin(target, "admin")
-        self.dlq = DeadLetters(target)
+        self.dlq = DeadLetters(target, shared=True)
+        self.shared_reads = SharedReads()
         self.pulsar = dataclasses.replace(settings.pulsar, service_url=pulsar_url)
+        self.secrets_dir = str(settings.secrets_dir) if settings.secrets_dir else ""
 
     async def close(self) -> None:
+        await self.dlq.close()
         await self.admin.close()
 
     @staticmethod
     def check_project(project: str) -> None:
-        if not PROJECT_PATTERN.match(project):
+        if not PROJECT_PATTERN.fullmatch(project):
             raise NotFound(NO_SUCH_PROJECT)
 
     @classmethod
     def key(cls, project: str, name: str) -> str:
         cls.check_project(project)
-        if not NAME_PATTERN.match(name):
+        if not NAME_PATTERN.fullmatch(name):
             raise NotFound(f"{name}: no such subscription")
         return f"{project}/{name}"
 
@@ -70,17 +74,26 @@ class Operations:
 
     # -- reading ------------------------------------------------------------------------------
 
+    async def _fleet(self) -> list[dict[str, Any]]:
+        """Every subscription's row (`subs list`), read once a second at most (shared_reads.py)."""
+        async def load() -> list[dict[str, Any]]:
+            return list((await self.admin.list()).data)
+        rows: list[dict[str, Any]] = await self.shared_reads.get("list", load)
+        return rows
+
     async def projects(self) -> list[str]:
-        rows = (await self.admin.list()).data
-        return sorted({row["project"] for row in rows})
+        return sorted({row["project"] for row in await self._fleet()})
 
     async def subscriptions(self, project: str) -> list[dict[str, Any]]:
         self.check_project(project)
-        return [_summary(row) for row in (await self.admin.list()).data if row["project"] == project]
+        return [_summary(row) for row in await self._fleet() if row["project"] == project]
 
     async def subscription(self, project: str, name: str) -> dict[str, Any]:
-        key = await self.existing(project, name)
-        data = (await self.admin.get(key)).data
+        key = self.key(project, name)
+
+        async def load() -> dict[str, Any]:
+            return dict((await self.admin.get(await self.admin.existing(key))).data)
+        data: dict[str, Any] = await self.shared_reads.get("get " + key, load)
         out = {k: v for k, v in data.items() if k != "status"}
         return {"project": project, "name": name, **out, "status": _summary(data["status"])}
 
@@ -95,15 +108,18 @@ class Operations:
         key = await self.existing(project, name)
         return list((await self.admin.history(key, limit)).data["messages"])
 
-    async def message(self, project: str, name: str, message_id: str) -> dict[str, Any]:
+    async def message(self, project: str, name: str, message_id: str, answers: bool) -> dict[str, Any]:
+        """One message's attempts; `answers`: with the endpoint's answers (operators only, see
+        `without_answers`)."""
         key = await self.existing(project, name)
         data = (await self.admin.show(message_id, key)).data
-        return {"message_id": message_id, "history": data["history"],
+        return {"message_id": message_id, "history": _answers(data["history"], answers),
                 "attempts_in_progress": data["attempts_in_progress"]}
 
-    async def dead_letter(self, project: str, name: str, message_id: str, limit: int) -> dict[str, Any]:
+    async def dead_letter(self, project: str, name: str, message_id: str, limit: int, answers: bool) -> dict[str, Any]:
         key = await self.existing(project, name)
-        return dict((await self.dlq.show(self.admin, key, message_id, limit)).data)
+        data = dict((await self.dlq.show(self.admin, key, message_id, limit)).data)
+        return {**data, "history": _answers(data.get("history") or [], answers)}
 
     # -- changing -----------------------------------------------------------------------------
 
@@ -130,43 +146,73 @@ class Operations:
         return await self.subscription(project, name)
 
     async def _apply(self, project: str, definition: dict[str, Any]) -> None:
-        sub = self.admin.registry.check(definition)
-        if sub.tenant != project:  # the topic decides the project: it must be this one (checked before writing)
+        # The topic decides the project: it must be this one, checked before anything that could
+        # depend on another project's subscriptions (their config-file ones, say): no oracle.
+        sub = parse_subscription(definition)
+        if sub.tenant != project:
             raise ConfigError(f"subscription {sub.name!r}", "topic", f"must be in project {project}'s tenant")
+        self.admin.registry.check(definition)
         await self.admin.refuse_workers_own([definition])
         await self.admin.registry.apply_all([definition])
+        self.shared_reads.clear()
 
     def _name_in(self, project: str, definition: Any) -> str:
         if not isinstance(definition, dict) or not isinstance(definition.get("name"), str):
             raise ConfigError("subscription", "name", "is required (the subscription's name in the project)")
+        if not NAME_PATTERN.fullmatch(definition["name"]):
+            raise ConfigError("subscription", "name", NAME_RULE)
         return str(definition["name"])
 
     async def delete(self, project: str, name: str) -> dict[str, Any]:
         key = await self.existing(project, name)
-        return dict((await self.admin.delete(key)).data[0])
+        if not await self.admin.client.hexists(self.admin.registry.hash, key):
+            raise Conflict(f"{name}: served from a worker's config file (read-only here): remove it from that file")
+        out = dict((await self.admin.delete(key)).data[0])
+        self.shared_reads.clear()
+        return out
 
     async def pause(self, project: str, name: str, paused: bool, wait: float) -> dict[str, Any]:
         key = await self.existing(project, name)
-        return dict((await self.admin.pause(key, paused, wait)).data)
+        out = dict((await self.admin.pause(key, paused, wait)).data)
+        self.shared_reads.clear()
+        return out
 
     async def seek(self, project: str, name: str, to: SeekTarget) -> dict[str, Any]:
         key = await self.existing(project, name)
-        return dict((await self.admin.seek(key, to, self.pulsar)).data)
+        out = dict((await self.admin.seek(key, to, self.pulsar)).data)
+        self.shared_reads.clear()
+        return out
 
     async def purge(self, project: str, name: str) -> dict[str, Any]:
         key = await self.existing(project, name)
-        return dict((await self.admin.purge(key, self.pulsar)).data)
+        out = dict((await self.admin.purge(key, self.pulsar)).data)
+        self.shared_reads.clear()
+        return out
 
     async def discard(self, project: str, name: str, message_id: str, wait: float) -> dict[str, Any]:
         key = await self.existing(project, name)
-        return dict((await self.admin.discard(message_id, key, wait)).data)
+        out = dict((await self.admin.discard(message_id, key, wait)).data)
+        self.shared_reads.clear()
+        return out
 
     async def redrive(self, project: str, name: str, *, message_id: str | None, selection: Selection,
                       max_messages: int | None, rate: float) -> dict[str, Any]:
         key = await self.existing(project, name)
         out = await self.dlq.redrive(self.admin, key, rate, max_messages, concurrency=8, progress=lambda _: None,
                                      message_id=message_id, selection=selection)
+        self.shared_reads.clear()
         return dict(out.data)
+
+
+ANSWER_HIDDEN = "(shown to operators only)"
+
+
+def _answers(history: list[dict[str, Any]], shown: bool) -> list[dict[str, Any]]:
+    """An endpoint's answers are shown to the project's operators only: an answer may echo the
+    request's credential in a form no redaction foresaw, and a viewer must never read one."""
+    if shown:
+        return history
+    return [{**e, "answer": ANSWER_HIDDEN} if "answer" in e else e for e in history]
 
 
 def _summary(row: dict[str, Any]) -> dict[str, Any]:

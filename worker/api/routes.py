@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from functools import cache
 from importlib import resources
@@ -52,6 +53,26 @@ def audit(principal: Principal, project: str, action: str, target: str, result: 
                                        target=target, result=result)
 
 
+class FailedLogins:
+    """Failed console logins, one audit line a second at most (with how many it stands for): a
+    guessing script must not flood the log, nor go unseen."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.next_at = 0.0
+        self.unsaid = 0
+
+    def failed(self, peer: str) -> None:
+        self.unsaid += 1
+        now = self.clock()
+        if now < self.next_at:
+            return
+        self.next_at = now + 1.0
+        logs.get("push-worker.audit").info("audit", subject="-", project="-", action="console login", target=peer,
+                                           result="refused: not a valid token", failures=self.unsaid)
+        self.unsaid = 0
+
+
 def principal_of(request: web.Request) -> Principal:
     return request[PRINCIPAL]
 
@@ -74,7 +95,7 @@ def _int(request: web.Request, name: str, default: int, high: int = MAX_LIMIT) -
     text = request.query.get(name)
     if text is None:
         return default
-    if not text.isdigit() or not 1 <= int(text) <= high:
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= high:  # ASCII: '²' is a digit too
         raise UsageError("query", name, f"must be a whole number from 1 to {high}")
     return int(text)
 
@@ -95,6 +116,8 @@ async def _body(request: web.Request) -> dict[str, Any]:
         data = json.loads(await request.read())
     except ValueError:
         raise UsageError("body", "JSON", "is not valid JSON") from None
+    except RecursionError:
+        raise UsageError("body", "JSON", "is nested too deep") from None
     if not isinstance(data, dict):
         raise UsageError("body", "JSON", "must be an object")
     return data
@@ -211,8 +234,9 @@ class Api:
         return json_response({"state": state, "messages": messages})
 
     async def message(self, request: web.Request) -> web.Response:
-        _, project = project_seen(request)
-        return json_response(await self.ops.message(project, request.match_info["name"], _message_id(request)))
+        principal, project = project_seen(request)
+        return json_response(await self.ops.message(project, request.match_info["name"], _message_id(request),
+                                                    answers=principal.grants.acts_on(project)))
 
     async def history(self, request: web.Request) -> web.Response:
         _, project = project_seen(request)
@@ -220,10 +244,10 @@ class Api:
         return json_response({"messages": await self.ops.recent(project, request.match_info["name"], limit)})
 
     async def dead_letter(self, request: web.Request) -> web.Response:
-        _, project = project_seen(request)
-        limit = _int(request, "limit", 1000, high=100_000)
+        principal, project = project_seen(request)
+        limit = _int(request, "limit", 1000)
         return json_response(await self.ops.dead_letter(project, request.match_info["name"], _message_id(request),
-                                                        limit))
+                                                        limit, answers=principal.grants.acts_on(project)))
 
     async def act(self, request: web.Request) -> web.Response:
         principal, project = project_seen(request)
@@ -278,5 +302,6 @@ def audited(principal: Principal, project: str, action: str, target: str) -> Ite
     except Exception as error:
         shown = str(error) if isinstance(error, NotFound | ConfigError) else type(error).__name__
         audit(principal, project, action, target, result=f"refused: {shown}"[:300])
+        error.audited = True  # type: ignore[attr-defined]  # the listener writes no second line for it
         raise
     audit(principal, project, action, target, result="ok")

@@ -21,7 +21,7 @@ from worker.api.console import Console
 from worker.api.limits import MAX_CONNECTIONS, CallerLimits, CappedRunner, TooMany
 from worker.api.metrics import AdminMetrics
 from worker.api.operations import Conflict, Operations
-from worker.api.routes import PRINCIPAL, Api, Forbidden, Handler
+from worker.api.routes import PRINCIPAL, Api, Forbidden, Handler, audit
 from worker.api.settings import AdminSettings
 from worker.config import Settings
 from worker.errors import ConfigError, NotFound, StartupError
@@ -47,6 +47,13 @@ def answer_for(error: BaseException) -> tuple[int, str]:
             return status, " ".join(str(error).split())[:300]
     text = explain(error)[1]  # Redis or the broker failing: what failed and what to check
     return (500, text) if text.startswith("unexpected error") else (503, text)
+
+
+def unavailable(text: str) -> str:
+    """What a caller is told of a failing Redis or broker: which one, never where it is (hosts,
+    ports and URLs stay in the admin process's log)."""
+    what = "Redis" if text.startswith("redis") else "the broker" if "broker" in text else "a service"
+    return f"{what} is not answering: try again shortly (the admin process's log has the details)"
 
 
 def bearer(request: web.Request) -> str:
@@ -76,7 +83,8 @@ class AdminServer:
         self.auth = Authenticator(self.settings, self._session)
         app = web.Application(middlewares=[self._guard], client_max_size=MAX_BODY_BYTES)
         Api(self.ops).add_routes(app)
-        Console(self.ops, self.auth, secure_cookie=self.tls).add_routes(app)
+        Console(self.ops, self.auth, secure_cookie=self.tls,
+                on_failed_login=self.metrics.refused_anonymous.inc).add_routes(app)
         self._runner = CappedRunner(app, MAX_CONNECTIONS, self.metrics.limited.labels("connections").inc,
                                     access_log=None)
         await self._runner.setup()
@@ -120,18 +128,45 @@ class AdminServer:
             response = web.Response(status=e.status, headers={"Location": e.headers.get("Location", "/console/")})
         except web.HTTPException as e:  # aiohttp's own (404 of an unknown path, 405, 413): as JSON or a page
             response = self._error(request, e.status, e.reason)
+            self._audit_refusal(request, e.status, e.reason)
         except Exception as e:
             status, text = answer_for(e)
+            if not getattr(e, "audited", False):
+                self._audit_refusal(request, status, text)
             if status == 500:
                 self.log.exception("admin request failed", path=request.path)
-                text = "internal error (the worker's log has the details)"
+                text = "internal error (the admin process's log has the details)"
+            elif status == 503:
+                self.log.warning("admin request failed", path=request.path, reason=text)
+                text = unavailable(text)
             elif status == 401:  # counted, not logged: an anonymous flood must not flood the log
                 self.metrics.refused_anonymous.inc()
                 text = "a valid bearer token is required"
             response = self._error(request, status, text)
+        self._without_paths(response)
         response.headers.update(SECURITY_HEADERS)
         self.metrics.requests.labels(f"{response.status // 100}xx").inc()
         return response
+
+    def _without_paths(self, response: web.StreamResponse) -> None:
+        """Where the process reads project secrets is none of a caller's business: a secret's error
+        (in an answer, a status, an attempt's detail) names it `[secrets.dir]`."""
+        where = self.ops.secrets_dir.encode()
+        if where and isinstance(response, web.Response) and isinstance(response.body, bytes) \
+                and where in response.body:
+            response.body = response.body.replace(where, b"[secrets.dir]")
+
+    @staticmethod
+    def _audit_refusal(request: web.Request, status: int, text: str) -> None:
+        """One audit line for a request refused to a known caller (its role, the project's scope, a
+        stale form, another site's Origin, a bad body, no confirmation); anonymous ones are counted."""
+        principal = request.get(PRINCIPAL)
+        if principal is None or not 400 <= status < 500 or status == 429:
+            return
+        match = request.match_info
+        route = match.route.resource.canonical if match.route.resource is not None else request.path
+        audit(principal, match.get("project", "-"), f"{request.method} {route}"[:200], match.get("name", "-"),
+              f"refused: {status} {text}"[:300])
 
     async def _authenticated(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         path = request.path

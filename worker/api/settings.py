@@ -57,7 +57,7 @@ def parse_roles(values: object) -> Grants | None:
             admin = True
             continue
         role, _, project = str(value).partition(":")
-        if not isinstance(value, str) or role not in ROLES or not PROJECT_PATTERN.match(project):
+        if not isinstance(value, str) or role not in ROLES or not PROJECT_PATTERN.fullmatch(project):
             return None
         if projects.get(project) != "operator":  # the stronger of two roles on one project
             projects[project] = role

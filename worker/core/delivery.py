@@ -12,6 +12,7 @@ from yarl import URL
 
 from worker.core import http1
 from worker.core.messages import PushRequest
+from worker.core.redact import answer_text
 from worker.destinations import DestinationPolicy, GuardedResolver
 from worker.errors import DestinationRefused
 
@@ -62,29 +63,6 @@ class Outcome:
         if self.result is Result.NACK and self.status is not None:
             return f"{self.status // 100}xx"
         return self.result.value
-
-
-CREDENTIAL_HEADERS = frozenset({"authorization", "webhook-signature"})
-REDACTED = "[redacted]"
-
-
-def answer_text(preview: bytes, headers: dict[str, str]) -> str:
-    """A failed answer's first bytes as text, with every credential of the request cut out: an
-    endpoint that echoes the request back must not put its token into the attempt log."""
-    text = preview.decode("utf-8", "replace")
-    secrets: set[str] = set()
-    for name, value in headers.items():
-        if name.lower() in CREDENTIAL_HEADERS:
-            secrets.add(value)
-            secrets.update(word for word in value.replace(",", " ").split() if len(word) >= 8)
-    for secret in sorted(secrets, key=len, reverse=True):
-        text = text.replace(secret, REDACTED)
-        # Cut off at the end of the preview, a credential's start is still one.
-        for size in range(min(len(secret), len(text)) - 1, 3, -1):
-            if text.endswith(secret[:size]):
-                text = text[:-size] + REDACTED
-                break
-    return text
 
 
 def is_ack_status(status: int) -> bool:

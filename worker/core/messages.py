@@ -86,7 +86,7 @@ def base64_text(data: bytes) -> str:
 
 def header_safe(name: str, value: str) -> bool:
     """True when an attribute can travel as a header without ambiguity or injection."""
-    return bool(_TOKEN_RE.match(name)) and bool(_VALUE_RE.match(value))
+    return bool(_TOKEN_RE.fullmatch(name)) and bool(_VALUE_RE.fullmatch(value))
 
 
 def _case_clashes(attributes: dict[str, str]) -> frozenset[str]:
@@ -255,7 +255,7 @@ def _event_attributes(sub: Subscription, env: Envelope,
     }
     omitted = 0
     if env.ordering_key is not None:
-        if _CE_STRING_RE.match(env.ordering_key):
+        if _CE_STRING_RE.fullmatch(env.ordering_key):
             context["subject"] = env.ordering_key
         else:
             omitted += 1
@@ -266,7 +266,7 @@ def _event_attributes(sub: Subscription, env: Envelope,
     for name, value in env.attributes.items():
         if name == "content-type":
             continue
-        if _EXTENSION_RE.match(name) and name not in _CONTEXT_NAMES and _CE_STRING_RE.match(value):
+        if _EXTENSION_RE.fullmatch(name) and name not in _CONTEXT_NAMES and _CE_STRING_RE.fullmatch(value):
             extensions[name] = value
         else:
             omitted += 1

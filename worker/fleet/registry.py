@@ -371,7 +371,8 @@ class Registry:
         if "/" in name:
             return name
         keys = {safe_text(k) for k in await self.client.hkeys(self.hash)} | set(also)
-        matches = [k for k in keys if k.split("/", 1)[1] == name]
+        # A field of any other shape (written by hand, or by a bug) is shown invalid by `subs list`; never a match.
+        matches = [k for k in keys if valid_key(k) and k.split("/", 1)[1] == name]
         if not matches:
             raise NotFound(f"{name}: no such subscription")
         if len(matches) > 1:

@@ -177,11 +177,10 @@ class DeadLetterSource:
 
 @dataclasses.dataclass
 class Peek:
-    """What one read of the cursor found: the selected dead letters (`found`, when kept) and their
-    `count`, every message it was handed (`seen`, anyone's), and how many the broker holds on the
-    cursor beyond those (`unreturned`; None: unknown)."""
+    """What one read of the cursor found: how many selected dead letters (`count`), every message
+    it was handed (`seen`, anyone's), and how many the broker holds on the cursor beyond those
+    (`unreturned`; None: unknown)."""
 
-    found: list[pulsar.Message] = dataclasses.field(default_factory=list)
     count: int = 0
     seen: int = 0
     unreturned: int | None = None
@@ -196,14 +195,26 @@ def _unreturned_line(unreturned: int | None) -> str:
 
 
 class DeadLetters:
-    """The `dlq` commands for one fleet; each returns its Output."""
+    """The `dlq` commands for one fleet; each returns its Output.
 
-    def __init__(self, target: Target) -> None:
+    `shared`: one Pulsar client for every read, kept until `close()` (the admin process: a read
+    per request must not open a client, with its threads, each time). Reads of one dead-letter
+    topic take turns either way: two consumers on the one cursor would each get part of it."""
+
+    def __init__(self, target: Target, shared: bool = False) -> None:
         self.target = target
         self.pulsar_settings = PulsarSettings(service_url=target.pulsar("dlq"),
                                               auth_token=target.settings.pulsar.auth_token,
                                               tls_trust_certs_file=target.settings.pulsar.tls_trust_certs_file,
                                               operation_timeout_seconds=15)
+        self.shared = shared
+        self._client: pulsar_async.Client | None = None
+        self._turns: dict[str, asyncio.Lock] = {}  # per dead-letter topic (as many as subscriptions at most)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            await asyncio.wait_for(client.close(), timeout=5.0)
 
     async def subscription(self, admin: Admin, name: str) -> Subscription:
         sub = await admin.definition(name)
@@ -212,19 +223,31 @@ class DeadLetters:
         return sub
 
     @asynccontextmanager
+    async def _client_for_read(self) -> AsyncIterator[pulsar_async.Client]:
+        if not self.shared:
+            async with pulsar_adapter.open_client(self.pulsar_settings) as client:
+                yield client
+            return
+        if self._client is None:
+            self._client = pulsar_adapter.make_client(self.pulsar_settings, self.pulsar_settings.service_url or "",
+                                                      operator=True)
+        yield self._client
+
+    @asynccontextmanager
     async def _cursor(self, sub: Subscription, queue: int = 1000) -> AsyncIterator[pulsar_async.Consumer]:
         assert sub.dead_letter_topic is not None
-        async with pulsar_adapter.open_client(self.pulsar_settings) as client:
+        turn = self._turns.setdefault(sub.dead_letter_topic, asyncio.Lock())
+        async with turn, self._client_for_read() as client:
             consumer = await subscribe_cursor(client, sub.dead_letter_topic, queue, "push-worker-dlq-cli")
             try:
                 yield consumer
             finally:
                 await asyncio.wait_for(consumer.close(), timeout=5.0)
 
-    async def _peek(self, sub: Subscription, limit: int, selection: Selection = Selection(),
-                    keep: bool = True) -> Peek:
-        """Up to `limit` of this subscription's selected dead letters, oldest first (only counted unless
-        `keep`: a count holds no payloads), and how many; all released on return."""
+    async def _scan(self, sub: Subscription, limit: int, selection: Selection,
+                    visit: Callable[[pulsar.Message], bool]) -> Peek:
+        """`visit` each of up to `limit` of this subscription's selected dead letters, oldest first,
+        until it returns True; all released on return (nothing is kept but what `visit` keeps)."""
         peek = Peek()
         async with self._cursor(sub) as consumer:
             while peek.count < limit:
@@ -236,8 +259,8 @@ class DeadLetters:
                 peek.seen += 1
                 if is_for(sub, message) and selection.takes(message):
                     peek.count += 1
-                    if keep:
-                        peek.found.append(message)
+                    if visit(message):
+                        break
         return peek
 
     async def _unreturned(self, sub: Subscription, seen: int) -> int | None:
@@ -269,8 +292,13 @@ class DeadLetters:
 
     async def list(self, admin: Admin, name: str, limit: int, selection: Selection = Selection()) -> Output:
         sub = await self.subscription(admin, name)
-        peek = await self._peek(sub, limit, selection)
-        rows = [self._summary(m) for m in peek.found]
+        rows: list[dict[str, Any]] = []
+
+        def keep(message: pulsar.Message) -> bool:
+            rows.append(self._summary(message))  # a summary: no payload is kept
+            return False
+
+        peek = await self._scan(sub, limit, selection, keep)
         data = {"subscription": sub.key, "dead_letter_topic": sub.dead_letter_topic, **selection.describe(),
                 "messages": rows, "unreturned": peek.unreturned}
         hidden = _unreturned_line(peek.unreturned)
@@ -284,32 +312,40 @@ class DeadLetters:
     async def show(self, admin: Admin, name: str, message_id: str, limit: int) -> Output:
         """One dead letter (by its own id or its original id), with payload and attempt history."""
         sub = await self.subscription(admin, name)
-        peek = await self._peek(sub, limit)
-        for message in peek.found:
+        found: list[pulsar.Message] = []
+
+        def wanted(message: pulsar.Message) -> bool:
+            if message_id in (pulsar_adapter.message_id_of(message),
+                              message.properties().get("pubsub.original_message_id")):
+                found.append(message)
+                return True
+            return False
+
+        peek = await self._scan(sub, limit, Selection(), wanted)
+        for message in found:
             summary = self._summary(message)
-            if message_id in (summary["dead_letter_id"], summary["message_id"]):
-                data = message.data() or b""
-                try:
-                    text, encoding = data.decode("utf-8"), "utf-8"
-                except UnicodeDecodeError:
-                    text, encoding = base64_text(data), "base64"
-                out = {**summary, "attributes": dict(message.properties()), "data": text, "data_encoding": encoding,
-                       "ordering_key": message.partition_key() or None}
-                try:
-                    history: Output | None = await admin.show(summary["message_id"], sub.key)
-                except NotFound:
-                    history = None
-                lines = [f"{k}: {inert(json.dumps(v) if isinstance(v, dict) else str(v))}" for k, v in out.items()
-                         if v is not None]
-                return Output({**out, "history": history.data["history"] if history else []},
-                              "\n".join(lines) + ("\n\nattempts:\n" + history.text if history else ""))
+            data = message.data() or b""
+            try:
+                text, encoding = data.decode("utf-8"), "utf-8"
+            except UnicodeDecodeError:
+                text, encoding = base64_text(data), "base64"
+            out = {**summary, "attributes": dict(message.properties()), "data": text, "data_encoding": encoding,
+                   "ordering_key": message.partition_key() or None}
+            try:
+                history: Output | None = await admin.show(summary["message_id"], sub.key)
+            except NotFound:
+                history = None
+            lines = [f"{k}: {inert(json.dumps(v) if isinstance(v, dict) else str(v))}" for k, v in out.items()
+                     if v is not None]
+            return Output({**out, "history": history.data["history"] if history else []},
+                          "\n".join(lines) + ("\n\nattempts:\n" + history.text if history else ""))
         raise NotFound(f"no dead letter {message_id} for {sub.key} among the first {limit} (--limit to look further)"
                        + _unreturned_line(peek.unreturned).replace("\n", "; "))
 
     async def dry_run(self, admin: Admin, name: str, limit: int | None, selection: Selection) -> Output:
         """What a redrive with the same selection would take; nothing moves."""
         sub = await self.subscription(admin, name)
-        peek = await self._peek(sub, limit or DRY_RUN_LIMIT, selection, keep=False)
+        peek = await self._scan(sub, limit or DRY_RUN_LIMIT, selection, lambda _: False)
         result = {"subscription": sub.key, "would_redrive": peek.count, **selection.describe(),
                   "unreturned": peek.unreturned}
         return Output(result, f"{sub.key}: a redrive would take {peek.count} dead letter(s); nothing was moved"

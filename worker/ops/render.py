@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,11 +27,28 @@ class Output:
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
-def inert(text: str) -> str:
+def _escape(ch: str) -> str:
+    code = ord(ch)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+def _unsafe(ch: str) -> bool:
+    """A control character, or one that is invisible or reorders what follows: Unicode format
+    characters (category Cf: bidi overrides and isolates like U+202E and U+2066, zero-width
+    spaces and joiners) and the line and paragraph separators (U+2028, U+2029)."""
+    return bool(_CONTROL.match(ch)) or unicodedata.category(ch) in ("Cf", "Zl", "Zp")
+
+
+def inert(text: str, keep_lines: bool = False) -> str:
     """`text` from data (payloads, keys, attributes, names, endpoints' answers) safe to print on an
-    operator's terminal: every control character is written as its escape (`\\x1b`), so none can
-    move the cursor, retitle the window, clear the screen or forge a line."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    operator's terminal or page: every control, format or separator character is written as its
+    escape (`\\x1b`, `\\u202e`), so none can move the cursor, retitle the window, clear the screen,
+    forge a line, or make text read otherwise than it is. `keep_lines`: newlines and tabs stay (a
+    page's preformatted text, where they are only layout)."""
+    if text.isascii():
+        out = _CONTROL.sub(lambda m: m.group() if keep_lines and m.group() in "\n\t" else _escape(m.group()), text)
+        return out
+    return "".join(_escape(ch) if _unsafe(ch) and not (keep_lines and ch in "\n\t") else ch for ch in text)
 
 
 def render(output: Output, as_json: bool) -> str:
