@@ -58,12 +58,16 @@ test-fast: lint
 	PUSH_WORKER_TEST_FAST=1 $(BIN)/pytest -p no:cacheprovider -q
 
 # The suite runs on the compiled package (what the image runs; built unless up to date). Test
-# modules are imported from the checkout after the package (--import-mode=append).
+# modules are imported from the checkout after the package (--import-mode=append). Its tests wait
+# on I/O (brokers, endpoints, leases): TEST_WORKERS of them run at once (pytest-xdist), then those
+# marked `alone` (cgroups, iptables) one at a time.
+TEST_WORKERS    ?= 3
 PYTEST_COMPILED := $(ON_COMPILED) PUSH_WORKER_TEST_COMPILED=1 $(BIN)/pytest -p no:cacheprovider --import-mode=append
+SUITE           := $(PYTEST_COMPILED) -n $(TEST_WORKERS) -m "not alone" && $(PYTEST_COMPILED) -m alone
 
 test: lint
 	$(COMPILE)
-	$(PYTEST_COMPILED)
+	$(SUITE)
 
 # A real Apache Pulsar standalone (resolved from Maven Central by tools/apache-pulsar/pom.xml), in
 # the background on 127.0.0.1:$(PULSAR_PORT) with its admin API on $(PULSAR_HTTP_PORT); fresh data each start.
@@ -86,9 +90,8 @@ apache-pulsar-stop: $(STAMP)
 # their broker start an Apache Pulsar of their own).
 test-apache-pulsar: $(STAMP)
 	$(COMPILE)
-	PUSH_WORKER_TEST_PULSAR_URL=pulsar://127.0.0.1:$(PULSAR_PORT) \
-	PUSH_WORKER_TEST_PULSAR_ADMIN_URL=http://127.0.0.1:$(PULSAR_HTTP_PORT) \
-	$(PYTEST_COMPILED)
+	export PUSH_WORKER_TEST_PULSAR_URL=pulsar://127.0.0.1:$(PULSAR_PORT) \
+	PUSH_WORKER_TEST_PULSAR_ADMIN_URL=http://127.0.0.1:$(PULSAR_HTTP_PORT) && $(SUITE)
 
 bench: $(STAMP)
 	$(COMPILE)

@@ -44,7 +44,7 @@ import yarl
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from devtools import BENCH_SECTIONS, apache_pulsar, dispatcher_bench, redis_topologies
+from devtools import BENCH_SECTIONS, apache_pulsar, dispatcher_bench, operator_crowd, redis_topologies
 from devtools.scratch import scratch_dir
 from worker import compiled, embedded
 from worker.consumer import CONSUMER_TYPES, PulsarConsumer, to_envelope
@@ -489,6 +489,8 @@ class Bench:
         self.client = pulsar.Client(self.broker.url, logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
         self.sinks: list[subprocess.Popen[bytes]] = []
         self.cluster: redis_topologies.ClusterTopology | None = None  # started for the cluster case
+        self.admin: dict[str, Any] = {}  # the last config's admin: section, and that config
+        self.last_config = self.dir / "worker.yaml"
 
     def close(self) -> None:
         for p in self.sinks:
@@ -575,12 +577,16 @@ class Bench:
         return {"url": self.redis_service.url}
 
     def config(self, subs: list[dict[str, Any]], redis_mode: str = "standalone") -> Path:
+        """A worker's config; its `admin:` section (which workers leave to `push-worker admin`) is
+        the operator crowd's (the neighbours section)."""
         path = self.dir / f"worker-{time.monotonic_ns()}.yaml"
+        self.admin = operator_crowd.admin_section(self.dir)
         path.write_text(yaml.safe_dump({
             "pulsar": {"service_url": self.broker.url}, "redis": self.redis_config(redis_mode),
             "http": {"port": 0}, "destinations": {"allow_private": True, "max_request_bytes": 4 * 2**20},
             "log": {"format": "json", "level": "error"}, "state_dir": str(self.dir / "worker"),
-            "subscriptions": subs}))
+            "admin": self.admin, "subscriptions": subs}))
+        self.last_config = path
         return path
 
     def sub(self, name: str, topic: str, url: str, kind: str = "shared", content: str = "raw",
@@ -807,6 +813,13 @@ NOISY_PROJECTS = {
     "an endpoint that hangs (600 s deadline)": NoisyProject(
         "/hang", {"max_ack_pending": 5000, "max_concurrency": 5000, "ack_deadline_seconds": 600},
         lambda bench, topic: bench.publish(topic, 5_000)),
+    # The reference of the next row, measured in the same run: any process of the admin pod's CPU
+    # limit on the bench's core (beside the broker, publisher and endpoint) costs this much.
+    "reference: a process burning 0.25 core (the admin pod's limit)": NoisyProject(
+        "/ok", {}, lambda bench, _topic: print("  reference:", operator_crowd.burn(bench.dir))),
+    "operators: 50 viewers listing, 250 slow connections (the admin process)": NoisyProject(
+        "/ok", {}, lambda bench, _topic: print("  operator crowd answers:",
+                                               operator_crowd.run(bench.last_config, bench.admin))),
     "120 messages of 4 MiB, answered in 0.5 s": NoisyProject(
         "/slow", {"max_ack_pending": 200},
         lambda bench, topic: bench.publish(topic, 120, payload=os.urandom((4 << 20) - 1024))),
@@ -1096,6 +1109,10 @@ async def run_bench(messages: int = 20000, concurrency: int = 64, sections: tupl
                                 ["misbehaviour", "p50 ms", "p99 ms", "alone p99 ms", "x alone p99", "lost",
                                  "peak RSS MiB", "worker"],
                                 right=("p50 ms", "p99 ms", "alone p99 ms", "x alone p99", "lost", "peak RSS MiB")))
+                    reference, operators = (next(n for n in rows if n.misbehaviour.startswith(prefix))
+                                            for prefix in ("reference", "operators"))
+                    print(f"operators' p99 x the reference's (a process of the same CPU limit on the same core): "
+                          f"{operators.during_p99_ms / reference.during_p99_ms:.2f}")
                     print()
                 if "spread" in sections:
                     from devtools import spread_bench

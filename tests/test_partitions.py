@@ -24,7 +24,7 @@ from tests.support.helpers import eventually, wait_sync
 from tests.support.pulsar_client import Client
 from worker.core.messages import format_message_id
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]  # iptables rules: the machine's, not this test's
 # Dropping one worker's packets takes iptables and root (the machine's kind has both; CI installs iptables).
 needs_iptables = pytest.mark.skipif((not shutil.which("iptables") or os.geteuid() != 0) and not os.environ.get("CI"),
                                     reason="iptables as root (CI installs Debian's package)")

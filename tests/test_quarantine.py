@@ -114,6 +114,7 @@ def unguarded_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[objec
 # among them) until it restarts, so the bomb never reaches a second owner there (docs/testing.md).
 @pytest.mark.apache_pulsar
 @pytest.mark.slow
+@pytest.mark.alone  # two 1 GiB cgroups filled to their OOM kill: the machine's memory, not this test's
 @pytest.mark.timeout(480)
 async def test_a_bomb_costs_at_most_two_deaths_and_quarantines_its_subscription_alone(
         unguarded_broker, redis_url, endpoint: Endpoint, tmp_path: Path):
