@@ -25,8 +25,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -42,9 +40,8 @@ import uvloop
 import yaml
 import yarl
 from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
 
-from devtools import BENCH_SECTIONS, apache_pulsar, dispatcher_bench, operator_crowd, redis_topologies
+from devtools import BENCH_SECTIONS, apache_pulsar, cgroups, dispatcher_bench, operator_crowd, probes, redis_topologies
 from devtools.scratch import scratch_dir
 from worker import compiled, embedded
 from worker.consumer import CONSUMER_TYPES, PulsarConsumer, to_envelope
@@ -371,45 +368,12 @@ class Figures:
     bare_p99_ms: float = float("nan")
 
 
-# The bench's own polling runs on the cores the worker needs while it is measured: plain blocking
-# requests (no event loop and HTTP session per poll), a few times a second. Throughput comes from
-# the sink's first and last timestamps, so the poll interval does not change it.
-POLL_SECONDS = 0.2
-
-
-def _fetch(url: str) -> bytes:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - local http URLs only
-            return bytes(response.read())
-    except urllib.error.HTTPError as e:  # /readyz answers 503 with a JSON body until ready
-        return bytes(e.read())
-
-
-def _get(url: str) -> Any:
-    return json.loads(_fetch(url))
-
-
-def _post(url: str) -> None:
-    with urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST"), timeout=10):  # noqa: S310
-        pass
-
-
-def _wait(predicate: Any, timeout: float, what: str, poll: float = POLL_SECONDS) -> float:
-    """Poll until `predicate` holds; returns how long that took."""
-    started = time.monotonic()
-    while not predicate():
-        if time.monotonic() > started + timeout:
-            raise TimeoutError(f"bench: timed out waiting for {what}")
-        time.sleep(poll)
-    return time.monotonic() - started
-
-
 def _caught_up(sink: str, window: float = 2.0) -> bool:
     """Whether a steady stream is caught up: over `window` seconds, 99% of the deliveries arrived
     within a second of being published."""
-    _post(sink + "/reset")
+    probes.post(sink + "/reset")
     time.sleep(window)  # a measuring window, not a wait for something to happen
-    latency = _get(sink + "/latency")
+    latency = probes.get(sink + "/latency")
     return bool(latency) and _percentile(latency, 0.99) < 1.0
 
 
@@ -627,29 +591,29 @@ class Bench:
         def delivered(n: int) -> bool:
             nonlocal peak_rss
             peak_rss = max(peak_rss, ps.memory_info().rss)
-            return bool(_get(sink + "/stats")["acked"] >= n)
+            return bool(probes.get(sink + "/stats")["acked"] >= n)
 
         try:
             # CPU from the first delivery to the last: start-up (imports, subscribing) is not a message's cost.
-            _wait(lambda: _get(sink + "/stats")["count"] > 0, 120, f"{name}: first delivery", poll=0.005)
+            probes.wait(lambda: probes.get(sink + "/stats")["count"] > 0, 120, f"{name}: first delivery", poll=0.005)
             cpu0 = sum(ps.cpu_times()[:2])
-            _wait(lambda: delivered(messages), 600, f"{name}: all acked")
-            stats = _get(sink + "/stats")
+            probes.wait(lambda: delivered(messages), 600, f"{name}: all acked")
+            stats = probes.get(sink + "/stats")
             cpu = sum(ps.cpu_times()[:2]) - cpu0
-            redis_per_msg = _metric(ps, "pushworker_redis_commands_total") / messages
-            round_trips = _metric(ps, "pushworker_redis_round_trips_total")
+            redis_per_msg = probes.metric(ps, "pushworker_redis_commands_total") / messages
+            round_trips = probes.metric(ps, "pushworker_redis_round_trips_total")
             rate = messages / (stats["last"] - stats["first"])
             # Latency phase: a steady stream, publish-to-endpoint. At a modest rate so that it measures
             # the worker's path, not a 2-core machine saturated by broker, Redis, sink and publisher.
             latencies: list[float] = []
             bare_latencies: list[float] = []
             if latency:
-                _post(sink + "/reset")
+                probes.post(sink + "/reset")
                 n = int(LATENCY_RATE * 5)
                 bare = self.start_bare_consumer(topic, n) if beside_bare else None
                 self.publish(topic, n, keys=keys, rate=LATENCY_RATE, payload=payload)
-                _wait(lambda: _get(sink + "/stats")["acked"] >= n, 120, f"{name}: latency phase")
-                latencies = _get(sink + "/latency")
+                probes.wait(lambda: probes.get(sink + "/stats")["acked"] >= n, 120, f"{name}: latency phase")
+                latencies = probes.get(sink + "/latency")
                 bare_latencies = json.loads(bare.communicate(timeout=60)[0]) if bare is not None else []
         finally:
             proc.terminate()
@@ -670,18 +634,18 @@ class Bench:
         ps = psutil.Process(proc.pid)
         publisher = PacedPublisher(self.client, topics, total_rate)
         try:
-            _wait(lambda: _worker_ready(ps), 300, f"{subscriptions} subscriptions")
+            probes.wait(lambda: probes.worker_ready(ps), 300, f"{subscriptions} subscriptions")
             publisher.start()
             # Warm-up: connections, the endpoint window's slow start, and (many subscriptions) what was
             # published while the last consumers were still subscribing: measuring that catch-up put
             # seconds into the p99 of 1,000 subscriptions.
-            _wait(lambda: _caught_up(sink), 300, f"{subscriptions} subscriptions: caught up", poll=0)
-            _post(sink + "/reset")
-            acked0, cpu0, t0 = _get(sink + "/stats")["acked"], sum(ps.cpu_times()[:2]), time.monotonic()
+            probes.wait(lambda: _caught_up(sink), 300, f"{subscriptions} subscriptions: caught up", poll=0)
+            probes.post(sink + "/reset")
+            acked0, cpu0, t0 = probes.get(sink + "/stats")["acked"], sum(ps.cpu_times()[:2]), time.monotonic()
             time.sleep(seconds)
-            acked1, cpu1, t1 = _get(sink + "/stats")["acked"], sum(ps.cpu_times()[:2]), time.monotonic()
+            acked1, cpu1, t1 = probes.get(sink + "/stats")["acked"], sum(ps.cpu_times()[:2]), time.monotonic()
             rss = ps.memory_info().rss
-            latency = _get(sink + "/latency")
+            latency = probes.get(sink + "/latency")
         finally:
             publisher.stop()
             proc.terminate()
@@ -708,7 +672,7 @@ class Bench:
 
     def _beside(self, name: str, rate: float, seconds: float, rude: str, noisy: NoisyProject) -> Neighbours:
         sink = self.sink()
-        _post(sink + "/reset")
+        probes.post(sink + "/reset")
         run = time.monotonic_ns()
         good, noisy_topic = f"persistent://p-good/main/n-{run}", f"persistent://p-noisy/main/n-{run}"
         noisy_sub = {**self.sub(f"noisy-{run}", noisy_topic, rude + noisy.path), **noisy.settings}
@@ -720,17 +684,17 @@ class Bench:
 
         def latencies() -> list[float]:
             nonlocal peak_rss
-            _post(sink + "/reset")
+            probes.post(sink + "/reset")
             deadline = time.monotonic() + seconds
             while time.monotonic() < deadline:
                 peak_rss = max(peak_rss, ps.memory_info().rss)
                 time.sleep(0.2)
-            return list(_get(sink + "/latency/good"))
+            return list(probes.get(sink + "/latency/good"))
 
         try:
-            _wait(lambda: _worker_ready(ps), 300, "the worker")
+            probes.wait(lambda: probes.worker_ready(ps), 300, "the worker")
             publisher.start()
-            _wait(lambda: _caught_up(sink), 300, "the well-behaved project: caught up", poll=0)
+            probes.wait(lambda: _caught_up(sink), 300, "the well-behaved project: caught up", poll=0)
             alone = latencies()
             misbehaviour = threading.Thread(target=noisy.start, args=(self, noisy_topic), daemon=True)
             misbehaviour.start()
@@ -739,10 +703,10 @@ class Bench:
             up = proc.poll() is None
 
             def delivered() -> int:
-                return int(_metric(ps, "pushworker_deliveries_total", project="p-good", result="ack"))
+                return int(probes.metric(ps, "pushworker_deliveries_total", project="p-good", result="ack"))
 
             with contextlib.suppress(RuntimeError):  # what is missing then is reported as lost
-                _wait(lambda: up and delivered() >= published, 60, "the well-behaved project: every message")
+                probes.wait(lambda: up and delivered() >= published, 60, "the well-behaved project: every message")
             lost = published - (delivered() if up else 0)
             misbehaviour.join(300)
         finally:
@@ -767,8 +731,9 @@ class Bench:
         ps = psutil.Process(proc.pid)
         try:
             started = time.monotonic()
-            _wait(lambda: _worker_ready(ps) and _metric(ps, "pushworker_subscription_state", state="Active") >= count,
-                  300, f"{count} subscriptions served")
+            probes.wait(lambda: probes.worker_ready(ps) and
+                        probes.metric(ps, "pushworker_subscription_state", state="Active") >= count,
+                        300, f"{count} subscriptions served")
             ready_after = time.monotonic() - started
             time.sleep(settle)
             cpu0 = sum(ps.cpu_times()[:2])
@@ -839,28 +804,6 @@ def _pin_apart(worker: psutil.Process) -> list[int]:
         with contextlib.suppress(psutil.Error):
             process.cpu_affinity(cores[-1:] if process.pid == worker.pid else cores[:-1])
     return before
-
-
-def _status_port(ps: psutil.Process) -> int | None:
-    for conn in ps.net_connections(kind="tcp"):
-        if conn.status == psutil.CONN_LISTEN:
-            return int(conn.laddr.port)
-    return None
-
-
-def _worker_ready(ps: psutil.Process) -> bool:
-    port = _status_port(ps)
-    try:
-        return port is not None and bool(_get(f"http://127.0.0.1:{port}/readyz").get("ready"))
-    except (OSError, ValueError):  # not listening yet, or not JSON
-        return False
-
-
-def _metric(ps: psutil.Process, name: str, **labels: str) -> float:
-    """Sum of a metric's samples on the worker's /metrics (those with `labels`)."""
-    text = _fetch(f"http://127.0.0.1:{_status_port(ps)}/metrics").decode()
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-               if s.name == name and labels.items() <= s.labels.items())
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -1117,7 +1060,7 @@ async def run_bench(messages: int = 20000, concurrency: int = 64, sections: tupl
                 if "spread" in sections:
                     from devtools import spread_bench
 
-                    why = spread_bench.cgroups_available() or ("" if getattr(bench.broker, "admin_url", "") else
+                    why = cgroups.cgroups_available() or ("" if getattr(bench.broker, "admin_url", "") else
                                                               "it needs Apache Pulsar: PULSAR_URL and PULSAR_ADMIN_URL")
                     if why:
                         print(f"spread: not run: {why}")

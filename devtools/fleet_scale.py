@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from devtools import redis_topologies
-from devtools.bench import _wait
+from devtools.probes import wait
 from devtools.scratch import scratch_dir
 from worker import logs
 from worker.config import FleetSettings, RedisSettings
@@ -104,7 +104,7 @@ def _measure(settings: RedisSettings, sync: Any, count: int, workers: int, lease
     procs = [subprocess.Popen([sys.executable, "-m", "devtools.fleet_scale", f"sim-{i}", spec],
                               stderr=subprocess.DEVNULL) for i in range(workers)]
     try:
-        owned_after = _wait(lambda: all(_owners(sync, count)), 300, "every subscription owned")
+        owned_after = wait(lambda: all(_owners(sync, count)), 300, "every subscription owned")
         print(f"  owned in {owned_after:.1f}s; idle for {lease + idle_seconds:g}s", file=sys.stderr, flush=True)
         time.sleep(lease)  # renewals and status writes reach their steady rhythm
         before = _commands(sync)
@@ -114,7 +114,7 @@ def _measure(settings: RedisSettings, sync: Any, count: int, workers: int, lease
         orphaned = [i for i, owner in enumerate(_owners(sync, count)) if owner == b"sim-0"]
         procs[0].kill()  # kill -9: nothing released, its leases lapse
         procs[0].wait()
-        reowned = _wait(lambda: all(o not in (None, b"sim-0") for o in _owners(sync, count)), 300,
+        reowned = wait(lambda: all(o not in (None, b"sim-0") for o in _owners(sync, count)), 300,
                         "the killed worker's subscriptions re-owned")
         print(f"  re-owned in {reowned:.1f}s", file=sys.stderr, flush=True)
         return {"subscriptions": count, "workers": workers, "owned_in_s": owned_after,

@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from devtools.spread_bench import cgroups_available, pod, start_in
+from devtools.cgroups import cgroups_available, pod, start_in
 from worker import embedded
 
 VIEWERS = 50

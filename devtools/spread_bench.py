@@ -11,54 +11,14 @@ import math
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 import yaml
 
-CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
-PERIOD_US = 100_000
-
-
-def cgroups_available(controller: Path = CPU_CGROUP, limit_file: str = "cpu.cfs_quota_us") -> str:
-    """Why cgroups of a v1 `controller` cannot be made here ("" when they can)."""
-    if not (controller / limit_file).exists():
-        return f"no cgroup v1 {controller.name} controller at {controller}"
-    try:
-        probe = controller / f"pw-probe-{time.monotonic_ns()}"
-        probe.mkdir()
-        probe.rmdir()
-    except OSError as e:
-        return f"cannot create a cgroup there ({e.strerror}): run as root"
-    return ""
-
-
-@contextlib.contextmanager
-def pod(name: str, cores: float) -> Iterator[Path]:
-    """A cgroup whose processes together get at most `cores` of CPU time."""
-    path = CPU_CGROUP / name
-    path.mkdir()
-    try:
-        (path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-        (path / "cpu.cfs_quota_us").write_text(str(int(cores * PERIOD_US)))
-        yield path
-    finally:
-        for _ in range(50):  # its processes must be gone before it can go
-            with contextlib.suppress(OSError):
-                path.rmdir()
-                break
-            time.sleep(0.1)
-
-
-def start_in(cgroup: Path, command: list[str], log: Path, **env: str) -> subprocess.Popen[bytes]:
-    """`command` as a process that enters `cgroup` before it execs (so every thread is limited)."""
-    import os
-
-    wrapper = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh", *command]
-    with open(log, "ab") as out:
-        return subprocess.Popen(wrapper, stdout=out, stderr=out, env={**os.environ, **env})
+from devtools import probes
+from devtools.cgroups import pod, start_in
 
 
 def fleet_config(bench: Any, name: str, fleet: dict[str, Any], sub: dict[str, Any]) -> Path:
@@ -84,7 +44,6 @@ def scale_out(bench: Any, kind: str, counts: tuple[int, ...] = (1, 2, 4), cores:
 
 
 def _measure(bench: Any, kind: str, n: int, cores: float, window: float) -> float:
-    from devtools.bench import _get, _status_port, _wait, _worker_ready
     from worker.core.keys import lease_key
 
     name = f"hot-{n}-{time.monotonic_ns() % 10**6}"
@@ -104,12 +63,13 @@ def _measure(bench: Any, kind: str, n: int, cores: float, window: float) -> floa
                                   bench.dir / f"{name}-w{i}.log", PUSH_WORKER_ID=f"{name}-w{i}"))
         try:
             ps = [psutil.Process(p.pid) for p in procs]
-            _wait(lambda: all(_status_port(p) and _worker_ready(p) for p in ps), 120, f"{n} workers ready")
-            _wait(lambda: all(bench.redis.mget(leases)), 120, f"{n} workers serving {name}")
+            probes.wait(lambda: all(probes.status_port(p) and probes.worker_ready(p) for p in ps), 120,
+                        f"{n} workers ready")
+            probes.wait(lambda: all(bench.redis.mget(leases)), 120, f"{n} workers serving {name}")
             time.sleep(2.0)  # the last one's first requests: a second or two to reach its pace
-            before, started = _get(sink + "/stats")["acked"], time.monotonic()
+            before, started = probes.get(sink + "/stats")["acked"], time.monotonic()
             time.sleep(window)
-            after = _get(sink + "/stats")["acked"]
+            after = probes.get(sink + "/stats")["acked"]
             rate = (after - before) / (time.monotonic() - started)
             if after >= backlog:
                 raise RuntimeError(f"bench: the backlog for {n} workers ran out inside the window")
@@ -151,7 +111,6 @@ def hpa_loop(bench: Any, image: Path | None, max_replicas: int = 4, cores: float
     a scale-in only once every recommendation of the last HPA_SCALE_DOWN_WINDOW seconds allows it.
     Workers (each a cgroup of `cores`) are started and stopped by it. Returns the time series and
     what the sink saw; draws them into `image`."""
-    from devtools.bench import _get, _metric, _status_port, _wait, _worker_ready
     from worker.core.keys import workers_key
 
     name = f"hpa-{time.monotonic_ns() % 10**6}"
@@ -174,7 +133,7 @@ def hpa_loop(bench: Any, image: Path | None, max_replicas: int = 4, cores: float
         readings = []
         for proc, _ in workers:
             with contextlib.suppress(Exception):
-                readings.append(_metric(psutil.Process(proc.pid), "pushworker_subscription_backlog"))
+                readings.append(probes.metric(psutil.Process(proc.pid), "pushworker_subscription_backlog"))
         return max(readings, default=0.0)  # one subscription: the max over workers is the adapter's figure
 
     series: list[dict[str, float]] = []
@@ -182,8 +141,8 @@ def hpa_loop(bench: Any, image: Path | None, max_replicas: int = 4, cores: float
     bench.publish(topic, burst, keys=keys, batched=False)
     start()
     try:
-        _wait(lambda: _status_port(psutil.Process(workers[0][0].pid)) is not None
-              and _worker_ready(psutil.Process(workers[0][0].pid)), 120, "the first worker ready")
+        probes.wait(lambda: probes.status_port(psutil.Process(workers[0][0].pid)) is not None
+              and probes.worker_ready(psutil.Process(workers[0][0].pid)), 120, "the first worker ready")
         began = time.monotonic()
         recommendations: list[tuple[float, int]] = []
         drained_at: float | None = None
@@ -200,7 +159,7 @@ def hpa_loop(bench: Any, image: Path | None, max_replicas: int = 4, cores: float
                 proc, stack = workers.pop()
                 proc.terminate()  # a clean stop: it hands its slot over
                 stopped.append((proc, stack))
-            stats = _get(sink + "/stats")
+            stats = probes.get(sink + "/stats")
             width = bench.redis.get(workers_key(f"p-bench/{name}"))
             series.append({"t": now, "replicas": len(workers), "backlog": backlog, "desired": desired,
                            "serving": int(width) if width else 1, "acked": stats["unique"]})
@@ -209,7 +168,7 @@ def hpa_loop(bench: Any, image: Path | None, max_replicas: int = 4, cores: float
                 if len(workers) == 1 and series[-1]["serving"] == 1:
                     break
             time.sleep(2.0)
-        stats = _get(sink + "/stats")
+        stats = probes.get(sink + "/stats")
     finally:
         for proc, stack in [*workers, *stopped]:
             proc.terminate()

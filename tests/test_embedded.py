@@ -135,7 +135,7 @@ async def test_a_killed_worker_takes_its_broker_and_redis_along_and_the_next_sta
         await eventually(lambda: all(_state(pid) == "T" for pid in pids.values()), what="the services stopped")
         proc.send_signal(signal.SIGKILL)
         await asyncio.to_thread(proc.wait, 10)
-        assert all(_running(pid) for pid in pids.values())
+        assert all(_running(pid) for pid in pids.values()), {name: _state(pid) for name, pid in pids.items()}
         proc, left = await start(3)
         assert not any(_running(pid) for pid in pids.values())
         third = await _publish(config, "third")

@@ -21,7 +21,7 @@ import redis
 import yaml
 
 from devtools import apache_pulsar
-from devtools.spread_bench import cgroups_available
+from devtools.cgroups import cgroups_available
 from tests.support import brokers
 from tests.support.builders import push_sub
 from tests.support.endpoints import Endpoint

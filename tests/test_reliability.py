@@ -302,8 +302,10 @@ async def test_start_that_fails_for_good_exits_in_one_line_and_leaves_no_process
     assert result.returncode == 1, result.stderr.decode()[-2000:]
     assert last.startswith("push-worker: ") and "credentials" in last, last
     assert "Traceback" not in result.stderr.decode() and "Unclosed" not in result.stderr.decode()
+    # This worker's broker only (its data under this test's state_dir): other tests run at the same time.
     leftovers = [p for p in psutil.process_iter(["cmdline"]) if p.pid not in before
-                 and any("pulsar-lite" in part for part in (p.info["cmdline"] or []))]
+                 and any("pulsar-lite" in part for part in (p.info["cmdline"] or []))
+                 and str(tmp_path) in " ".join(p.info["cmdline"] or [])]
     assert not leftovers, f"orphaned: {[p.info['cmdline'] for p in leftovers]}"
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import hashlib
 import time
 import urllib.parse
@@ -111,6 +112,7 @@ class OAuth2Tokens:
         return _Token(token, started + max(lifetime - max(5.0, lifetime * RENEW_BEFORE), 0.0))
 
 
+@functools.lru_cache(maxsize=MAX_TOKENS)  # per request otherwise: a hash of the settings each time
 def _key(oauth: OAuth2, secret: bytes) -> bytes:
     """Whose token: the client at that token URL with that secret (a rotated secret gets its own)."""
     return hashlib.sha256(orjson.dumps([oauth.token_url, oauth.client_id, oauth.scope, oauth.audience])

@@ -16,7 +16,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from worker import broker_admin, compiled, logs, redis_client, redis_start, resources
+from worker import broker_admin, compiled, logs, redis_client, redis_start
 from worker import consumer as pulsar_adapter
 from worker.admission import admit_for, secret_store
 from worker.aio import wait_event
@@ -24,21 +24,17 @@ from worker.api.beside import AdminBeside
 from worker.backlog import BacklogReader, BacklogReport
 from worker.broker_watch import BrokerWatch
 from worker.config import Settings
-from worker.core.attempts import AttemptStore
-from worker.core.budgets import SharedBudget
-from worker.core.delivery import Deliverer
-from worker.core.dispatcher import DeliveryContext
 from worker.core.metrics import Metrics
 from worker.core.redis_batch import Pipeliner
-from worker.deadletter import DeadLetterPublisher
+from worker.delivery_setup import delivery_context
 from worker.errors import strip_userinfo
 from worker.fleet import Fleet
 from worker.fleet.expiry import ExpiryWatch
 from worker.http_server import StatusServer
 from worker.local_services import LocalServices
-from worker.oauth2 import OAuth2Tokens
 from worker.oidc import Tokens
 from worker.prefetch import LargestMessages
+from worker.readiness import readiness
 from worker.serving import Serving
 from worker.supervisor import Supervisor
 
@@ -120,7 +116,9 @@ class Worker:
             # what the destination guard checks: a proxy would resolve and connect where it liked.
             self.log.warning("proxy settings are not used: push requests and the broker's admin API connect directly; "
                              "allow the worker's egress to the endpoints", variables=proxies)
-        self.delivery = self._delivery_context(pipeliner)
+        self.delivery, self.memory, self.dead_letters = delivery_context(
+            s, self.pulsar, pipeliner, self.metrics, self.secrets, self.worker_id, self.supervisor, self.tokens,
+            self.log, self._cleanup)
         self.served = Serving(s, self.delivery, self.pulsar, self.redis,
                               LargestMessages(pipeliner, s.redis.attempts_ttl_seconds), session,
                               # A payload no request could carry is dead-lettered before its request is built.
@@ -162,27 +160,6 @@ class Worker:
         self.supervisor.spawn("admin", self.admin.run)
         self._cleanup("stop the admin process", self.admin.close, 15)
 
-    def _delivery_context(self, pipeliner: Pipeliner) -> DeliveryContext:
-        """What every subscription's dispatcher shares: the endpoint client, the attempt store, the
-        dead-letter producers, and the worker's budgets of memory and connections."""
-        s = self.settings
-        held_budget, held_from = resources.held_bytes_budget(s.max_held_bytes)
-        files_soft, _ = resources.raise_open_files_limit()
-        connections, connections_from = resources.connections_budget(s.destinations.max_connections, files_soft)
-        self.log.info("budgets", max_held_bytes=held_budget, max_held_bytes_from=held_from,
-                      max_connections=connections, max_connections_from=connections_from)
-        self.memory = SharedBudget(held_budget)
-        self.metrics.max_held_bytes.set(held_budget)
-        self.metrics.worker_held_bytes.set_function(lambda: self.memory.used)
-        deliverer = Deliverer(s.destinations, max_connections=connections)
-        self._cleanup("close the endpoint connections", deliverer.close, 5)
-        self.dead_letters = DeadLetterPublisher(self.pulsar)
-        self._cleanup("close dead-letter producers", self.dead_letters.close, 10)
-        attempts = AttemptStore(pipeliner, s.redis, on_error=self.metrics.redis_errors.inc)
-        return DeliveryContext(deliverer, attempts, self.dead_letters, self.metrics, self.secrets, self.worker_id,
-                               self.supervisor, self.tokens, s.max_held_bytes_per_subscription, self.memory,
-                               oauth2=OAuth2Tokens(self.secrets, deliverer.client))
-
     def _served_one(self) -> None:
         """A dispatcher started: `subs list` says Active at the next round, its backlog is read now."""
         if self.fleet is not None:
@@ -218,6 +195,10 @@ class Worker:
     def stopping(self) -> bool:
         return self._stop.is_set()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def requests_under_way(self) -> int:
         return self.served.requests_under_way() if self.served is not None else 0
 
@@ -229,35 +210,7 @@ class Worker:
         await self._stop.wait()
 
     async def readiness(self) -> tuple[bool, str]:
-        if self._closed or self._stop.is_set():
-            return False, "stopping"
-        try:
-            assert self.redis is not None
-            await asyncio.wait_for(self.redis.ping(), timeout=2)
-        except Exception:
-            return False, "redis unreachable"
-        # The worker is judged, not each subscription: one that can never subscribe (a topic the
-        # broker refuses) must not hold a rolling update forever. Until the broker has answered at
-        # all, though, nothing can be delivered.
-        if self.served is not None and self.served.subscribing and not await self.served.broker_reachable():
-            # An authenticating broker drops a connection with a token it refuses, unanswered: to the
-            # client that is the same timeout as a dead broker's, so the reason names both.
-            token = " or refusing PUSH_WORKER_PULSAR_TOKEN" if self.settings.pulsar.auth_token else ""
-            return False, f"broker unreachable{token}"
-        if self.fleet is not None and self.fleet.stepped_out:
-            return False, f"cut off from the broker, serving nothing until it answers ({self.fleet.stepped_out})"
-        if self.fleet is None or not self.fleet.members:
-            why = self.fleet.round_error if self.fleet else ""
-            return False, f"not yet in the fleet ({why})" if why else "not yet in the fleet"
-        # Past a lease period every lease has lapsed: nothing is delivered, though Redis answers PING.
-        if self.fleet.failing_for() > self.settings.fleet.lease_seconds:
-            return False, f"fleet round failing for {self.fleet.failing_for():.0f} s ({self.fleet.round_error})"
-        if twin := self.fleet.twin_reason():
-            return False, twin
-        failing = self.supervisor.not_ready()
-        if failing:
-            return False, failing
-        return True, "ok"
+        return await readiness(self)
 
     def liveness(self) -> tuple[bool, str]:
         """Alive unless a background task has kept failing for a long time: then a restart may help."""

@@ -21,6 +21,7 @@ from worker.ops.dlq import DeadLetters, Selection
 from worker.subscriptions import NAME_PATTERN, NAME_RULE, PROJECT_PATTERN, parse_subscription
 
 MESSAGE_STATES = ("inflight", "retrying", "dead")
+MAX_DATA_CHARS = 1 << 20  # of a dead letter's payload in an answer (text, or base64 of binary)
 NO_SUCH_PROJECT = "no such project"
 
 
@@ -119,7 +120,10 @@ class Operations:
     async def dead_letter(self, project: str, name: str, message_id: str, limit: int, answers: bool) -> dict[str, Any]:
         key = await self.existing(project, name)
         data = dict((await self.dlq.show(self.admin, key, message_id, limit)).data)
-        return {**data, "history": _answers(data.get("history") or [], answers)}
+        text = data.get("data") or ""
+        # An answer is bounded: a payload of tens of MiB is not one to read in a page or a JSON body.
+        return {**data, "data": text[:MAX_DATA_CHARS], "data_truncated": len(text) > MAX_DATA_CHARS,
+                "history": _answers(data.get("history") or [], answers)}
 
     # -- changing -----------------------------------------------------------------------------
 

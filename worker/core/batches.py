@@ -71,17 +71,21 @@ class Forming:
         return batch.items, batch.lanes
 
     def _take_loose(self, batch: _Batch) -> None:
-        while self._loose and batch.fits(self._loose[0][1][1]):
-            batch.add(self._loose.popleft()[1])
+        size = batch.room_for(self._loose[0][1][1]) if self._loose else None
+        while size is not None:
+            batch.add(self._loose.popleft()[1], size)
+            size = batch.room_for(self._loose[0][1][1]) if self._loose else None
 
     def _take_lanes(self, batch: _Batch) -> None:
         while self._lanes:
             lane, (_, queue) = next(iter(self._lanes.items()))
-            if not batch.fits(queue[0][1]):
+            size = batch.room_for(queue[0][1])
+            if size is None:
                 return
             del self._lanes[lane]
-            while queue and batch.fits(queue[0][1]):
-                batch.add(queue.popleft())
+            while size is not None:
+                batch.add(queue.popleft(), size)
+                size = batch.room_for(queue[0][1]) if queue else None
             batch.lanes[lane] = queue  # what did not fit waits behind the batch
             self.count -= len(queue)
             self.bytes -= sum(batch_entry_bytes(env) for _, env in queue)
@@ -104,11 +108,13 @@ class _Batch:
         self.lanes: dict[str, deque[Item]] = {}
         self.size = 0
 
-    def fits(self, env: Envelope) -> bool:
-        """Whether `env` may join (the first message always may)."""
-        return not self.items or (len(self.items) < self.max_messages
-                                  and self.size + batch_entry_bytes(env) <= self.max_bytes)
+    def room_for(self, env: Envelope) -> int | None:
+        """`env`'s size in the batch when it may join (the first message always may); else None."""
+        size = batch_entry_bytes(env)
+        if not self.items or (len(self.items) < self.max_messages and self.size + size <= self.max_bytes):
+            return size
+        return None
 
-    def add(self, item: Item) -> None:
+    def add(self, item: Item, size: int) -> None:
         self.items.append(item)
-        self.size += batch_entry_bytes(item[1])
+        self.size += size

@@ -112,12 +112,10 @@ class AdaptiveLimit(_Slots):
         self.clock = clock
         self.ceiling = max(1, ceiling)
         self.initial = initial
-        self.window = float(min(initial, self.ceiling))
-        self.threshold = float(self.ceiling)
+        self._slow_start()
         self.cooldown = cooldown
         self._last_cut = 0.0
         self._paused_until = 0.0
-        self._error_share = 0.0
         self._latency: float | None = None  # typical latency of acked answers
         self._tickets = itertools.count()
         self._under_way: set[int] = set()  # tickets of the requests under way
@@ -179,11 +177,15 @@ class AdaptiveLimit(_Slots):
         another worker of the subscription got."""
         self._paused_until = max(self._paused_until, self.clock() + min(seconds, MAX_PAUSE))
 
-    def restart(self) -> None:
-        """Slow start again from the initial window (an endpoint back after an outage)."""
+    def _slow_start(self) -> None:
+        """The initial window, no threshold below the ceiling, no failures remembered."""
         self.window = float(min(self.initial, self.ceiling))
         self.threshold = float(self.ceiling)
         self._error_share = 0.0
+
+    def restart(self) -> None:
+        """Slow start again from the initial window (an endpoint back after an outage)."""
+        self._slow_start()
         self.limit = self.size
 
     def set_ceiling(self, ceiling: int) -> None:

@@ -17,27 +17,20 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from worker import logs, resources
+from worker import logs
 from worker.aio import cancel_within, wait_event
 from worker.config import FleetSettings
 from worker.consumer import consumer_type
 from worker.core import keys
 from worker.core.redis_batch import Pipeliner
-from worker.fleet import quarantine, seek
-from worker.fleet.leases import Lease, assign, holders, unit_parts, units
+from worker.fleet import seek
+from worker.fleet.containment import Containment
+from worker.fleet.leases import Lease, assign, unit_parts, units
 from worker.fleet.published import ConfigDefinitions
-from worker.fleet.quarantine import (
-    ACQUIRE_HOLDING,
-    HOLDER_TTL_LEASES,
-    RELEASE_HOLDING,
-    RENEW_HOLDING,
-    MemoryAlarm,
-    Taken,
-    Trials,
-)
+from worker.fleet.quarantine import ACQUIRE_HOLDING, HOLDER_TTL_LEASES, RELEASE_HOLDING, RENEW_HOLDING, Taken
 from worker.fleet.registry import Admit, Registry, clear_state
 from worker.fleet.registry_follower import RegistryFollower
-from worker.fleet.spread import SharedPauses, Spread, partitions_limit, share
+from worker.fleet.spread import Spreading, share
 from worker.fleet.status import StatusReports
 from worker.fleet.worker_protocol import ServingWorker
 from worker.redis_client import REDIS_DOWN, AsyncClient, describe, safe_text
@@ -69,7 +62,6 @@ members[#members + 1] = type(previous) == 'string' and previous or ''
 return members
 """
 DELETE_GRACE = 1.0  # seconds requests under way get when their subscription is deleted
-NARROW_WAIT = 60.0  # seconds a seek waits for a spread subscription's other workers to let go
 # GET of a key that is not a string fails: a lease key holding a hash (corrupt) is simply not ours.
 class Fleet:
     """Runs the ownership loop of one worker."""
@@ -79,6 +71,8 @@ class Fleet:
         self.worker = worker
         self.client = client
         self.settings = settings
+        self.log = logs.get(worker=worker.worker_id, fleet=settings.name)
+        self._wake = asyncio.Event()
         self.static = {s.key: s for s in static}
         self.registry = Registry(client, settings.name, self.static, admit, settings.max_subscriptions_per_project)
         self.follower = RegistryFollower(self.registry)
@@ -92,18 +86,9 @@ class Fleet:
         self.paused: set[str] = set()
         self.expired: set[str] = set()
         self.quarantined: dict[str, bytes] = {}  # quarantine records of paused keys (`quarantine.py`)
-        # Subscriptions taken from a holder that died with them, started one at a time (`quarantine.py`),
-        # and the memory alarm that runs while one is on trial (with a memory limit to measure against).
-        self.trials = Trials(settings.trial_seconds)
-        self.memory_limit = resources.memory_limit()[0] if settings.trial_seconds > 0 else None
-        self._alarm: MemoryAlarm | None = None
-        self._marks: set[asyncio.Task[None]] = set()
         self._state_reported: set[str] = set()  # paused/expired keys assigned here, exported as a state metric
         self._assigned_reported: set[str] = set()  # keys exported as pushworker_subscription_assigned
-        self._widths: dict[str, int] = {}  # spread subscriptions (max_workers > 1): how many workers serve each
-        self._widths_reported: dict[str, int] = {}  # as exported in pushworker_subscription_workers
         self._seeks: set[asyncio.Task[None]] = set()
-        self._narrowed: set[str] = set()  # spread subscriptions held to one worker while it seeks them
         # Hand-overs draining in the background, by key: the lease stays held (and renewed) until the
         # drain ends. Drained inside the round, one after another, they held up the heartbeat and the
         # renewals of every other lease: a drain longer than the lease lost the subscriptions this
@@ -113,9 +98,7 @@ class Fleet:
         self._ignored: set[tuple[str, str]] = set()  # what was logged as ignored (once each)
         self._assignment: dict[str, str] = {}
         self._assignment_basis: tuple[object, ...] = ()
-        self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self.log = logs.get(worker=worker.worker_id, fleet=settings.name)
         self.ttl_ms = int(settings.lease_seconds * 1000)
         self.member_ttl_ms = self.ttl_ms
         self.holder_ttl_ms = HOLDER_TTL_LEASES * self.ttl_ms
@@ -123,8 +106,8 @@ class Fleet:
         # trip, on a connection of their own: as separate commands through redis-py they held the
         # event loop for tens of milliseconds at a time, and every delivery waited.
         self.batch = Pipeliner(client)
-        self.spread = Spread(self.batch, settings.backlog_per_worker, settings.spread_quiet_seconds)
-        self.pauses = SharedPauses(self.batch)
+        self.spreading = Spreading(client, self.batch, settings.backlog_per_worker, settings.spread_quiet_seconds,
+                                   worker, self.registry.channel, self._wake, self.log)
         # The last backlog reading of each served subscription (value, monotonic time read), written
         # by the backlog report: the holder of a spread subscription's slot 0 decides its width by it.
         self.backlogs: dict[str, tuple[float, float]] = {}
@@ -136,6 +119,7 @@ class Fleet:
         # Two processes with one PUSH_WORKER_ID (a constant where the pod name belongs) are one member
         # to the fleet: both serve everything that id owns, and no scaling spreads it.
         self.instance = uuid.uuid4().hex
+        self.containment = Containment(client, self.registry, worker, settings.trial_seconds, self.instance, self.log)
         self.instance_key = keys.fleet_key(settings.name, f"instance:{worker.worker_id}")
         self._foreign_mark_at = -float("inf")
         self._twin_seen_at = 0.0
@@ -175,8 +159,7 @@ class Fleet:
     async def start(self) -> None:
         """Join at once (the first round runs here), then keep going in supervised tasks."""
         self._wake.set()
-        if self.memory_limit is not None:
-            self._alarm = MemoryAlarm(self.memory_limit, asyncio.get_running_loop(), self._memory_alarm)
+        self.containment.start()
         supervisor = self.worker.supervisor
         self._tasks = [supervisor.spawn("fleet", self._loop), supervisor.spawn("fleet-events", self._listen)]
         await self._tick_safely()
@@ -280,11 +263,11 @@ class Fleet:
         if version != self._registry_version:
             await self._read_registry()
             self._registry_version = version
-        for key in await self.spread.read(self.subscriptions):
+        for key in await self.spreading.read(self.subscriptions):
             self._ignore("workers", f"{key}: not a number of workers; served by one until it is decided again")
         await self._reconcile()
-        await self._decide_widths()
-        await self.pauses.exchange({k: d for k in self._widths if (d := self.worker.dispatchers.get(k)) is not None})
+        first_slots = [k for k in self.spreading.widths if k in self.leases and k not in self._handovers]
+        await self.spreading.settle(first_slots, self.subscriptions, len(self.members), self.backlogs)
         await self._resume_breakers()
         await self.published.publish_if_due()
 
@@ -343,34 +326,21 @@ class Fleet:
         self.paused = set(self.follower.paused)
         self.expired = set(self.follower.expired)
         self.quarantined = {k: v for k, v in self.follower.quarantined.items() if k in self.paused}
-        await self._lift_own_quarantines()
-
-    async def _lift_own_quarantines(self) -> None:
-        """A quarantine that names this very process as the one that died is a mistake: its lease
-        lapsed while it was alive (cut off from Redis, or paused), so it resumes the subscription."""
-        for key, raw in list(self.quarantined.items()):
-            if quarantine.parse_record(raw).get("instance") == self.instance:
-                await self.registry.set_paused(key, False)
-                self.paused.discard(key)
-                del self.quarantined[key]
-                self.log.warning("quarantine lifted: the worker it names as dead is this one, alive",
-                                 subscription=key)
+        await self.containment.lift_own(self.quarantined, self.paused)
 
     def _owners(self) -> dict[str, str]:
         """The member each unit (a subscription's slot) goes to."""
-        members = len(self.members)
-        widths = {k: self.spread.width(sub, members) for k, sub in self.subscriptions.items() if sub.max_workers > 1}
+        widths = self.spreading.assign_widths(self.subscriptions, len(self.members))
         basis = (tuple(self.members), tuple(sorted(self.subscriptions)), tuple(sorted(widths.items())))
         if basis != self._assignment_basis:
             self._assignment = assign(units({**dict.fromkeys(self.subscriptions, 1), **widths}), self.members)
             self._assignment_basis = basis
-        self._widths = widths
         return self._assignment
 
     def _share(self, name: str) -> Subscription:
         """The definition the holder of unit `name` serves: its share of the subscription's totals."""
         key, slot = unit_parts(name)
-        return share(self.subscriptions[key], slot, self._widths.get(key, 1))
+        return share(self.subscriptions[key], slot, self.spreading.widths.get(key, 1))
 
     async def _reconcile(self) -> None:
         owners = self._owners()
@@ -394,12 +364,12 @@ class Fleet:
         for key in self.worker.serving - held:  # safety net: nothing runs without a lease
             await self.worker.remove(key, grace=0)
         settled = set(self.leases) - set(self._handovers)  # wanted again mid-drain: acquired anew after it
-        await self._advance_trials()
+        await self.containment.advance()
         serving = self.worker.serving
         for name in wanted & settled:
             key, sub = unit_parts(name)[0], self._share(name)
             if key not in serving:  # new, or a start that failed: try again
-                if not self.trials.holds_back(name):  # a suspect waits for its trial
+                if not self.containment.holds_back(name):  # a suspect waits for its trial
                     self.worker.add(sub, lease=self.leases[name])
                 continue
             dispatcher = self.worker.dispatchers.get(key)
@@ -414,86 +384,6 @@ class Fleet:
                 self.log.info("subscription updated", subscription=key)
         await self.status.publish(self.leases)
 
-    async def _advance_trials(self) -> None:
-        """End the trial whose time is over; start the next suspect's (its holder record says so
-        before its consumer exists: a death from here on is laid at its door)."""
-        now = time.monotonic()
-        current = self.trials.current
-        if current and unit_parts(current)[0] in self.worker.dispatchers:
-            self.trials.serving(now)
-        if self.trials.over(now):
-            served = bool(self.trials.started_at)
-            await self._mark_trial(current, False)
-            self.trials.end()
-            self.log.info("trial over: served alone without a death" if served else
-                          "trial over: its subscribe did not go through; the next suspect's begins",
-                          subscription=unit_parts(current)[0])
-        name = self.trials.next()
-        if name:
-            await self._mark_trial(name, True)
-            self.trials.begin(name, now)
-            self.log.info("on trial: its last holder died holding it; served alone for a while",
-                          subscription=unit_parts(name)[0], seconds=self.settings.trial_seconds)
-
-    async def _mark_trial(self, name: str, on: bool) -> None:
-        await self._mark(name, "trial", "1" if on else "0")
-        if self._alarm is not None:  # the alarm runs while a subscription is on trial, and only then
-            (self._alarm.arm if on else self._alarm.disarm)()
-
-    async def _mark(self, name: str, field: str, value: str) -> None:
-        key, slot = unit_parts(name)
-        await self.client.eval(quarantine.MARK, 1, keys.holder_key(key, slot), self.instance, field, value)
-
-    def _memory_alarm(self) -> None:
-        """Memory past the alarm while a subscription is on trial: an OOM kill is likely on its way.
-        Said in its holder record, so that the next holder knows what this worker died of."""
-        name = self.trials.current
-        if not name:
-            return
-        self.log.error("memory alarm while a subscription is on trial: it is quarantined if this worker dies",
-                       subscription=unit_parts(name)[0], limit=self.memory_limit)
-        task = asyncio.create_task(self._mark(name, "memory", "1"), name=f"memory alarm {name}")
-        self._marks.add(task)
-        task.add_done_callback(self._marks.discard)
-        task.add_done_callback(log_task_failure(self.worker.supervisor, "memory alarm"))
-
-    def _untry(self, name: str) -> None:
-        """`name` is held here no more: no trial, no alarm for it."""
-        if self.trials.current == name and self._alarm is not None:
-            self._alarm.disarm()
-        self.trials.drop(name)
-
-    async def _quarantine(self, name: str, taken: Taken) -> None:
-        """The holder before this worker died while `name` was on trial there, alone: its message
-        kills whoever serves it. Quarantined (paused, with why), and the lease let go."""
-        key, slot = unit_parts(name)
-        reason = (f"its worker ran out of memory and died while serving it on trial, alone, after an earlier "
-                  f"holder had died with it (last: {taken.previous_worker or 'a worker'}); a message of it "
-                  "may inflate past the pod's memory: subs resume tries it again")
-        await self.registry.quarantine(key, quarantine.record(reason, taken.previous_instance, taken.previous_worker))
-        self.paused.add(key)
-        with contextlib.suppress(*REDIS_DOWN):
-            await self.client.eval(quarantine.QUARANTINE_HOLDER, 2, keys.lease_key(key, slot),
-                                   keys.holder_key(key, slot), self.me, quarantine.QUARANTINED_HOLDER_TTL_MS)
-        self.log.error("subscription quarantined: a worker died twice while serving it", subscription=key,
-                       died=taken.previous_worker)
-
-    async def _decide_widths(self) -> None:
-        """For the spread subscriptions whose slot 0 this worker holds: how many workers serve them."""
-        first_slots = [k for k in self._widths if k in self.leases and k not in self._handovers]
-        self._report_widths(first_slots)
-        for key in first_slots:
-            if key in self._narrowed:
-                continue
-            sub = self.subscriptions[key]
-            partitions = await self.worker.partitions(sub.topic) if sub.type == "failover" else None
-            limit = min(partitions_limit(sub, partitions), sub.max_workers, max(1, len(self.members)))
-            width = await self.spread.decide(sub, self.backlogs.get(key), limit)
-            if width is not None:
-                self.log.info("subscription spread", subscription=key, workers=width,
-                              backlog=self.backlogs[key][0])
-                self._wake.set()  # take the new slots (or let one go) now, not next round
-
     async def _try_acquire(self, name: str) -> None:
         key, slot = unit_parts(name)
         sent_at = time.monotonic()
@@ -504,15 +394,16 @@ class Fleet:
         if reply[0] != 1:
             return  # the previous holder still holds it: it releases on handover, or it expires
         taken = Taken.parse(reply)
-        contained = self.settings.trial_seconds > 0 and taken.unreleased_by(self.instance)
+        contained = self.containment.on and taken.unreleased_by(self.instance)
         if contained and taken.killed_on_trial:
-            await self._quarantine(name, taken)
+            await self.containment.quarantine(name, taken, self.me)
+            self.paused.add(key)
             return
         lease = Lease(self.settings.lease_seconds, margin=min(2.0, self.settings.lease_seconds / 4))
         lease.renewed(sent_at)
         self.leases[name] = lease
         if contained:  # its holder died with it: started when its turn for a trial comes
-            self.trials.suspect(name, taken.previous_worker)
+            self.containment.suspect(name, taken.previous_worker)
         else:
             self.worker.add(self._share(name), lease=lease)
         self.log.info("subscription acquired", subscription=key, **({"slot": slot} if slot else {}),
@@ -536,8 +427,8 @@ class Fleet:
         # Expired: "internal resources are deleted", so the broker subscription goes too.
         await self.worker.remove(key, grace=DELETE_GRACE if deleted or expired else None, unsubscribe=expired)
         lease = self.leases.pop(name, None)
-        suspect = self.trials.suspected(name)  # not tried yet: the next holder tries it
-        self._untry(name)
+        suspect = self.containment.suspected(name)  # not tried yet: the next holder tries it
+        self.containment.untry(name)
         if lease is not None:
             with contextlib.suppress(*REDIS_DOWN):
                 await self.client.eval(RELEASE_HOLDING, 2, keys.lease_key(key, slot), keys.holder_key(key, slot),
@@ -557,7 +448,7 @@ class Fleet:
         `dispatcher.CLOSE_TIMEOUT` per subscription)."""
         for name in lost:
             self.leases.pop(name, None)
-            self._untry(name)
+            self.containment.untry(name)
         await asyncio.gather(*(self.worker.remove(unit_parts(name)[0], grace=0) for name in lost))
         for name in lost:
             self.log.warning("lease lost; stopped delivering", subscription=unit_parts(name)[0])
@@ -578,17 +469,6 @@ class Fleet:
                 else State.PAUSED
             self.worker.metrics.set_state(project, name, state)
         self._state_reported = keys
-
-    def _report_widths(self, first_slots: list[str]) -> None:
-        """`pushworker_subscription_workers` of the spread subscriptions whose slot 0 this worker holds."""
-        for key in set(self._widths_reported) - set(first_slots):
-            del self._widths_reported[key]
-            with contextlib.suppress(KeyError):
-                self.worker.metrics.workers.remove(*key.split("/", 1))
-        for key in first_slots:
-            if self._widths_reported.get(key) != self._widths[key]:
-                self._widths_reported[key] = self._widths[key]
-                self.worker.metrics.workers.labels(*key.split("/", 1)).set(self._widths[key])
 
     def _report_assigned(self, keys: set[str]) -> None:
         """`pushworker_subscription_assigned`: an existing subscription that nobody owns for long
@@ -612,25 +492,13 @@ class Fleet:
         sub = self.subscriptions.get(key)
         narrowed = sub is not None and sub.max_workers > 1 and bool(await self.client.exists(keys.seek_key(key)))
         if narrowed:
-            await self._narrow(key, sub.max_workers if sub is not None else 1)
+            await self.spreading.narrow(key, sub.max_workers if sub is not None else 1, self.me)
         try:
             await seek.run_seek_request(self.client, key, self.me, self.worker.seek, self.log)
         except seek.UnreadableSeekRequest as e:
             self._ignore("seek request", f"{key}: {e}")
         finally:
-            self._narrowed.discard(key)  # the next backlog reading may spread it again
-
-    async def _narrow(self, key: str, slots: int) -> None:
-        """Before a spread subscription's seek: serve it with this worker alone (width 1), and wait
-        until the holders of its other slots have drained and let go, since a consumer still
-        attached would deliver what it holds from the old position with its counts forgotten."""
-        self._narrowed.add(key)
-        await self.client.set(keys.workers_key(key), 1)
-        self.spread.stored[key] = 1
-        await self.client.publish(self.registry.channel, b"members")  # the others let go now, not next round
-        deadline = time.monotonic() + NARROW_WAIT
-        while await holders(self.client, key, slots) - {self.me} and time.monotonic() < deadline:  # noqa: ASYNC110
-            await asyncio.sleep(0.2)
+            self.spreading.narrowed.discard(key)  # the next backlog reading may spread it again
 
     async def leave(self) -> None:
         """Clean scale-down: leave the member set at once, so the others take each subscription as
@@ -653,8 +521,7 @@ class Fleet:
             await asyncio.gather(renewing, return_exceptions=True)
         with contextlib.suppress(*REDIS_DOWN):  # the leases are free: the others take them now, not next round
             await self.client.publish(self.registry.channel, b"members")
-        if self._alarm is not None:
-            self._alarm.close()
+        self.containment.close()
         await self.batch.close()
 
     async def _renew_while_draining(self) -> None:

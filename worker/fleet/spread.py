@@ -16,16 +16,20 @@ workers is not asked for four times as much.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 from redis.exceptions import ResponseError
 
 from worker.core import keys
 from worker.core.flow import MAX_PAUSE
 from worker.core.redis_batch import Pipeliner
+from worker.fleet.leases import holders
+from worker.fleet.worker_protocol import ServingWorker
+from worker.redis_client import AsyncClient
 from worker.subscriptions import RateLimit, Subscription
 
 
@@ -172,3 +176,70 @@ class SharedPauses:
                 dispatcher.pause(ttl / 1000)
         for key in [k for k, until in self._said.items() if until < now]:
             del self._said[key]
+
+
+NARROW_WAIT = 60.0  # seconds a seek waits for a spread subscription's other workers to let go
+
+
+class Spreading:
+    """A worker's round work for the spread subscriptions (max_workers > 1): their widths read
+    (`read`), then, after the leases are settled, one call (`settle`) decides the widths of those
+    whose slot 0 it holds, exports them, and shares Retry-After pauses among a subscription's
+    workers. `narrow` serves one alone while it seeks."""
+
+    def __init__(self, client: AsyncClient, batch: Pipeliner, per_worker: float, quiet_seconds: float,
+                 worker: ServingWorker, channel: str, wake: asyncio.Event, log: Any) -> None:
+        self.client, self.worker, self.channel, self.wake, self.log = client, worker, channel, wake, log
+        self.spread = Spread(batch, per_worker, quiet_seconds)
+        self.pauses = SharedPauses(batch)
+        self.widths: dict[str, int] = {}  # spread subscriptions: how many workers serve each
+        self._reported: dict[str, int] = {}  # as exported in pushworker_subscription_workers
+        self.narrowed: set[str] = set()  # held to one worker while it seeks them
+
+    async def read(self, subscriptions: Mapping[str, Subscription]) -> list[str]:
+        """Read every spread subscription's width; what was unreadable (served by one meanwhile)."""
+        return await self.spread.read(subscriptions)
+
+    def assign_widths(self, subscriptions: Mapping[str, Subscription], members: int) -> dict[str, int]:
+        self.widths = {k: self.spread.width(sub, members) for k, sub in subscriptions.items() if sub.max_workers > 1}
+        return self.widths
+
+    async def settle(self, first_slots: list[str], subscriptions: Mapping[str, Subscription], members: int,
+                     backlogs: Mapping[str, tuple[float, float]]) -> None:
+        """Decide the widths of the spread subscriptions whose slot 0 this worker holds (`first_slots`),
+        export them, and exchange the Retry-After pauses of those it serves."""
+        self._report(first_slots)
+        for key in first_slots:
+            if key in self.narrowed:
+                continue
+            sub = subscriptions[key]
+            partitions = await self.worker.partitions(sub.topic) if sub.type == "failover" else None
+            limit = min(partitions_limit(sub, partitions), sub.max_workers, max(1, members))
+            width = await self.spread.decide(sub, backlogs.get(key), limit)
+            if width is not None:
+                self.log.info("subscription spread", subscription=key, workers=width, backlog=backlogs[key][0])
+                self.wake.set()  # take the new slots (or let one go) now, not next round
+        await self.pauses.exchange({k: d for k in self.widths if (d := self.worker.dispatchers.get(k)) is not None})
+
+    def _report(self, first_slots: list[str]) -> None:
+        """`pushworker_subscription_workers` of the spread subscriptions whose slot 0 this worker holds."""
+        for key in set(self._reported) - set(first_slots):
+            del self._reported[key]
+            with contextlib.suppress(KeyError):
+                self.worker.metrics.workers.remove(*key.split("/", 1))
+        for key in first_slots:
+            if self._reported.get(key) != self.widths[key]:
+                self._reported[key] = self.widths[key]
+                self.worker.metrics.workers.labels(*key.split("/", 1)).set(self.widths[key])
+
+    async def narrow(self, key: str, slots: int, me: str) -> None:
+        """Before a spread subscription's seek: serve it with this worker alone (width 1), and wait
+        until the holders of its other slots have drained and let go, since a consumer still
+        attached would deliver what it holds from the old position with its counts forgotten."""
+        self.narrowed.add(key)
+        await self.client.set(keys.workers_key(key), 1)
+        self.spread.stored[key] = 1
+        await self.client.publish(self.channel, b"members")  # the others let go now, not next round
+        deadline = time.monotonic() + NARROW_WAIT
+        while await holders(self.client, key, slots) - {me} and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.2)

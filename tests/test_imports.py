@@ -1,0 +1,70 @@
+"""The import graph: no circle in the product or the development tools, not even under
+TYPE_CHECKING or inside a function (an import there is still an arrow between two rooms)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.broker_independent
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _modules(package: str) -> dict[str, Path]:
+    out = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The modules of `known` that `name` imports, anywhere in it."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, `level` - 1 packages up
+                parts = package.split(".")
+                base = ".".join([*parts[: len(parts) - node.level + 1], *([base] if base else [])])
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
+    return {m for m in found if m in known and m != name}
+
+
+def _circle(graph: dict[str, set[str]]) -> list[str]:
+    """One circle of the graph, or []."""
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt):], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        path.pop()
+        return []
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return []
+
+
+@pytest.mark.parametrize("package", ["worker", "devtools"])
+def test_no_import_circle(package):
+    modules = _modules(package)
+    known = set(modules) | set(_modules("worker"))
+    graph = {name: {m for m in _imports(name, path, known) if m in modules} for name, path in modules.items()}
+    assert _circle(graph) == []
