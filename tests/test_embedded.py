@@ -24,6 +24,7 @@ from tests.support.helpers import (
     stop_worker,
     wait_sync,
 )
+from worker import embedded
 from worker.embedded import EmbeddedError, free_port, start_redis
 
 pytestmark = pytest.mark.broker_independent
@@ -128,15 +129,23 @@ async def test_a_killed_worker_takes_its_broker_and_redis_along_and_the_next_sta
         assert f"push-worker: state_dir {state} is in use by a running worker (pid {proc.pid})" in err
         assert all(_running(pid) for pid in pids.values())
 
-        # Services left running all the same (here: frozen, so the SIGTERM the kill sends them waits):
-        # the next start stops them instead of failing on their data.
-        for pid in pids.values():
-            os.kill(pid, signal.SIGSTOP)
-        await eventually(lambda: all(_state(pid) == "T" for pid in pids.values()), what="the services stopped")
+        # Services left running all the same: the next start stops them instead of failing on their
+        # data. They die with their worker, so the left-over ones are started here, on its data, and
+        # recorded as the killed worker's. (Frozen with SIGSTOP they did not stay: their process
+        # group, orphaned by the kill, gets SIGHUP and SIGCONT from the kernel, then their SIGTERM.)
+        dead_worker = proc.pid
         proc.send_signal(signal.SIGKILL)
         await asyncio.to_thread(proc.wait, 10)
-        assert all(_running(pid) for pid in pids.values()), {name: _state(pid) for name, pid in pids.items()}
+        await eventually(lambda: not any(_running(pid) for pid in pids.values()), timeout=20,
+                         what="the killed worker's broker and Redis gone with it")
+        leftovers = [await asyncio.to_thread(embedded.start_pulsar, state),
+                     await asyncio.to_thread(embedded.start_redis, state)]
+        pids = {s.name: s.proc.pid for s in leftovers}
+        record.write_text(json.dumps({**embedded.service_urls(leftovers), "worker_pid": dead_worker, "pids": pids}))
+        assert all(_running(pid) for pid in pids.values())
         proc, left = await start(3)
+        for service in leftovers:
+            await asyncio.to_thread(service.proc.wait, 10)  # reaped: stopped by the new worker
         assert not any(_running(pid) for pid in pids.values())
         third = await _publish(config, "third")
         await eventually(lambda: _delivered(endpoint, third), timeout=30, what="delivery by the third worker")
