@@ -30,14 +30,7 @@ def _admin_section(directory: Path, port: int) -> tuple[dict[str, Any], dict[str
 
 
 def _api(port: int, path: str, token: str) -> tuple[int, Any]:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers={"Authorization": f"Bearer {token}"})
-    try:
-        with urllib.request.urlopen(request, timeout=5) as answer:
-            return answer.status, json.loads(answer.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-    except OSError:
-        return 0, None
+    return http_get(f"http://127.0.0.1:{port}{path}", {"Authorization": f"Bearer {token}"})
 
 
 def _pid_alive(pid: int) -> bool:

@@ -148,11 +148,11 @@ async def cli(*args: str, stdin: str | None = None, extra_env: dict[str, str] | 
 
 # -- HTTP probes ------------------------------------------------------------------------------
 
-def http_get(url: str) -> tuple[int, dict[str, Any]]:
+def http_get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
     """(status, JSON body) of a GET; (0, {}) when nothing answers. Blocking: from a test that runs
     a worker in its own event loop, call it through asyncio.to_thread."""
     try:
-        with urllib.request.urlopen(url, timeout=5) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=5) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
