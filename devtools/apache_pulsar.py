@@ -204,13 +204,21 @@ def ensure_namespace(admin_url: str, tenant: str, namespace: str = "main", token
     if status == 200:
         return
     _, clusters = admin_request(admin_url, "GET", "/admin/v2/clusters", token=token)
-    status, body = admin_request(admin_url, "PUT", f"/admin/v2/tenants/{tenant}",
-                                 {"adminRoles": [], "allowedClusters": json.loads(clusters)}, token=token)
-    if status not in (204, 409):
-        raise EmbeddedError(f"creating tenant {tenant} failed: HTTP {status} {body[:200]!r}")
-    status, body = admin_request(admin_url, "PUT", f"/admin/v2/namespaces/{tenant}/{namespace}", token=token)
-    if status not in (204, 409):
-        raise EmbeddedError(f"creating namespace {tenant}/{namespace} failed: HTTP {status} {body[:200]!r}")
+    _create(admin_url, f"/admin/v2/tenants/{tenant}", {"adminRoles": [], "allowedClusters": json.loads(clusters)},
+            token, f"tenant {tenant}")
+    _create(admin_url, f"/admin/v2/namespaces/{tenant}/{namespace}", None, token, f"namespace {tenant}/{namespace}")
+
+
+def _create(admin_url: str, path: str, body: object | None, token: str, what: str) -> None:
+    """PUT `path` unless it exists. Test processes running at once create the same tenants: the
+    broker's metadata store then refuses all but one write (HTTP 500, BadVersionException), and the
+    others find it created."""
+    for attempt in range(10):
+        status, answer = admin_request(admin_url, "PUT", path, body, token=token)
+        if status in (204, 409) or admin_request(admin_url, "GET", path, token=token)[0] == 200:
+            return
+        time.sleep(0.1 * (attempt + 1))
+    raise EmbeddedError(f"creating {what} failed: HTTP {status} {answer[:200]!r}")
 
 
 def ensure_topic_namespace(admin_url: str, topic: str) -> None:
