@@ -259,9 +259,11 @@ ENDPOINTS_FILE = "endpoints.json"
 def service_urls(services: Sequence[Service]) -> dict[str, str]:
     """The URLs of embedded services as `record_endpoints` names them (`pulsar_url`, `redis_url`, and
     `pulsar_metrics_url`: the broker's Prometheus page, where operator commands read backlogs)."""
-    urls = {f"{'pulsar' if s.name.startswith('pulsar') else 'redis'}_url": s.url for s in services}
+    urls: dict[str, str] = {}
     for s in services:
-        if s.name.startswith("pulsar") and s.metrics_url:
+        kind = "pulsar" if s.name.startswith("pulsar") else "redis"
+        urls[f"{kind}_url"] = s.url
+        if kind == "pulsar" and s.metrics_url:
             urls["pulsar_metrics_url"] = s.metrics_url
     return urls
 

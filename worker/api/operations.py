@@ -111,7 +111,7 @@ class Operations:
 
     async def message(self, project: str, name: str, message_id: str, answers: bool) -> dict[str, Any]:
         """One message's attempts; `answers`: with the endpoint's answers (operators only, see
-        `without_answers`)."""
+        `_answers`)."""
         key = await self.existing(project, name)
         data = (await self.admin.show(message_id, key)).data
         return {"message_id": message_id, "history": _answers(data["history"], answers),
@@ -160,6 +160,11 @@ class Operations:
         await self.admin.registry.apply_all([definition])
         self.shared_reads.clear()
 
+    def _changed(self, answer: Any) -> dict[str, Any]:
+        """An action's answer; what the reads shared until now showed has changed with it."""
+        self.shared_reads.clear()
+        return dict(answer)
+
     def _name_in(self, project: str, definition: Any) -> str:
         if not isinstance(definition, dict) or not isinstance(definition.get("name"), str):
             raise ConfigError("subscription", "name", "is required (the subscription's name in the project)")
@@ -171,41 +176,30 @@ class Operations:
         key = await self.existing(project, name)
         if not await self.admin.client.hexists(self.admin.registry.hash, key):
             raise Conflict(f"{name}: served from a worker's config file (read-only here): remove it from that file")
-        out = dict((await self.admin.delete(key)).data[0])
-        self.shared_reads.clear()
-        return out
+        return self._changed((await self.admin.delete(key)).data[0])
 
     async def pause(self, project: str, name: str, paused: bool, wait: float) -> dict[str, Any]:
         key = await self.existing(project, name)
-        out = dict((await self.admin.pause(key, paused, wait)).data)
-        self.shared_reads.clear()
-        return out
+        return self._changed((await self.admin.pause(key, paused, wait)).data)
 
     async def seek(self, project: str, name: str, to: SeekTarget) -> dict[str, Any]:
         key = await self.existing(project, name)
-        out = dict((await self.admin.seek(key, to, self.pulsar)).data)
-        self.shared_reads.clear()
-        return out
+        return self._changed((await self.admin.seek(key, to, self.pulsar)).data)
 
     async def purge(self, project: str, name: str) -> dict[str, Any]:
         key = await self.existing(project, name)
-        out = dict((await self.admin.purge(key, self.pulsar)).data)
-        self.shared_reads.clear()
-        return out
+        return self._changed((await self.admin.purge(key, self.pulsar)).data)
 
     async def discard(self, project: str, name: str, message_id: str, wait: float) -> dict[str, Any]:
         key = await self.existing(project, name)
-        out = dict((await self.admin.discard(message_id, key, wait)).data)
-        self.shared_reads.clear()
-        return out
+        return self._changed((await self.admin.discard(message_id, key, wait)).data)
 
     async def redrive(self, project: str, name: str, *, message_id: str | None, selection: Selection,
                       max_messages: int | None, rate: float) -> dict[str, Any]:
         key = await self.existing(project, name)
         out = await self.dlq.redrive(self.admin, key, rate, max_messages, concurrency=8, progress=lambda _: None,
                                      message_id=message_id, selection=selection)
-        self.shared_reads.clear()
-        return dict(out.data)
+        return self._changed(out.data)
 
 
 ANSWER_HIDDEN = "(shown to operators only)"

@@ -58,6 +58,11 @@ QUIET_SECONDS = 2.0  # no message for this long: the cursor holds nothing more f
 DRY_RUN_LIMIT = 10_000_000  # a dry run counts up to this many (`--max-messages` fewer)
 
 
+def named(message: pulsar.Message, message_id: str) -> bool:
+    """Whether `message_id` names this dead letter: its own id, or its original's."""
+    return message_id in (pulsar_adapter.message_id_of(message), message.properties().get("pubsub.original_message_id"))
+
+
 def is_for(sub: Subscription, message: pulsar.Message) -> bool:
     props: dict[str, str] = message.properties()
     return props.get("pubsub.subscription") == sub.name and props.get("pubsub.original_topic") == sub.topic
@@ -154,10 +159,7 @@ class DeadLetterSource:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _wanted(self, message: pulsar.Message) -> bool:
-        if self.message_id is None:
-            return True
-        return self.message_id in (pulsar_adapter.message_id_of(message),
-                                   message.properties().get("pubsub.original_message_id"))
+        return self.message_id is None or named(message, self.message_id)
 
     def receive_ready(self) -> None:
         return None  # every message goes through the filter and the rate limit in receive()
@@ -315,32 +317,32 @@ class DeadLetters:
         found: list[pulsar.Message] = []
 
         def wanted(message: pulsar.Message) -> bool:
-            if message_id in (pulsar_adapter.message_id_of(message),
-                              message.properties().get("pubsub.original_message_id")):
+            if named(message, message_id):
                 found.append(message)
                 return True
             return False
 
         peek = await self._scan(sub, limit, Selection(), wanted)
-        for message in found:
-            summary = self._summary(message)
-            data = message.data() or b""
-            try:
-                text, encoding = data.decode("utf-8"), "utf-8"
-            except UnicodeDecodeError:
-                text, encoding = base64_text(data), "base64"
-            out = {**summary, "attributes": dict(message.properties()), "data": text, "data_encoding": encoding,
-                   "ordering_key": message.partition_key() or None}
-            try:
-                history: Output | None = await admin.show(summary["message_id"], sub.key)
-            except NotFound:
-                history = None
-            lines = [f"{k}: {inert(json.dumps(v) if isinstance(v, dict) else str(v))}" for k, v in out.items()
-                     if v is not None]
-            return Output({**out, "history": history.data["history"] if history else []},
-                          "\n".join(lines) + ("\n\nattempts:\n" + history.text if history else ""))
-        raise NotFound(f"no dead letter {message_id} for {sub.key} among the first {limit} (--limit to look further)"
-                       + _unreturned_line(peek.unreturned).replace("\n", "; "))
+        if not found:
+            raise NotFound(f"no dead letter {message_id} for {sub.key} among the first {limit} (--limit to look "
+                           "further)" + _unreturned_line(peek.unreturned).replace("\n", "; "))
+        message = found[0]
+        summary = self._summary(message)
+        data = message.data() or b""
+        try:
+            text, encoding = data.decode("utf-8"), "utf-8"
+        except UnicodeDecodeError:
+            text, encoding = base64_text(data), "base64"
+        out = {**summary, "attributes": dict(message.properties()), "data": text, "data_encoding": encoding,
+               "ordering_key": message.partition_key() or None}
+        try:
+            history: Output | None = await admin.show(summary["message_id"], sub.key)
+        except NotFound:
+            history = None
+        lines = [f"{k}: {inert(json.dumps(v) if isinstance(v, dict) else str(v))}" for k, v in out.items()
+                 if v is not None]
+        return Output({**out, "history": history.data["history"] if history else []},
+                      "\n".join(lines) + ("\n\nattempts:\n" + history.text if history else ""))
 
     async def dry_run(self, admin: Admin, name: str, limit: int | None, selection: Selection) -> Output:
         """What a redrive with the same selection would take; nothing moves."""

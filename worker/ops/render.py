@@ -45,10 +45,12 @@ def inert(text: str, keep_lines: bool = False) -> str:
     escape (`\\x1b`, `\\u202e`), so none can move the cursor, retitle the window, clear the screen,
     forge a line, or make text read otherwise than it is. `keep_lines`: newlines and tabs stay (a
     page's preformatted text, where they are only layout)."""
+    def shown(ch: str) -> str:
+        return ch if keep_lines and ch in "\n\t" else _escape(ch)
+
     if text.isascii():
-        out = _CONTROL.sub(lambda m: m.group() if keep_lines and m.group() in "\n\t" else _escape(m.group()), text)
-        return out
-    return "".join(_escape(ch) if _unsafe(ch) and not (keep_lines and ch in "\n\t") else ch for ch in text)
+        return _CONTROL.sub(lambda m: shown(m.group()), text)
+    return "".join(shown(ch) if _unsafe(ch) else ch for ch in text)
 
 
 def render(output: Output, as_json: bool) -> str:
