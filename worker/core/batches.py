@@ -8,13 +8,20 @@ key's order within it, and the next batch of that key waits until this one is se
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Awaitable, Callable
 
+from worker.aio import wait_any
+from worker.core.context import Shared
+from worker.core.flow import RateLimit
+from worker.core.lanes import Item, Lanes
 from worker.core.messages import Envelope, batch_entry_bytes
+from worker.subscriptions import BatchPolicy
 
-Item = tuple[Any, Envelope]  # a Pulsar message and what the worker read of it
+IDLE_RECHECK_SECONDS = 600.0  # a batch former with nothing to batch waits for a message, not a timer
+ONE_A_REQUEST = BatchPolicy(max_messages=1, max_wait_ms=0)  # what is still forming when batching is turned off
 OVERDUE = float("-inf")  # the arrival of messages that already waited behind their lane's batch
 
 
@@ -118,3 +125,66 @@ class _Batch:
     def add(self, item: Item, size: int) -> None:
         self.items.append(item)
         self.size += size
+
+
+class BatchFormer:
+    """Makes the batches: when enough is waiting (`max_messages`, `max_bytes`), or when the oldest
+    message has waited `max_wait_ms`; each goes to `deliver` with the lanes it holds (what did not fit
+    waits behind it in `lanes`). Its task starts with the first message."""
+
+    def __init__(self, shared: Shared, rate: RateLimit, lanes: Lanes, release: Callable[[Envelope], None],
+                 deliver: Callable[[list[Item], list[str]], Awaitable[None]]) -> None:
+        self._shared = shared
+        self._rate = rate
+        self._lanes = lanes
+        self._release = release  # a message still forming is handed back (stopping)
+        self._deliver = deliver
+        self._forming = Forming()
+        self._formed = asyncio.Event()  # set when `_forming` may have a batch to make
+        self.task: asyncio.Task[None] | None = None
+
+    def __bool__(self) -> bool:
+        """Whether messages are still forming (batching may have been turned off meanwhile)."""
+        return bool(self._forming)
+
+    def add(self, item: Item, lane: str | None) -> None:
+        self._forming.add(item, lane)
+        self._form_soon()
+
+    def lane_ready(self, lane: str, items: deque[Item]) -> None:
+        """The lane's batch settled: what waited behind it may go in the next batch."""
+        self._forming.lane_ready(lane, items)
+        self._form_soon()
+
+    def _form_soon(self) -> None:
+        if self.task is None:
+            self.task = self._shared.ctx.supervisor.spawn("batches", self._run)
+        self._formed.set()
+
+    async def _run(self) -> None:
+        shared = self._shared
+        stopping = shared.stopping
+        try:
+            while not stopping.is_set():
+                if not self._forming:
+                    self._formed.clear()
+                    await wait_any(self._formed, stopping, seconds=IDLE_RECHECK_SECONDS)
+                    continue
+                policy = shared.sub.batch or ONE_A_REQUEST
+                if self._forming.count < policy.max_messages and self._forming.bytes < policy.max_bytes:
+                    # Not full: it closes at max_wait_ms, and not before the rate limit lets its request
+                    # go; till then it keeps filling (closed first, batches of one or two waited for
+                    # tokens while the backlog grew).
+                    late = max(self._forming.oldest() + policy.max_wait_ms / 1000 - time.monotonic(),
+                               self._rate.wait_seconds())
+                    if late > 0:
+                        self._formed.clear()
+                        await wait_any(self._formed, stopping, seconds=late)
+                        continue
+                items, lanes = self._forming.take(policy.max_messages, policy.max_bytes)
+                for lane, behind in lanes.items():
+                    self._lanes.start(lane, behind)
+                shared.spawn(self._deliver(items, list(lanes)))
+        finally:
+            for _, env in self._forming.drain():  # stopping: released to the broker with the consumer
+                self._release(env)

@@ -18,7 +18,8 @@ from worker.supervisor import Supervisor
 class Served(Protocol):
     """One subscription as its worker serves it (the dispatcher): what status reports and live edits read."""
 
-    sub: Subscription
+    @property
+    def sub(self) -> Subscription: ...
 
     def update(self, sub: Subscription) -> None: ...
 
