@@ -28,7 +28,7 @@ from pathlib import Path
 
 import jwt
 
-from worker.embedded import EmbeddedError, Service, free_port, pid_alive
+from worker.broker.embedded import EmbeddedError, Service, free_port, pid_alive
 
 CLUSTER = "standalone"
 HOME = Path(os.environ.get("PUSH_WORKER_APACHE_PULSAR_HOME")

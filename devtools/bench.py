@@ -43,13 +43,14 @@ from aiohttp import web
 
 from devtools import BENCH_SECTIONS, apache_pulsar, cgroups, dispatcher_bench, operator_crowd, probes, redis_topologies
 from devtools.scratch import scratch_dir
-from worker import compiled, embedded
-from worker.consumer import CONSUMER_TYPES, PulsarConsumer, to_envelope
+from worker.broker import embedded
+from worker.broker.consumer import CONSUMER_TYPES, PulsarConsumer, to_envelope
 from worker.core.http1 import Client
 from worker.core.messages import Envelope, build_batch_request, build_request
-from worker.destinations import DestinationPolicy, GuardedResolver
+from worker.endpoint.destinations import DestinationPolicy, GuardedResolver
+from worker.model.subscriptions import parse_subscription
 from worker.ops.render import table
-from worker.subscriptions import parse_subscription
+from worker.runtime import compiled
 
 PAYLOAD = os.urandom(768).hex().encode()[:1024]  # 1 KiB
 LATENCY_RATE = 200.0  # messages/s in the latency phase

@@ -19,8 +19,8 @@ import sys
 import tomllib
 from pathlib import Path
 
-from worker import compiled
-from worker.compiled import COMPILED_MODULES
+from worker.runtime import compiled
+from worker.runtime.compiled import COMPILED_MODULES
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / ".build"

@@ -1,4 +1,4 @@
-"""The reference tables of docs/configuration.md, made from the fields' declarations (`worker.fields`).
+"""The reference tables of docs/configuration.md, made from the fields' declarations (`worker.runtime.fields`).
 
 `python -m devtools.config_reference` prints them; `--write` puts them into the page between its
 markers (`make docs`); tests/test_docs.py checks that the page holds what this makes.
@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from worker.config import Settings
-from worker.fields import Row, reference
-from worker.subscriptions import Subscription
+from worker.model.config import Settings
+from worker.model.subscriptions import Subscription
+from worker.runtime.fields import Row, reference
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
-BEGIN = "<!-- reference: made by `make docs` from the declarations in worker/ (worker/fields.py); do not edit -->"
+BEGIN = "<!-- reference: made by `make docs` from the declarations (worker/runtime/fields.py); do not edit -->"
 END = "<!-- end of reference -->"
 
 

@@ -19,12 +19,13 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
 from devtools.endpoints import serve_local
-from worker import embedded, logs
-from worker.config import HttpSettings, Settings
+from worker.broker import embedded
 from worker.core.messages import format_message_id
-from worker.destinations import DestinationPolicy
-from worker.service import Worker
-from worker.subscriptions import RetryPolicy, Subscription
+from worker.endpoint.destinations import DestinationPolicy
+from worker.model.config import HttpSettings, Settings
+from worker.model.subscriptions import RetryPolicy, Subscription
+from worker.process.service import Worker
+from worker.runtime import logs
 
 TOPIC = "persistent://p-demo/main/orders"
 DLQ = "persistent://p-demo/main/orders-dlq"

@@ -19,15 +19,15 @@ from typing import Any
 
 import uvloop
 
-from worker import logs
-from worker.collector import GC_THRESHOLD
+from worker.broker.deadletter import DeadLetterPublisher
 from worker.core.attempts import AttemptRecord
 from worker.core.delivery import Outcome, Result
 from worker.core.dispatcher import DeliveryContext, Dispatcher
 from worker.core.messages import Envelope, PushRequest
 from worker.core.metrics import Metrics
-from worker.deadletter import DeadLetterPublisher
-from worker.subscriptions import Subscription
+from worker.model.subscriptions import Subscription
+from worker.runtime import logs
+from worker.runtime.collector import GC_THRESHOLD
 
 CASES = (("shared", 0), ("key-shared", 1000), ("exclusive", 0))  # (type, keys)
 

@@ -16,10 +16,10 @@ import redis
 import yaml
 
 from devtools.scratch import scratch_dir
-from worker import embedded
+from worker.broker import embedded
 from worker.core.keys import lease_key
 from worker.fleet import assign
-from worker.redis_client import safe_text
+from worker.state.redis_client import safe_text
 
 
 def run_fleet_bench(subscriptions: int = 60, workers: int = 3, lease_seconds: float = 5.0) -> int:

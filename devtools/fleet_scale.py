@@ -20,18 +20,18 @@ from typing import Any
 from devtools import redis_topologies
 from devtools.probes import wait
 from devtools.scratch import scratch_dir
-from worker import logs
-from worker.config import FleetSettings, RedisSettings
 from worker.core import keys
 from worker.core.attempts import AttemptStore
 from worker.core.dispatcher import Fence
 from worker.core.metrics import Metrics
 from worker.core.redis_batch import Pipeliner
 from worker.fleet import Fleet
+from worker.model.config import FleetSettings, RedisSettings
+from worker.model.subscriptions import RetryPolicy, Subscription
 from worker.ops.render import table
-from worker.redis_client import connect, connect_sync
-from worker.subscriptions import RetryPolicy, Subscription
-from worker.supervisor import Supervisor
+from worker.runtime import logs
+from worker.runtime.supervisor import Supervisor
+from worker.state.redis_client import connect, connect_sync
 
 
 class SimulatedWorker:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pulsar
 
 from devtools import apache_pulsar
-from worker.consumer import PUSH_CONSUMER_PROPERTY
+from worker.broker.consumer import PUSH_CONSUMER_PROPERTY
 
 TOPIC = "persistent://public/default/guard-bench"
 

@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 
 from devtools.cgroups import cgroups_available, pod, start_in
-from worker import embedded
+from worker.broker import embedded
 
 VIEWERS = 50
 SLOW_CONNECTIONS = 250

@@ -22,7 +22,7 @@ from pathlib import Path
 import pulsar
 import yaml
 
-from worker import embedded
+from worker.broker import embedded
 
 TOPIC = "persistent://p-bench/main/oversize"
 

@@ -20,9 +20,9 @@ from typing import Any
 
 import redis
 
-from worker import embedded
-from worker.config import RedisSettings
-from worker.embedded import EmbeddedError, Service, free_port
+from worker.broker import embedded
+from worker.broker.embedded import EmbeddedError, Service, free_port
+from worker.model.config import RedisSettings
 
 CLUSTER_NODE_TIMEOUT_MS = 1000
 SENTINEL_DOWN_AFTER_MS = 1000

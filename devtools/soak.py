@@ -39,8 +39,8 @@ from aiohttp import web
 
 from devtools import apache_pulsar
 from devtools.endpoints import serve_local
-from worker import embedded
-from worker.embedded import free_port, terminate
+from worker.broker import embedded
+from worker.broker.embedded import free_port, terminate
 from worker.ops.render import table
 
 TOPIC = "persistent://p-soak/main/events"

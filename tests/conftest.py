@@ -29,13 +29,13 @@ from tests.support.endpoints import Endpoint, Received, serve
 from tests.support.helpers import eventually, self_signed
 from tests.support.pulsar_client import Client
 from tests.support.redis_targets import RedisTarget
-from worker import embedded
 from worker.api.server import AdminServer
-from worker.api.settings import AdminSettings
-from worker.config import RedisSettings
+from worker.broker import embedded
 from worker.fleet.registry import Registry
-from worker.service import Worker
-from worker.subscriptions import Subscription
+from worker.model.admin_settings import AdminSettings
+from worker.model.config import RedisSettings
+from worker.model.subscriptions import Subscription
+from worker.process.service import Worker
 
 # -- the form under test -------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ import yaml
 
 from tests.support.admin import PRINCIPALS, admin_settings
 from tests.support.helpers import env, eventually, http_get, spawn_worker, stop_worker
-from worker.embedded import free_port
+from worker.broker.embedded import free_port
 
 
 def _admin_section(directory: Path, port: int) -> tuple[dict[str, Any], dict[str, str]]:

@@ -6,10 +6,10 @@ from __future__ import annotations
 from unittest import mock
 
 from worker.api.operations import merged
-from worker.api.settings import parse_roles
 from worker.core import recent
 from worker.core.delivery import Outcome, Result
 from worker.core.redact import answer_text
+from worker.model.admin_settings import parse_roles
 
 
 def test_roles_are_admin_or_a_role_on_a_project_and_the_stronger_of_two_wins():

@@ -10,10 +10,10 @@ from tests.support import brokers
 from tests.support.builders import make_sub
 from tests.support.helpers import eventually
 from tests.support.pulsar_client import Client
-from worker.backlog import BacklogReader, parse_backlog_metrics
-from worker.broker_admin import AdminError, make_session
-from worker.config import PulsarSettings
-from worker.subscriptions import RetryPolicy
+from worker.broker.backlog import BacklogReader, parse_backlog_metrics
+from worker.broker.broker_admin import AdminError, make_session
+from worker.model.config import PulsarSettings
+from worker.model.subscriptions import RetryPolicy
 
 # Both sources on Apache Pulsar (topic stats through its admin API, and its /metrics with full topic
 # labels); pulsar-lite has only /metrics (short topic labels).

@@ -24,15 +24,15 @@ from tests.support.builders import make_sub, push_sub
 from tests.support.endpoints import Endpoint, Received
 from tests.support.helpers import cli, eventually
 from tests.support.pulsar_client import Client
-from worker.config import HttpSettings
+from worker.broker.embedded import free_port
 from worker.core.batches import Forming
 from worker.core.messages import Envelope, batch_entry_bytes
-from worker.core.signing import SecretRef
-from worker.embedded import free_port
-from worker.errors import ConfigError
+from worker.endpoint.oidc import Oidc, OidcIssuer, OidcKey
+from worker.endpoint.secrets import SecretRef
 from worker.fleet.registry import Registry
-from worker.oidc import Oidc, OidcIssuer, OidcKey
-from worker.subscriptions import BatchPolicy, parse_subscription
+from worker.model.config import HttpSettings
+from worker.model.subscriptions import BatchPolicy, parse_subscription
+from worker.runtime.errors import ConfigError
 
 
 def batched(topic: str, url: str, batch: Any, content: str = "wrapped") -> dict[str, Any]:
@@ -257,7 +257,7 @@ async def test_a_batch_keeps_filling_while_the_rate_limit_holds_its_request(
     """10 msg/s through `rate_limit: 2/s` with batches of up to 10: every request carries what arrived
     while it waited for its turn, so 10 msg/s get through and no backlog grows. A batch closed at
     max_wait_ms and only then waited for its token: batches of 1-2, about 3.5 msg/s."""
-    from worker.subscriptions import RateLimit
+    from worker.model.subscriptions import RateLimit
 
     sub = make_sub(topic, endpoint.url, batch=BatchPolicy(max_messages=10, max_wait_ms=50),
                    rate_limit=RateLimit(messages_per_second=2.0, burst=1.0))

@@ -18,11 +18,11 @@ from tests.support.builders import push_sub
 from tests.support.endpoints import Endpoint, Received
 from tests.support.helpers import cli, eventually
 from tests.support.pulsar_client import Client
-from worker.breaker import Breaker
+from worker.core.breaker import Breaker
 from worker.core.endpoint_health import EndpointHealth
-from worker.errors import ConfigError
 from worker.fleet.registry import Registry
-from worker.subscriptions import BreakerPolicy, State, parse_subscription
+from worker.model.subscriptions import BreakerPolicy, State, parse_subscription
+from worker.runtime.errors import ConfigError
 
 
 async def suspended(start_worker, client: Client, redis: aioredis.Redis, definition: dict, messages: int,

@@ -34,7 +34,7 @@ def test_times_before_now_are_taken_everywhere_a_time_is():
     """`--since 1h` (the CLI) and `?since=30m` (the API) read the same: that long before now."""
     import time
 
-    from worker.cli.common import parse_moment
+    from worker.runtime.fields import parse_moment
 
     now = time.time() * 1000
     for text, seconds in (("90s", 90), ("30m", 1800), ("1h", 3600), ("2d", 172_800), ("1.5h", 5400)):
@@ -211,7 +211,7 @@ def test_publish_to_a_dead_broker_says_so_at_once_naming_the_url():
     """It took 10.5 s and said only `Timeout`."""
     import time
 
-    from worker.embedded import free_port
+    from worker.broker.embedded import free_port
 
     url = f"pulsar://127.0.0.1:{free_port()}"
     started = time.monotonic()

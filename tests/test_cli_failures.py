@@ -15,9 +15,9 @@ import pytest
 import redis as redis_sync
 
 from tests.support.helpers import code_path
+from worker.broker.embedded import free_port
 from worker.core import keys
 from worker.core.keys import fleet_key
-from worker.embedded import free_port
 
 pytestmark = pytest.mark.broker_independent  # every broker URL here is one nothing listens on
 

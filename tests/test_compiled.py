@@ -12,7 +12,7 @@ import yaml
 
 from devtools.compile import stale
 from tests.support.helpers import spawn_worker, stop_worker, wait_sync
-from worker import compiled
+from worker.runtime import compiled
 
 ROOT = Path(__file__).resolve().parent.parent
 

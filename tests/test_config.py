@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from tests.support.helpers import code_path
-from worker.config import load_settings, parse_settings
-from worker.errors import ConfigError
+from worker.model.config import load_settings, parse_settings
+from worker.runtime.errors import ConfigError
 
 pytestmark = pytest.mark.broker_independent
 

@@ -24,7 +24,7 @@ from tests.support.builders import TEST_DEFAULTS
 from tests.support.endpoints import Endpoint, Received
 from tests.support.helpers import eventually, stays_sync, wait_sync
 from tests.support.pulsar_client import Client
-from worker.config import FleetSettings
+from worker.model.config import FleetSettings
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 pytestmark = [pytest.mark.skipif(not (CHROMIUM and DRIVER), reason="needs Debian's chromium and chromium-driver "

@@ -11,9 +11,9 @@ import pytest
 
 from tests.support.builders import make_sub
 from tests.support.pulsar_client import Client
-from worker import consumer as consumer_module
-from worker.config import PulsarSettings
-from worker.consumer import make_client, subscribe, to_envelope
+from worker.broker import consumer as consumer_module
+from worker.broker.consumer import make_client, subscribe, to_envelope
+from worker.model.config import PulsarSettings
 
 
 @pytest.mark.parametrize("fast_path", [True, False])
@@ -112,7 +112,7 @@ async def test_the_client_thread_keeps_its_python_thread_state_between_messages(
 def test_broker_errors_are_named_and_classified():
     import pulsar
 
-    from worker.consumer import answered_by_broker, broker_error_text, transient
+    from worker.broker.consumer import answered_by_broker, broker_error_text, transient
 
     dropped = pulsar_async.PulsarException(pulsar.Result(46))  # the C++ client's Disconnected: "46 ???"
     assert broker_error_text(dropped) == "no answer from the broker (Disconnected)" and transient(dropped)

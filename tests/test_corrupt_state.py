@@ -20,12 +20,12 @@ from hypothesis import strategies as st
 
 from tests.support.helpers import eventually, spawn_worker, stop_worker, wait_sync
 from tests.support.pulsar_client import Client
-from worker.config import RedisSettings
+from worker.broker.prefetch import LargestMessages
 from worker.core import keys
 from worker.core.attempts import AttemptStore
 from worker.core.keys import fleet_key
 from worker.core.redis_batch import Pipeliner
-from worker.prefetch import LargestMessages
+from worker.model.config import RedisSettings
 
 FLEET = "garbage"
 

@@ -155,7 +155,7 @@ async def test_timeouts_retry_with_growing_delays_then_dead_letter(start_worker,
     endpoint.behaviour = hang
     dlq = topic + "-dlq"
     watcher = client.watch(dlq)
-    from worker.subscriptions import RetryPolicy
+    from worker.model.subscriptions import RetryPolicy
 
     # Breaker off: alone on its subscription, this message's failures are every attempt the endpoint
     # gets, so its last attempt would wait for the breaker's decision (tests/test_breaker.py).
@@ -174,7 +174,7 @@ async def test_timeouts_retry_with_growing_delays_then_dead_letter(start_worker,
 
 
 async def test_refused_connection_is_retried_then_dead_lettered(start_worker, client, topic):
-    from worker.embedded import free_port
+    from worker.broker.embedded import free_port
 
     dlq = topic + "-dlq"
     watcher = client.watch(dlq)
@@ -257,7 +257,7 @@ async def test_retry_after_is_honoured_up_to_the_max(start_worker, endpoint, cli
         return web.Response(status=204)
 
     endpoint.behaviour = answer
-    from worker.subscriptions import RetryPolicy
+    from worker.model.subscriptions import RetryPolicy
 
     sub = make_sub(topic, endpoint.url, retry=RetryPolicy(0.01, 3.0))
     w = await start_worker(sub)

@@ -15,8 +15,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from worker.config import parse_settings
 from worker.core.metrics import Metrics
+from worker.model.config import parse_settings
 
 pytestmark = pytest.mark.broker_independent
 
@@ -192,6 +192,7 @@ def test_the_image_lock_pins_every_runtime_dependency_with_hashes_at_the_tested_
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # a wheel build: mypyc compiles core/, minutes on 2 busy cores
 def test_the_image_build_steps_install_from_the_hashed_lock(tmp_path):
     """The Dockerfile's install steps, run here (no container engine on the build machines): the
     hashed lock installs with --require-hashes; the package is built as a wheel by its build hook

@@ -13,12 +13,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support.endpoints import catcher
-from worker.admission import admit
 from worker.core.delivery import Deliverer, Result
 from worker.core.messages import PushRequest
-from worker.destinations import DestinationPolicy, endpoint_host, literal_address
-from worker.errors import ConfigError
-from worker.subscriptions import parse_subscription
+from worker.endpoint.destinations import DestinationPolicy, endpoint_host, literal_address
+from worker.fleet.admission import admit
+from worker.model.subscriptions import parse_subscription
+from worker.runtime.errors import ConfigError
 
 pytestmark = pytest.mark.broker_independent
 

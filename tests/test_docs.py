@@ -13,12 +13,12 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-import worker.subscriptions as subscriptions
+import worker.model.subscriptions as subscriptions
 from devtools import config_reference
-from worker.config import Settings, load_settings
 from worker.core.metrics import Metrics
-from worker.fields import reference
-from worker.subscriptions import Subscription
+from worker.model.config import Settings, load_settings
+from worker.model.subscriptions import Subscription
+from worker.runtime.fields import reference
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -169,11 +169,11 @@ def test_the_design_page_names_every_module():
 
 
 def test_the_configuration_page_shows_each_declared_setting_at_its_default():
-    """worker.yaml's settings are declared once, with their defaults (worker.fields.setting): the
+    """worker.yaml's settings are declared once, with their defaults (worker.runtime.fields.setting): the
     example on the configuration page shows each at that default, so the page cannot drift from it."""
     from dataclasses import fields
 
-    from worker import config
+    from worker.model import config
 
     example = yaml.safe_load(documented_settings()[0])
     sections = {"pulsar": config.PulsarSettings, "redis": config.RedisSettings, "fleet": config.FleetSettings,

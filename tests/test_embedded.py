@@ -24,8 +24,8 @@ from tests.support.helpers import (
     stop_worker,
     wait_sync,
 )
-from worker import embedded
-from worker.embedded import EmbeddedError, free_port, start_redis
+from worker.broker import embedded
+from worker.broker.embedded import EmbeddedError, free_port, start_redis
 
 pytestmark = pytest.mark.broker_independent
 

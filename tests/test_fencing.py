@@ -11,16 +11,16 @@ import redis.asyncio as aioredis
 from tests.support.builders import make_sub
 from tests.support.endpoints import Endpoint
 from tests.support.helpers import assert_stays, eventually
-from worker.config import RedisSettings
+from worker.broker.deadletter import DeadLetterPublisher
 from worker.core.attempts import AttemptStore
 from worker.core.delivery import Deliverer
 from worker.core.dispatcher import DeliveryContext, Dispatcher
 from worker.core.messages import Envelope
 from worker.core.metrics import Metrics
 from worker.core.redis_batch import Pipeliner
-from worker.deadletter import DeadLetterPublisher
-from worker.destinations import DestinationPolicy
+from worker.endpoint.destinations import DestinationPolicy
 from worker.fleet.leases import Lease
+from worker.model.config import RedisSettings
 
 
 class OneMessage:

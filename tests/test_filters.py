@@ -15,9 +15,9 @@ from tests.support.builders import push_sub, worker_yaml
 from tests.support.endpoints import Endpoint
 from tests.support.helpers import cli, eventually
 from tests.support.pulsar_client import Client
-from worker.errors import ConfigError
-from worker.filters import FilterError, parse_filter
-from worker.subscriptions import parse_subscription
+from worker.model.filters import FilterError, parse_filter
+from worker.model.subscriptions import parse_subscription
+from worker.runtime.errors import ConfigError
 
 # -- the evaluator against a reference evaluation ---------------------------------------------------
 

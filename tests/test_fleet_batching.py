@@ -14,10 +14,10 @@ import redis
 from devtools.fleet_scale import SimulatedWorker, scale_subscription
 from tests.support.helpers import eventually
 from tests.support.redis_targets import ALL_REDIS, RedisTarget
-from worker import redis_client
-from worker.config import FleetSettings, RedisSettings
 from worker.core import keys
 from worker.fleet import Fleet
+from worker.model.config import FleetSettings, RedisSettings
+from worker.state import redis_client
 
 COUNT = 1000
 

@@ -16,8 +16,8 @@ from tests.support.builders import make_sub
 from tests.support.helpers import eventually, http_get, spawn_worker, stop_worker
 from tests.support.pulsar_client import Client
 from tests.support.redis_targets import ALL_REDIS
-from worker.config import FleetSettings
-from worker.embedded import free_port, start_redis
+from worker.broker.embedded import free_port, start_redis
+from worker.model.config import FleetSettings
 
 
 async def test_probes_and_json_logs_without_secrets(broker, endpoint, client: Client, topic, tmp_path: Path):
@@ -64,8 +64,8 @@ async def test_readiness_judges_the_worker_not_a_subscription_that_cannot_subscr
     """A rolling update must not wait forever on one subscription the broker keeps refusing (here:
     an exclusive subscription another consumer holds); the broker answered, so the worker is ready."""
     from tests.support.builders import make_settings, make_sub
-    from worker.config import PulsarSettings
-    from worker.service import Worker
+    from worker.model.config import PulsarSettings
+    from worker.process.service import Worker
 
     blocked = make_sub(topic, endpoint.url, type="exclusive")
     holder = client.client.subscribe(topic, blocked.pulsar_subscription, consumer_type=pulsar.ConsumerType.Exclusive)

@@ -21,13 +21,13 @@ from tests.support.builders import make_sub
 from tests.support.endpoints import Endpoint
 from tests.support.helpers import assert_numbering_never_repeats, eventually
 from tests.support.pulsar_client import Client
-from worker.config import parse_settings
 from worker.core.delivery import RESPONSE_BODY_CAP, Deliverer, Result
 from worker.core.messages import PushRequest
-from worker.destinations import DestinationPolicy
-from worker.errors import ConfigError
+from worker.endpoint.destinations import DestinationPolicy
 from worker.fleet.registry import Registry
-from worker.subscriptions import RetryPolicy, parse_subscription
+from worker.model.config import parse_settings
+from worker.model.subscriptions import RetryPolicy, parse_subscription
+from worker.runtime.errors import ConfigError
 
 Behaviour = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 DEADLINE = 1.5
@@ -218,7 +218,7 @@ def test_fuzzed_registry_input_is_all_or_nothing(redis_url, definitions):
         try:
             registry = Registry(client, "fuzz")
             before = await client.hgetall(registry.hash)
-            from worker.config import Settings
+            from worker.model.config import Settings
             from worker.ops.admin import Admin, Target
 
             admin = Admin(Target(Settings(), redis_url=redis_url), "subs")
@@ -262,7 +262,7 @@ def _parses(d: dict[str, Any]) -> bool:
 
 @pytest.mark.broker_independent
 async def test_registry_refuses_a_batch_with_one_bad_definition_and_writes_none(redis_url, tmp_path):
-    from worker.config import Settings
+    from worker.model.config import Settings
     from worker.ops.admin import Admin, Target
 
     good = {"name": "good", "topic": "persistent://p-a/main/t",

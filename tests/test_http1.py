@@ -19,7 +19,7 @@ from tests.support.helpers import eventually, self_signed
 from worker.core import http1
 from worker.core.delivery import Deliverer, Result
 from worker.core.messages import PushRequest
-from worker.destinations import DestinationPolicy, GuardedResolver
+from worker.endpoint.destinations import DestinationPolicy, GuardedResolver
 
 pytestmark = pytest.mark.broker_independent
 

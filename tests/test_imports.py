@@ -68,3 +68,43 @@ def test_no_import_circle(package):
     known = set(modules) | set(_modules("worker"))
     graph = {name: {m for m in _imports(name, path, known) if m in modules} for name, path in modules.items()}
     assert _circle(graph) == []
+
+
+# The layers of the shipped package, lowest first: a package imports only those below it (and
+# itself). docs/design.md#packages draws the same picture; the test below keeps the two together.
+LAYERS = ("runtime", "endpoint", "model", "state", "core", "broker", "fleet", "ops", "api", "process", "cli")
+ENTRY_POINTS = {"worker": set(), "worker.__main__": {"cli"}}  # all that stays at the package root
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in LAYERS) else module
+
+
+def test_each_package_imports_only_the_layers_below_it():
+    modules = _modules("worker")
+    known = set(modules)
+    wrong = []
+    for name, path in modules.items():
+        own = _package(name)
+        allowed = ENTRY_POINTS[own] if own in ENTRY_POINTS else set(LAYERS[: LAYERS.index(own) + 1])
+        for imported in sorted(_imports(name, path, known)):
+            if _package(imported) not in allowed:
+                wrong.append(f"{name} imports {imported}")
+    assert wrong == []
+
+
+def test_the_package_root_holds_only_entry_points_and_the_layers():
+    root = ROOT / "worker"
+    modules = {p.stem for p in root.glob("*.py")}
+    packages = {p.name for p in root.iterdir() if (p / "__init__.py").exists()}
+    assert modules == {"__init__", "__main__"}
+    assert packages == set(LAYERS)
+
+
+def test_design_md_draws_the_layers_the_test_keeps():
+    """docs/design.md#packages: one line per package, lowest first, as `- **name/**: ...`."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    section = text.split("## Packages", 1)[1].split("\n## ", 1)[0]
+    drawn = [line.split("**")[1].rstrip("/") for line in section.splitlines() if line.startswith("- **")]
+    assert tuple(drawn) == LAYERS

@@ -19,10 +19,10 @@ from tests.support.builders import make_sub
 from tests.support.endpoints import Endpoint
 from tests.support.helpers import eventually
 from tests.support.pulsar_client import Client
+from worker.broker.embedded import free_port, terminate, wait_for_port
 from worker.core.messages import Envelope, build_request, rfc3339
-from worker.embedded import free_port, terminate, wait_for_port
-from worker.errors import ConfigError
-from worker.subscriptions import CloudEvents, parse_subscription
+from worker.model.subscriptions import CloudEvents, parse_subscription
+from worker.runtime.errors import ConfigError
 
 ATTRIBUTES = {"content-type": "application/json", "region": "eu1", "Bad-Name": "x", "id": "spoof",
               "averyveryverylongattributename": "y"}

@@ -21,11 +21,11 @@ from tests.support.builders import make_sub, push_sub, worker_yaml
 from tests.support.endpoints import Endpoint
 from tests.support.helpers import cli, eventually
 from tests.support.pulsar_client import Client
-from worker import broker_admin
-from worker.config import FleetSettings, PulsarSettings
-from worker.errors import ConfigError
+from worker.broker import broker_admin
 from worker.fleet.registry import Registry
-from worker.subscriptions import RetryPolicy
+from worker.model.config import FleetSettings, PulsarSettings
+from worker.model.subscriptions import RetryPolicy
+from worker.runtime.errors import ConfigError
 
 # -- lifecycle: seek, Error, Expired ---------------------------------------------------------------
 

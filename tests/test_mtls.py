@@ -16,10 +16,10 @@ from aiohttp import web
 from tests.support.builders import make_sub
 from tests.support.helpers import eventually
 from tests.support.pulsar_client import Client
-from worker.client_tls import ClientCertificates
-from worker.core.signing import SecretRef, SecretStore, SecretUnavailable
-from worker.destinations import DestinationPolicy
-from worker.subscriptions import ClientTls
+from worker.endpoint.client_tls import ClientCertificates
+from worker.endpoint.destinations import DestinationPolicy
+from worker.endpoint.secrets import SecretRef, SecretStore, SecretUnavailable
+from worker.model.subscriptions import ClientTls
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
 

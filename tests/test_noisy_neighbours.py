@@ -26,9 +26,8 @@ from tests.support.endpoints import Endpoint
 from tests.support.helpers import cli, eventually
 from tests.support.pulsar_client import Client
 from tests.support.redis_targets import ALL_REDIS, RedisTarget
-from worker import redis_client
-from worker.config import PulsarSettings, RedisSettings
-from worker.consumer import make_client
+from worker.broker.consumer import make_client
+from worker.broker.deadletter import DeadLetterPublisher
 from worker.core import keys
 from worker.core.attempts import AttemptStore
 from worker.core.backoff import MIN_BACKOFF_SECONDS, retry_delay
@@ -37,10 +36,11 @@ from worker.core.dispatcher import DeliveryContext, Dispatcher
 from worker.core.messages import Envelope
 from worker.core.metrics import Metrics
 from worker.core.redis_batch import Pipeliner
-from worker.deadletter import DeadLetterPublisher
-from worker.destinations import DestinationPolicy
-from worker.logs import Throttled
-from worker.subscriptions import RetryPolicy
+from worker.endpoint.destinations import DestinationPolicy
+from worker.model.config import PulsarSettings, RedisSettings
+from worker.model.subscriptions import RetryPolicy
+from worker.runtime.logs import Throttled
+from worker.state import redis_client
 
 
 @settings(max_examples=500, deadline=None)
@@ -385,7 +385,7 @@ def test_the_budgets_come_from_the_container(tmp_path):
     one; connections below the open-files limit, which is raised to the hard limit."""
     import resource
 
-    from worker import resources
+    from worker.runtime import resources
 
     (tmp_path / "memory.max").write_text("max\n")
     assert resources.held_bytes_budget(None, tmp_path) == (512 << 20, "default (no memory limit found)")
@@ -406,7 +406,7 @@ def test_the_budgets_come_from_the_container(tmp_path):
 def test_the_memory_limit_of_a_nested_cgroup_is_found_through_proc_self_cgroup(tmp_path):
     """A pod's container in a nested cgroup (v1 or v2): its own limit is found through
     /proc/self/cgroup, and the smallest limit on the way up to the root is the one that holds."""
-    from worker import resources
+    from worker.runtime import resources
 
     proc = tmp_path / "cgroup"
     nested = tmp_path / "memory" / "kubepods" / "pod1"

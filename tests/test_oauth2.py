@@ -16,12 +16,12 @@ from tests.support.builders import make_sub
 from tests.support.endpoints import serve
 from tests.support.helpers import eventually
 from tests.support.pulsar_client import Client
-from worker.admission import admit
-from worker.core.signing import SecretRef
-from worker.destinations import DestinationPolicy
-from worker.errors import ConfigError
-from worker.oauth2 import OAuth2
-from worker.subscriptions import parse_subscription
+from worker.endpoint.destinations import DestinationPolicy
+from worker.endpoint.oauth2 import OAuth2
+from worker.endpoint.secrets import SecretRef
+from worker.fleet.admission import admit
+from worker.model.subscriptions import parse_subscription
+from worker.runtime.errors import ConfigError
 
 LIFETIME = 6  # seconds: a token is renewed when 5 s are left, so about every second here
 

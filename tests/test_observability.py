@@ -24,12 +24,12 @@ from aiohttp import web
 from tests.support.builders import make_sub, push_sub
 from tests.support.helpers import cli, wait_sync
 from tests.support.pulsar_client import Client
-from worker.config import FleetSettings, PulsarSettings
+from worker.broker.embedded import free_port, wait_for_port
 from worker.core.keys import lease_key
-from worker.embedded import free_port, wait_for_port
 from worker.fleet import quarantine
 from worker.fleet.registry import Registry
-from worker.subscriptions import BreakerPolicy, RetryPolicy
+from worker.model.config import FleetSettings, PulsarSettings
+from worker.model.subscriptions import BreakerPolicy, RetryPolicy
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARDS = sorted((ROOT / "grafana" / "dashboards").glob("*.json"))

@@ -18,13 +18,13 @@ from tests.support.builders import make_sub
 from tests.support.endpoints import Endpoint
 from tests.support.helpers import eventually
 from tests.support.pulsar_client import Client
-from worker.admission import preflight
-from worker.config import HttpSettings, parse_settings
-from worker.core.signing import SecretRef, SecretStore
-from worker.embedded import free_port
-from worker.errors import ConfigError
-from worker.oidc import Oidc, OidcIssuer, OidcKey, Tokens
-from worker.subscriptions import parse_subscription
+from worker.broker.embedded import free_port
+from worker.endpoint.oidc import Oidc, OidcIssuer, OidcKey, Tokens
+from worker.endpoint.secrets import SecretRef, SecretStore
+from worker.fleet.admission import preflight
+from worker.model.config import HttpSettings, parse_settings
+from worker.model.subscriptions import parse_subscription
+from worker.runtime.errors import ConfigError
 
 
 def pem(key: rsa.RSAPrivateKey | ec.EllipticCurvePrivateKey, path: Path) -> Path:

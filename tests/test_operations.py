@@ -18,9 +18,9 @@ from tests.support.endpoints import Endpoint
 from tests.support.helpers import cli, eventually
 from tests.support.pulsar_client import Client
 from tests.support.redis_targets import ALL_REDIS, RedisTarget
-from worker.config import RedisSettings
 from worker.core import keys
-from worker.subscriptions import RetryPolicy
+from worker.model.config import RedisSettings
+from worker.model.subscriptions import RetryPolicy
 
 
 @ALL_REDIS
@@ -301,7 +301,7 @@ async def test_dlq_list_says_when_the_broker_holds_dead_letters_it_did_not_retur
     import pulsar
 
     from tests.support import brokers
-    from worker.deadletter import DLQ_CURSOR
+    from worker.broker.deadletter import DLQ_CURSOR
 
     dlq_topic = topic + "-dlq"
     config, _ = worker_yaml(tmp_path, broker.url, redis_url,

@@ -22,7 +22,7 @@ from tests.support.endpoints import Endpoint, Received
 from tests.support.helpers import eventually
 from tests.support.pulsar_client import Client
 from worker.api.routes import openapi_document
-from worker.config import FleetSettings
+from worker.model.config import FleetSettings
 
 ECHOED = "upstream says no"
 
@@ -256,8 +256,8 @@ def _unsigned(claims: dict[str, Any]) -> str:
 async def test_the_listener_is_off_unless_configured_and_refuses_to_start_without_credentials(start_worker):
     w = await start_worker()
     assert w.admin is None
-    from worker.config import parse_settings
-    from worker.errors import ConfigError
+    from worker.model.config import parse_settings
+    from worker.runtime.errors import ConfigError
 
     with pytest.raises(ConfigError, match="nothing is served anonymously"):
         parse_settings({"admin": {"port": 9465}})

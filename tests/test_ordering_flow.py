@@ -16,7 +16,7 @@ from tests.support.helpers import assert_stays, eventually
 from tests.support.pulsar_client import Client
 from worker.core.delivery import Outcome, Result
 from worker.core.flow import AdaptiveLimit
-from worker.subscriptions import RetryPolicy
+from worker.model.subscriptions import RetryPolicy
 
 
 def flaky(rate: float, seed: int):
@@ -104,7 +104,7 @@ async def test_a_failing_key_holds_up_only_its_own_key(start_worker, endpoint: E
 
 
 async def test_dead_endpoint_does_not_slow_another_subscription(start_worker, client, topic):
-    from worker.embedded import free_port
+    from worker.broker.embedded import free_port
 
     async def measure(with_dead_neighbour: bool) -> float:
         async def ok(request):

@@ -18,7 +18,7 @@ from tests.support.endpoints import ConcurrencyProbe, Endpoint
 from tests.support.helpers import cli, eventually
 from tests.support.pulsar_client import Client
 from worker.fleet.registry import Registry
-from worker.subscriptions import RetryPolicy
+from worker.model.subscriptions import RetryPolicy
 
 
 async def test_max_deliver_minus_one_retries_forever(start_worker, endpoint: Endpoint, client: Client, topic):

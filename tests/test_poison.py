@@ -18,8 +18,8 @@ from tests.support.helpers import eventually
 from tests.support.pulsar_client import Client
 from worker.core import keys
 from worker.core.attempts import MAX_COUNT
-from worker.destinations import DestinationPolicy
-from worker.subscriptions import RetryPolicy
+from worker.endpoint.destinations import DestinationPolicy
+from worker.model.subscriptions import RetryPolicy
 
 # Stored counts around the edges of Lua's doubles and Redis' integers: 2^53 + 1 is the first count a
 # double cannot hold, from 2^63 - 7 the attempt header went negative, 2^63 - 1 made HINCRBY fail.

@@ -15,9 +15,9 @@ from tests.support.endpoints import Endpoint
 from tests.support.helpers import cli, eventually
 from tests.support.pulsar_client import Client
 from worker.core.flow import RateLimit
-from worker.errors import ConfigError
 from worker.fleet.registry import Registry
-from worker.subscriptions import parse_subscription
+from worker.model.subscriptions import parse_subscription
+from worker.runtime.errors import ConfigError
 
 
 def within_bucket(starts: list[float], per_second: float, burst: float, slack: int = 0) -> list[str]:

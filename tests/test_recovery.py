@@ -15,8 +15,8 @@ from tests.support.endpoints import Endpoint
 from tests.support.helpers import assert_numbering_never_repeats, assert_stays, eventually, spawn_worker
 from tests.support.pulsar_client import Client
 from tests.support.redis_targets import ALL_REDIS, RedisTarget
-from worker.destinations import DestinationPolicy
-from worker.subscriptions import RetryPolicy
+from worker.endpoint.destinations import DestinationPolicy
+from worker.model.subscriptions import RetryPolicy
 
 
 def worker_config(path: Path, broker_url: str, redis: str | dict, topic: str, url: str, fleet: dict | None = None,

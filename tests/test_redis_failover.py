@@ -33,8 +33,8 @@ from tests.support.fleet_harness import FleetHarness, delivered, fleet_sub, sett
 from tests.support.helpers import cli, eventually, http_get, spawn_worker, stop_worker
 from tests.support.pulsar_client import Client
 from tests.support.redis_targets import RedisTarget
+from worker.broker.embedded import free_port
 from worker.core import keys
-from worker.embedded import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis_topology]
 

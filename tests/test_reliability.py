@@ -24,9 +24,9 @@ from tests.support import brokers
 from tests.support.endpoints import Endpoint
 from tests.support.helpers import code_path, eventually, http_get, spawn_worker, stop_worker
 from tests.support.pulsar_client import Client
-from worker import embedded
+from worker.broker import embedded
+from worker.broker.embedded import free_port
 from worker.core.messages import format_message_id
-from worker.embedded import free_port
 
 
 def config_file(path: Path, broker_url: str | None, redis_url: str | None, topic: str, url: str,

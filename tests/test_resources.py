@@ -15,7 +15,7 @@ from aiohttp import web
 from tests.support.builders import make_sub
 from tests.support.endpoints import Endpoint
 from tests.support.helpers import eventually, spawn_worker, stop_worker
-from worker.collector import GC_THRESHOLD
+from worker.runtime.collector import GC_THRESHOLD
 
 
 async def test_a_released_subscription_is_freed_under_the_workers_collector_settings(

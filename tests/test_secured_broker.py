@@ -20,12 +20,12 @@ from tests.support.builders import make_settings, make_sub
 from tests.support.endpoints import Endpoint, serve
 from tests.support.helpers import cli, eventually
 from tests.support.pulsar_client import Client
-from worker import broker_admin
-from worker.backlog import BacklogReader
-from worker.config import PulsarSettings
-from worker.consumer import quiet_logger
-from worker.service import Worker
-from worker.subscriptions import RetryPolicy, Subscription
+from worker.broker import broker_admin
+from worker.broker.backlog import BacklogReader
+from worker.broker.consumer import quiet_logger
+from worker.model.config import PulsarSettings
+from worker.model.subscriptions import RetryPolicy, Subscription
+from worker.process.service import Worker
 
 
 @pytest.mark.apache_pulsar

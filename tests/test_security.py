@@ -14,8 +14,9 @@ from tests.support.builders import make_sub
 from tests.support.endpoints import Endpoint
 from tests.support.helpers import TlsTerminator, cli, eventually
 from tests.support.pulsar_client import Client
-from worker.core.signing import SecretRef, verify
-from worker.destinations import DestinationPolicy
+from worker.core.signing import verify
+from worker.endpoint.destinations import DestinationPolicy
+from worker.endpoint.secrets import SecretRef
 
 NEW_SECRET = "whsec_" + base64.b64encode(b"new-secret-32-bytes-long-enough!").decode()
 OLD_SECRET = "old plain secret"

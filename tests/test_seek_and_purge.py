@@ -14,12 +14,12 @@ from tests.support.builders import push_sub, worker_yaml
 from tests.support.endpoints import Endpoint
 from tests.support.helpers import cli, eventually
 from tests.support.pulsar_client import Client
-from worker.config import RedisSettings
 from worker.core import keys
 from worker.fleet import leases, seek
 from worker.fleet.quarantine import ACQUIRE_HOLDING
 from worker.fleet.seek import SEEK_COMMAND, SeekTarget
-from worker.subscriptions import Subscription
+from worker.model.config import RedisSettings
+from worker.model.subscriptions import Subscription
 
 # -- CLI: queue, history, discard, purge --------------------------------------------------------------
 

@@ -27,9 +27,9 @@ from tests.support.helpers import eventually
 from tests.support.pulsar_client import Client
 from worker.core import keys
 from worker.core.messages import format_message_id
-from worker.errors import ConfigError
 from worker.fleet.spread import next_width, partitions_limit, share
-from worker.subscriptions import RateLimit, parse_subscription
+from worker.model.subscriptions import RateLimit, parse_subscription
+from worker.runtime.errors import ConfigError
 
 TOPIC, URL = "persistent://p-test/main/t", "https://example.com/hook"
 

@@ -25,11 +25,11 @@ from tests.support.builders import make_sub, push_sub
 from tests.support.endpoints import Endpoint, Received, catcher
 from tests.support.helpers import cli, eventually
 from tests.support.pulsar_client import Client
-from worker.config import FleetSettings
 from worker.core import keys
-from worker.core.signing import SecretRef
-from worker.destinations import DestinationPolicy
-from worker.oidc import OidcIssuer, OidcKey
+from worker.endpoint.destinations import DestinationPolicy
+from worker.endpoint.oidc import OidcIssuer, OidcKey
+from worker.endpoint.secrets import SecretRef
+from worker.model.config import FleetSettings
 
 WORKER_SECRET = "redis://:worker-only-password@127.0.0.1:1/0"
 VICTIM_TOKEN = "victim-bearer-token"
@@ -241,7 +241,7 @@ async def test_credentials_never_go_over_plain_http_to_a_public_address(monkeypa
     from worker.core import http1
     from worker.core.delivery import Deliverer, Result
     from worker.core.messages import PushRequest
-    from worker.destinations import GuardedResolver
+    from worker.endpoint.destinations import GuardedResolver
 
     tried: list[object] = []
 
@@ -263,9 +263,9 @@ async def test_credentials_never_go_over_plain_http_to_a_public_address(monkeypa
     strict = DestinationPolicy(allow_cidrs=(ipaddress.ip_network("10.1.0.0/16"),))
     assert strict.clear_text_refusal("10.1.2.3") is None and strict.clear_text_refusal("10.2.0.1") is not None
     # At validation too, however the scheme is spelled: no policy admits a public address for them.
-    from worker.admission import admit
-    from worker.errors import ConfigError
-    from worker.subscriptions import parse_subscription
+    from worker.fleet.admission import admit
+    from worker.model.subscriptions import parse_subscription
+    from worker.runtime.errors import ConfigError
 
     for url in ("http://93.184.216.34/push", "HTTP://93.184.216.34/push"):
         doc = {"name": "s", "topic": "persistent://p-a/main/t",
@@ -277,7 +277,7 @@ async def test_credentials_never_go_over_plain_http_to_a_public_address(monkeypa
 def test_the_endpoints_file_holds_no_credentials_and_is_private(tmp_path):
     """An external Redis (with a password in its URL) beside the embedded broker: endpoints.json names
     only what the worker started, and only its owner can read it."""
-    from worker import embedded
+    from worker.broker import embedded
 
     service = embedded.start_pulsar(tmp_path, die_with_parent=True)
     try:
@@ -292,7 +292,7 @@ def test_the_endpoints_file_holds_no_credentials_and_is_private(tmp_path):
 
 def test_errors_that_quote_a_url_strip_its_credentials():
     from tests.support.helpers import run_cli
-    from worker.errors import strip_userinfo
+    from worker.runtime.errors import strip_userinfo
 
     result = run_cli("publish", "persistent://p-a/main/t", "x", "--service-url", "pulsar://user:hunter2@127.0.0.1:1")
     assert result.returncode == 2 and "without credentials" in result.stderr, result.stderr
@@ -310,7 +310,7 @@ def test_a_project_directory_that_links_out_of_the_secrets_dir_is_refused(tmp_pa
     """The project's directory itself a link elsewhere (`secrets.dir/p-evil -> /elsewhere`) reached
     any file there; Kubernetes' own layout (`p-a -> ..data/p-a`, inside secrets.dir) still reads.
     A hard link cannot be told from the file it names: docs/security.md says so."""
-    from worker.core.signing import SecretRef, SecretStore, SecretUnavailable
+    from worker.endpoint.secrets import SecretRef, SecretStore, SecretUnavailable
 
     secrets, elsewhere = tmp_path / "secrets", tmp_path / "elsewhere"
     (secrets / "..data" / "p-a").mkdir(parents=True)

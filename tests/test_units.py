@@ -14,18 +14,17 @@ import pytest
 from structlog.testing import capture_logs
 
 from devtools.dispatcher_bench import _Attempts, _Backlog, _Endpoint
-from worker.consumer import to_envelope
+from worker.broker.consumer import to_envelope
+from worker.broker.deadletter import DeadLetterPublisher
 from worker.core import dispatcher as dispatcher_module
 from worker.core.backoff import retry_delay
-from worker.core.budgets import ByteBudget
+from worker.core.budgets import ByteBudget, prefetch_for, too_large
 from worker.core.delivery import is_ack_status, parse_retry_after
 from worker.core.dispatcher import DeliveryContext, Dispatcher, lane_of
 from worker.core.messages import Envelope, build_request, format_message_id, header_safe, rfc3339
 from worker.core.metrics import Metrics
-from worker.deadletter import DeadLetterPublisher
-from worker.destinations import DestinationPolicy
-from worker.prefetch import prefetch_for, too_large
-from worker.subscriptions import RetryPolicy, Subscription
+from worker.endpoint.destinations import DestinationPolicy
+from worker.model.subscriptions import RetryPolicy, Subscription
 
 pytestmark = pytest.mark.broker_independent
 
@@ -141,7 +140,7 @@ def test_failing_dead_letter_publishes_are_counted_each_logged_at_most_every_30_
     import structlog
     from structlog.testing import capture_logs
 
-    from worker.deadletter import failing_publishes
+    from worker.broker.deadletter import failing_publishes
 
     counted: list[int] = []
     with capture_logs() as logged:

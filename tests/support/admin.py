@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from jwt.algorithms import RSAAlgorithm
 
 from worker.api.routes import openapi_document
-from worker.api.settings import AdminSettings, JwtSettings, StaticToken, parse_roles
+from worker.model.admin_settings import AdminSettings, JwtSettings, StaticToken, parse_roles
 
 ISSUER = "https://login.test.example/"
 AUDIENCE = "push-worker"

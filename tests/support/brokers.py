@@ -15,7 +15,7 @@ import urllib.request
 from pathlib import Path
 
 from devtools import apache_pulsar
-from worker import embedded
+from worker.broker import embedded
 
 EXTERNAL_URL = os.environ.get("PUSH_WORKER_TEST_PULSAR_URL", "")
 EXTERNAL_ADMIN_URL = os.environ.get("PUSH_WORKER_TEST_PULSAR_ADMIN_URL", "")

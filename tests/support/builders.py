@@ -12,9 +12,9 @@ from typing import Any
 
 import yaml
 
-from worker.config import HttpSettings, PulsarSettings, RedisSettings, Settings, load_settings
-from worker.destinations import DestinationPolicy
-from worker.subscriptions import Subscription, parse_subscription
+from worker.endpoint.destinations import DestinationPolicy
+from worker.model.config import HttpSettings, PulsarSettings, RedisSettings, Settings, load_settings
+from worker.model.subscriptions import Subscription, parse_subscription
 
 
 def make_settings(broker_url: str, redis: str | RedisSettings, subs: tuple[Subscription, ...], **kw: Any) -> Settings:

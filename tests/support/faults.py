@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterator
 from urllib.parse import urlsplit, urlunsplit
 
-from worker.embedded import free_port
+from worker.broker.embedded import free_port
 
 
 class GroupFirewall:

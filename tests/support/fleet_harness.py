@@ -19,9 +19,9 @@ from tests.support.builders import push_sub
 from tests.support.endpoints import Endpoint
 from tests.support.helpers import code_path, http_get, spawn_worker, stays_sync, stop_worker, wait_sync
 from tests.support.redis_targets import RedisTarget
-from worker.config import RedisSettings
+from worker.broker.embedded import free_port
 from worker.core.keys import lease_key
-from worker.embedded import free_port
+from worker.model.config import RedisSettings
 
 
 class WorkerProcess:

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from worker import redis_client
-from worker.config import RedisSettings
+from worker.model.config import RedisSettings
+from worker.state import redis_client
 
 MODES = ("standalone", "cluster", "sentinel")
 ALL_REDIS = pytest.mark.parametrize("redis_target", MODES, indirect=True)

@@ -22,9 +22,9 @@ import aiohttp
 import jwt
 import orjson
 
-from worker import logs
-from worker.api.settings import AdminSettings, Grants, JwtSettings, parse_roles
-from worker.broker_admin import read_capped
+from worker.broker.broker_admin import read_capped
+from worker.model.admin_settings import AdminSettings, Grants, JwtSettings, parse_roles
+from worker.runtime import logs
 
 ALGORITHMS = ["RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA"]
 JWKS_TTL = 300.0

@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Any
 
-from worker.embedded import parent_death_signal
+from worker.broker.embedded import parent_death_signal
 
 STOP_SECONDS = 10.0
 

@@ -40,8 +40,8 @@ from worker.api.routes import (
     visible_projects,
 )
 from worker.core.messages import rfc3339
-from worker.errors import ConfigError, NotFound, PushWorkerError
 from worker.ops.render import inert
+from worker.runtime.errors import ConfigError, NotFound, PushWorkerError
 
 COOKIE = "pw_console"
 COOKIE_SECONDS = 8 * 3600

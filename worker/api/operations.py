@@ -12,13 +12,13 @@ import dataclasses
 from typing import Any
 
 from worker.api.shared_reads import SharedReads
-from worker.config import Settings
 from worker.core.recent import OUTCOMES
-from worker.errors import ConfigError, NotFound, PushWorkerError
 from worker.fleet.seek import SeekTarget
+from worker.model.config import Settings
+from worker.model.subscriptions import NAME_PATTERN, NAME_RULE, PROJECT_PATTERN, parse_subscription
 from worker.ops.admin import Admin, Target
 from worker.ops.dlq import DeadLetters, Selection
-from worker.subscriptions import NAME_PATTERN, NAME_RULE, PROJECT_PATTERN, parse_subscription
+from worker.runtime.errors import ConfigError, NotFound, PushWorkerError
 
 MESSAGE_STATES = ("inflight", "retrying", "dead")
 MAX_DATA_CHARS = 1 << 20  # of a dead letter's payload in an answer (text, or base64 of binary)

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import asyncio
 
-from worker import logs
 from worker.api.metrics import AdminMetrics
 from worker.api.server import AdminServer
-from worker.config import Settings
-from worker.errors import ConfigError
-from worker.http_server import StatusServer
+from worker.model.config import Settings
+from worker.runtime import logs
+from worker.runtime.errors import ConfigError
+from worker.runtime.http_server import StatusServer
 
 
 class AdminProcess:

@@ -19,13 +19,13 @@ from typing import Any
 import yaml
 from aiohttp import web
 
-from worker import logs
 from worker.api.auth import Principal
 from worker.api.operations import MESSAGE_STATES, NO_SUCH_PROJECT, Operations
-from worker.cli.common import parse_moment
-from worker.errors import ConfigError, NotFound, UsageError
 from worker.fleet.seek import SeekTarget
 from worker.ops.dlq import Selection
+from worker.runtime import logs
+from worker.runtime.errors import ConfigError, NotFound, UsageError
+from worker.runtime.fields import parse_moment
 
 ACTIONS = ("pause", "resume", "seek", "purge", "redrive", "discard")
 MAX_LIMIT = 1000

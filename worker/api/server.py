@@ -15,18 +15,18 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from worker import logs
 from worker.api.auth import Authenticator, Unauthorized
 from worker.api.console import Console
 from worker.api.limits import MAX_CONNECTIONS, CallerLimits, CappedRunner, TooMany
 from worker.api.metrics import AdminMetrics
 from worker.api.operations import Conflict, Operations
 from worker.api.routes import PRINCIPAL, Api, Forbidden, Handler, audit
-from worker.api.settings import AdminSettings
-from worker.config import Settings
-from worker.errors import ConfigError, NotFound, StartupError
-from worker.explain import explain
-from worker.http_server import listen
+from worker.model.admin_settings import AdminSettings
+from worker.model.config import Settings
+from worker.ops.explain import explain
+from worker.runtime import logs
+from worker.runtime.errors import ConfigError, NotFound, StartupError
+from worker.runtime.http_server import listen
 
 MAX_BODY_BYTES = 64 * 1024  # a definition is at most 16 KiB as JSON
 SECURITY_HEADERS = {

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from worker.cli import admin, dlq, messages, subs
 from worker.cli import worker as worker_commands
 from worker.cli.common import Parser
-from worker.errors import ConfigErrors, strip_userinfo
-from worker.explain import explain
+from worker.ops.explain import explain
 from worker.ops.render import inert
+from worker.runtime.errors import ConfigErrors, strip_userinfo
 
 EXAMPLES = """examples:
   push-worker check --config worker.yaml           validate a worker's configuration

@@ -7,9 +7,9 @@ import asyncio
 import signal
 from typing import Any
 
-from worker import logs
 from worker.cli.common import KEEP_UNTIL_EXIT, run_loop
-from worker.config import load_settings
+from worker.model.config import load_settings
+from worker.runtime import logs
 
 
 async def _serve(config_path: str) -> int:

@@ -8,10 +8,10 @@ import difflib
 import math
 import re
 import sys
-import time
 from collections.abc import Coroutine
-from datetime import datetime
 from typing import Any, NoReturn, TypeVar
+
+from worker.runtime.fields import parse_moment
 
 T = TypeVar("T")
 
@@ -89,31 +89,6 @@ def seconds(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more seconds (got {text})")
     return value
-
-
-AGO_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86_400}
-_AGO = re.compile(r"([0-9]{1,9}(?:\.[0-9]{1,3})?)([smhd])")
-
-
-def parse_moment(value: str) -> int:
-    """An RFC 3339 time with its zone, ms since the epoch, or a time before now (`30m`, `1h`, `2d`,
-    `90s`), as ms since the epoch; ValueError says why not."""
-    if re.fullmatch(r"[0-9]{1,15}", value):  # ms since the epoch, up to the year 33658 (`isdigit` takes '²')
-        return int(value)
-    ago = _AGO.fullmatch(value)
-    if ago:
-        return max(0, int(time.time() * 1000 - float(ago.group(1)) * AGO_UNITS[ago.group(2)] * 1000))
-    try:
-        when = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        raise ValueError(f"must be an RFC 3339 time, ms since the epoch, or a time before now like 30m, 1h "
-                         f"or 2d (got {value!r})") from None
-    if when.tzinfo is None:
-        raise ValueError("must carry a time zone, e.g. 2026-11-30T08:00:00Z")
-    ms = int(when.timestamp() * 1000)
-    if ms < 0:
-        raise ValueError(f"must not be before 1970-01-01T00:00:00Z (got {value!r})")
-    return ms
 
 
 def moment(text: str) -> int:

@@ -7,8 +7,8 @@ import re
 from typing import Any
 
 from worker.cli.common import connection_args, moment, positive_int, positive_number, run_loop
-from worker.errors import UsageError
 from worker.ops.render import render
+from worker.runtime.errors import UsageError
 
 
 def dlq_command(args: argparse.Namespace) -> int:

@@ -10,8 +10,8 @@ from typing import Any
 
 from worker.cli import dlq
 from worker.cli.common import connection_args, positive_int, seconds
-from worker.errors import UsageError
 from worker.ops.render import Output, render
+from worker.runtime.errors import UsageError
 
 
 def _cmd_messages(args: argparse.Namespace) -> int:

@@ -7,9 +7,10 @@ import asyncio
 import dataclasses
 from typing import Any
 
-from worker.cli.common import connection_args, parse_moment, seconds
-from worker.errors import UsageError
+from worker.cli.common import connection_args, seconds
 from worker.ops.render import render
+from worker.runtime.errors import UsageError
+from worker.runtime.fields import parse_moment
 
 
 def _cmd_subs(args: argparse.Namespace) -> int:

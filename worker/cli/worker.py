@@ -12,11 +12,11 @@ from typing import Any, Protocol
 
 import yaml
 
-from worker import collector, logs
 from worker.cli.common import KEEP_UNTIL_EXIT, run_loop
-from worker.config import load_settings
-from worker.errors import UsageError
-from worker.subscriptions import TOPIC_RULE, topic_parts
+from worker.model.config import load_settings
+from worker.model.subscriptions import TOPIC_RULE, topic_parts
+from worker.runtime import collector, logs
+from worker.runtime.errors import UsageError
 
 
 class Draining(Protocol):
@@ -31,8 +31,8 @@ class Draining(Protocol):
 
 
 async def _serve(config_path: str) -> int:
-    from worker.admission import preflight
-    from worker.service import Worker
+    from worker.fleet.admission import preflight
+    from worker.process.service import Worker
 
     settings = load_settings(config_path)
     preflight(settings)
@@ -94,7 +94,7 @@ def _dump_tasks() -> None:
                 break
             frames.append(f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno} {frame.f_code.co_name}")
             awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
-        # A compiled coroutine (worker.compiled) shows no frames: what its task waits on still names the step.
+        # A compiled coroutine (worker.runtime.compiled) shows no frames: what its task waits on still names the step.
         waits_on = repr(getattr(task, "_fut_waiter", None))
         logs.get().warning("task", name=task.get_name(), awaits=frames, waits_on=waits_on)
 
@@ -104,7 +104,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from worker.admission import preflight
+    from worker.fleet.admission import preflight
 
     settings = load_settings(args.config)
     preflight(settings)

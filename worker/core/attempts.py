@@ -22,12 +22,12 @@ import orjson
 from redis.exceptions import ResponseError
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
 
-from worker import logs
-from worker.config import RedisSettings
 from worker.core import keys
 from worker.core.redis_batch import BatchScript, Pipeliner
-from worker.failing import Failing
-from worker.redis_client import REDIS_DOWN, AsyncClient, describe, safe_text
+from worker.model.config import RedisSettings
+from worker.runtime import logs
+from worker.runtime.failing import Failing
+from worker.state.redis_client import REDIS_DOWN, AsyncClient, describe, safe_text
 
 # Corrupt state (a key of the wrong type, a counter that is not an integer) must not fail the whole
 # batch: every message of the subscription would wait on it forever. `call` replaces such a key and

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from worker.subscriptions import RetryPolicy
+from worker.model.subscriptions import RetryPolicy
 
 # The shortest wait between two attempts of a message, whatever the policy says: a subscription with
 # no backoff and a wide window sent 5,000 failing attempts a second and starved every other project.

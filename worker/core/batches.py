@@ -13,12 +13,12 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 
-from worker.aio import wait_any
 from worker.core.context import Shared
 from worker.core.flow import RateLimit
 from worker.core.lanes import Item, Lanes
 from worker.core.messages import Envelope, batch_entry_bytes
-from worker.subscriptions import BatchPolicy
+from worker.model.subscriptions import BatchPolicy
+from worker.runtime.aio import wait_any
 
 IDLE_RECHECK_SECONDS = 600.0  # a batch former with nothing to batch waits for a message, not a timer
 ONE_A_REQUEST = BatchPolicy(max_messages=1, max_wait_ms=0)  # what is still forming when batching is turned off

@@ -135,3 +135,29 @@ class ByteBudget:
             self.pool.used -= self.used
             self.used = 0
             self.pool.wake()
+
+
+# How many messages a subscription's consumer prefetches: broker/prefetch.py says why.
+MAX_PREFETCH = 1000
+SHARE_OF_HELD_BYTES = 2  # prefetched bytes stay under max_held_bytes_per_subscription / this
+
+
+def prefetch_bytes(max_held_bytes: int) -> int:
+    return max_held_bytes // SHARE_OF_HELD_BYTES
+
+
+def default_prefetch(max_ack_pending: int) -> int:
+    """The most a consumer prefetches, whatever the sizes: the window, at most MAX_PREFETCH."""
+    return max(1, min(max_ack_pending, MAX_PREFETCH))
+
+
+def prefetch_for(max_ack_pending: int, largest: int, budget: int, max_message_bytes: int) -> int:
+    """The prefetch that holds at most `budget` bytes of messages of the broker's largest size, or of
+    `largest` (the largest the subscription has carried; 0: unknown) if that is larger."""
+    return max(1, min(default_prefetch(max_ack_pending), budget // max(largest, max_message_bytes, 1)))
+
+
+def too_large(prefetch: int, budget: int) -> int:
+    """The size above which a consumer of `prefetch` messages subscribes again with fewer: twice
+    what would fit, so that sizes near the bound do not make a subscription subscribe over and over."""
+    return 2 * budget // prefetch

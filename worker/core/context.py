@@ -5,26 +5,26 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from worker import logs
-from worker.aio import wait_event
-from worker.client_tls import ClientCertificates
-from worker.config import DEFAULT_MAX_HELD_BYTES
 from worker.core.attempts import AttemptRecord
 from worker.core.budgets import SharedBudget
 from worker.core.delivery import Outcome
-from worker.core.messages import PushRequest
+from worker.core.messages import Envelope, PushRequest
 from worker.core.metrics import Metrics
 from worker.core.recent import RecentDeliveries
-from worker.core.signing import SecretStore
-from worker.deadletter import DeadLetterPublisher
-from worker.oauth2 import OAuth2Tokens
-from worker.oidc import Tokens
-from worker.subscriptions import Subscription
-from worker.supervisor import Supervisor
+from worker.endpoint.client_tls import ClientCertificates
+from worker.endpoint.oauth2 import OAuth2Tokens
+from worker.endpoint.oidc import Tokens
+from worker.endpoint.secrets import SecretStore
+from worker.model.config import DEFAULT_MAX_HELD_BYTES
+from worker.model.subscriptions import Subscription
+from worker.runtime import logs
+from worker.runtime.aio import wait_event
+from worker.runtime.failing import Failing
+from worker.runtime.supervisor import Supervisor
 
 
 class ConsumerLike(Protocol):
@@ -76,6 +76,21 @@ class AttemptLog(Protocol):
                    settled: bool, last_status: str = "", lazy: bool = False) -> Awaitable[None]: ...
 
 
+class DeadLetters(Protocol):
+    """Where exhausted messages go (`broker.deadletter.DeadLetterPublisher` fits): published until the
+    broker confirms, or until `stop`; each failure told to `on_failure`."""
+
+    async def publish(self, dl_topic: str, env: Envelope, properties: dict[str, str],
+                      on_failure: Callable[[BaseException], None] | None = None,
+                      stop: asyncio.Event | None = None) -> bool: ...
+
+    def failures(self, log: Any, count: Callable[[], None]) -> Failing: ...
+
+    async def forget(self, topic: str) -> None: ...  # no subscription of the worker uses `topic` any more
+
+    async def close(self) -> None: ...
+
+
 @dataclass
 class Stats:
     """Per-dispatcher counters, for summaries (the demo, `subs list`)."""
@@ -99,7 +114,7 @@ class DeliveryContext:
 
     deliverer: Endpoints
     attempts: AttemptLog
-    dead_letters: DeadLetterPublisher
+    dead_letters: DeadLetters
     metrics: Metrics
     secrets: SecretStore = field(default_factory=SecretStore)
     worker_id: str = ""

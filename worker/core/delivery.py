@@ -13,8 +13,8 @@ from yarl import URL
 from worker.core import http1
 from worker.core.messages import PushRequest
 from worker.core.redact import answer_text
-from worker.destinations import DestinationPolicy, GuardedResolver
-from worker.errors import DestinationRefused
+from worker.endpoint.destinations import DestinationPolicy, GuardedResolver
+from worker.runtime.errors import DestinationRefused
 
 USER_AGENT = "push-worker/0.1"
 RESPONSE_BODY_CAP = 64 * 1024  # read at most this much of an endpoint's answer, then drop the connection

@@ -15,9 +15,9 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from worker.aio import cancel_within
-from worker.breaker import Breaker
 from worker.core.batches import BatchFormer
+from worker.core.breaker import Breaker
+from worker.core.budgets import MAX_PREFETCH
 from worker.core.context import ConsumerLike, DeliveryContext, Fence, Shared, Stats
 from worker.core.endpoint_health import ERROR_AFTER_SECONDS, EndpointHealth
 from worker.core.fencing import Fencing
@@ -27,8 +27,8 @@ from worker.core.messages import Envelope, rfc3339
 from worker.core.retrying import Retrying
 from worker.core.sending import Sender
 from worker.core.settlement import Settlement
-from worker.prefetch import MAX_PREFETCH
-from worker.subscriptions import State, Subscription
+from worker.model.subscriptions import State, Subscription
+from worker.runtime.aio import cancel_within
 
 __all__ = ["CLOSE_TIMEOUT", "DeliveryContext", "Dispatcher", "Fence", "Stats", "lane_of"]
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import time
 
-from worker.subscriptions import State
+from worker.model.subscriptions import ERROR_AFTER_SECONDS, State
 
-ERROR_AFTER_SECONDS = 300.0  # an endpoint failing every attempt for this long puts the subscription in Error
+__all__ = ["ERROR_AFTER_SECONDS", "ERROR_MIN_FAILURES", "EndpointHealth"]
+
 ERROR_MIN_FAILURES = 3
 
 

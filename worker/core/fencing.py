@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from worker.aio import wait_any
 from worker.core.context import Fence
+from worker.runtime.aio import wait_any
 
 # A renewal wakes fenced messages (`Fence.renewal`); the recheck only bounds the harm of a missed wake-up.
 FENCE_RECHECK_SECONDS = 5.0

@@ -27,8 +27,8 @@ import httptools
 from yarl import URL
 
 from worker.core.budgets import ByteBudget, SharedBudget
-from worker.destinations import GuardedResolver
-from worker.errors import DestinationRefused
+from worker.endpoint.destinations import GuardedResolver
+from worker.runtime.errors import DestinationRefused
 
 HEAD_LIMIT = 64 * 1024  # the status line and headers of one answer
 KEEPALIVE_SECONDS = 15.0  # an idle connection older than this is closed rather than reused

@@ -7,11 +7,10 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from worker.core.budgets import ByteBudget
+from worker.core.budgets import ByteBudget, prefetch_bytes, too_large
 from worker.core.context import ConsumerLike, Shared
 from worker.core.flow import Window
 from worker.core.messages import Envelope, format_message_id, memory_per_payload_byte
-from worker.prefetch import prefetch_bytes, too_large
 
 INTAKE_PER_TURN = 32  # messages taken from the client in one turn of the loop
 

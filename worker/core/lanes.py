@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from worker.core.messages import Envelope
-from worker.subscriptions import Subscription
+from worker.model.subscriptions import Subscription
 
 Item = tuple[Any, Envelope]  # a Pulsar message and what the worker read of it
 _SINGLE_LANE = "\x00total-order"

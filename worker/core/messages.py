@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 import pybase64
 
-from worker.subscriptions import Subscription
+from worker.model.subscriptions import Subscription
 
 # RFC 9110 token characters; attribute names outside this never become header names.
 _TOKEN_RE = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}$")
@@ -305,3 +305,19 @@ def _gcp_body(sub: Subscription, env: Envelope, attempt: int) -> dict[str, Any]:
         message["orderingKey"] = env.ordering_key
     return {"message": message, "subscription": f"projects/{sub.tenant}/subscriptions/{sub.name}",
             "deliveryAttempt": attempt}
+
+
+def dead_letter_properties(
+    env: Envelope, topic: str, subscription: str, attempts: int, last_status: str
+) -> dict[str, str]:
+    """The original properties plus where the message came from and why it gave up."""
+    props = dict(env.attributes)
+    props.update({
+        "pubsub.original_message_id": env.message_id,
+        "pubsub.original_topic": topic,
+        "pubsub.original_publish_time": str(env.publish_time_ms),
+        "pubsub.subscription": subscription,
+        "pubsub.delivery_attempts": str(attempts),
+        "pubsub.last_status": last_status,
+    })
+    return props

@@ -19,7 +19,7 @@ from typing import Any
 from hiredis import pack_command
 from redis.exceptions import NoScriptError, ResponseError
 
-from worker.redis_client import REDIS_DOWN, AsyncClient, is_cluster, script_sha
+from worker.state.redis_client import REDIS_DOWN, AsyncClient, is_cluster, script_sha
 
 BATCH_LIMIT = 200  # operations per script call: bounds how long one call holds Redis
 # How long a write nothing waits on (the settled record after an ack) may wait for a round trip to

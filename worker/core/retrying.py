@@ -9,9 +9,9 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
-from worker.breaker import Breaker
 from worker.core.attempts import AttemptRecord
 from worker.core.backoff import retry_delay
+from worker.core.breaker import Breaker
 from worker.core.context import Shared
 from worker.core.fencing import Fencing
 from worker.core.history import attempt_entry
@@ -19,7 +19,7 @@ from worker.core.lanes import Item
 from worker.core.messages import Envelope
 from worker.core.sending import Sender
 from worker.core.settlement import Record, Settlement
-from worker.subscriptions import Subscription
+from worker.model.subscriptions import Subscription
 
 
 @dataclass(frozen=True, slots=True)

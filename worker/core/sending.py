@@ -7,16 +7,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from worker.breaker import Breaker
 from worker.core.attempts import AttemptRecord
+from worker.core.breaker import Breaker
 from worker.core.context import Shared
 from worker.core.delivery import Outcome, Result
 from worker.core.endpoint_health import EndpointHealth
 from worker.core.fencing import Fencing
 from worker.core.flow import AdaptiveLimit, RateLimit
 from worker.core.messages import Envelope, PushRequest, batch_id, build_batch_request, build_request
-from worker.core.signing import SecretUnavailable, auth_headers
-from worker.subscriptions import Subscription
+from worker.core.signing import auth_headers
+from worker.endpoint.secrets import SecretUnavailable
+from worker.model.subscriptions import Subscription
 
 
 def rate_of(sub: Subscription) -> tuple[float, float]:

@@ -16,9 +16,8 @@ from worker.core.attempts import AttemptRecord
 from worker.core.context import ConsumerLike, Shared
 from worker.core.fencing import Fencing
 from worker.core.history import event_entry
-from worker.core.messages import Envelope
-from worker.deadletter import dead_letter_properties, failing_publishes
-from worker.subscriptions import Subscription
+from worker.core.messages import Envelope, dead_letter_properties
+from worker.model.subscriptions import Subscription
 
 Record = Awaitable[None] | None  # the settled record still to write (None: written, or nothing to write)
 
@@ -32,7 +31,8 @@ class Settlement:
         self._fencing = fencing
         self._attempts = shared.ctx.attempts
         self._worker_id = shared.ctx.worker_id
-        self.dead_letter_failures = failing_publishes(shared.log, shared.m.broker_errors.labels("dead_letter").inc)
+        count = shared.m.broker_errors.labels("dead_letter").inc
+        self.dead_letter_failures = shared.ctx.dead_letters.failures(shared.log, count)
 
     def sendable(self, env: Envelope) -> bool:
         """Whether `env` is to be sent at all; else `unsent` settles it."""

@@ -1,5 +1,6 @@
 """The fleet: membership and balanced ownership (`membership`), fenced leases (`leases`), the live
-registry (`registry`), status reports for `subs list` (`status`), seeks and expiry (`lifecycle`)."""
+registry (`registry`), what may be served (`admission`), status reports for `subs list` (`status`),
+seeks (`seek`), the backlog report and expiry (`expiry`)."""
 
 from worker.fleet.leases import assign
 from worker.fleet.membership import Fleet

@@ -10,15 +10,15 @@ import contextlib
 import time
 from typing import Any
 
-from worker import resources
 from worker.core import keys
 from worker.fleet import quarantine
 from worker.fleet.leases import unit_parts
 from worker.fleet.quarantine import MemoryAlarm, Taken, Trials
 from worker.fleet.registry import Registry
 from worker.fleet.worker_protocol import ServingWorker
-from worker.redis_client import REDIS_DOWN, AsyncClient
-from worker.supervisor import log_task_failure
+from worker.runtime import resources
+from worker.runtime.supervisor import log_task_failure
+from worker.state.redis_client import REDIS_DOWN, AsyncClient
 
 
 class Containment:

@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 
 from worker.core import keys
 from worker.core.redis_batch import BatchScript
-from worker.errors import InfrastructureError
-from worker.redis_client import AsyncClient
+from worker.runtime.errors import InfrastructureError
+from worker.state.redis_client import AsyncClient
 
 # The renewal of leases, many in one call (`redis_batch`; `hold` renews one): ARGV the holder and the
 # TTL (ms); a lease key per operation; 1 renewed, 0 not ours (any more).

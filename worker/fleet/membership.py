@@ -17,10 +17,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from worker import logs
-from worker.aio import cancel_within, wait_event
-from worker.config import FleetSettings
-from worker.consumer import consumer_type
+from worker.broker.consumer import consumer_type
 from worker.core import keys
 from worker.core.redis_batch import Pipeliner
 from worker.fleet import seek
@@ -33,9 +30,12 @@ from worker.fleet.registry_follower import RegistryFollower
 from worker.fleet.spread import Spreading, share
 from worker.fleet.status import StatusReports
 from worker.fleet.worker_protocol import ServingWorker
-from worker.redis_client import REDIS_DOWN, AsyncClient, describe, safe_text
-from worker.subscriptions import State, Subscription
-from worker.supervisor import log_task_failure
+from worker.model.config import FleetSettings
+from worker.model.subscriptions import State, Subscription
+from worker.runtime import logs
+from worker.runtime.aio import cancel_within, wait_event
+from worker.runtime.supervisor import log_task_failure
+from worker.state.redis_client import REDIS_DOWN, AsyncClient, describe, safe_text
 
 # Members whose expiry lies further ahead than any heartbeat sets (3 TTLs) are garbage, not workers:
 # left in place they would be assigned subscriptions nobody serves. A members key of the wrong type

@@ -18,8 +18,8 @@ from typing import Any
 import orjson
 
 from worker.core import keys
-from worker.redis_client import AsyncClient
-from worker.subscriptions import Subscription
+from worker.model.subscriptions import Subscription
+from worker.state.redis_client import AsyncClient
 
 PUBLISH_EVERY = 60.0
 KEEP_SECONDS = 300

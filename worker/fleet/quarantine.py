@@ -33,7 +33,7 @@ from typing import Any
 import orjson
 
 from worker.core.redis_batch import BatchScript
-from worker.redis_client import safe_text
+from worker.state.redis_client import safe_text
 
 # A holder record lives this many lease periods past the holder's last renewal: long enough for the
 # next holder to find it after a death (the lease lapses in one period; a worker restarted by the

@@ -27,9 +27,9 @@ import orjson
 from redis.exceptions import ResponseError, WatchError
 
 from worker.core import keys
-from worker.errors import ConfigError, NotFound
-from worker.redis_client import AsyncClient, safe_text
-from worker.subscriptions import Subscription, is_push, parse_subscription, valid_key
+from worker.model.subscriptions import Subscription, is_push, parse_subscription, valid_key
+from worker.runtime.errors import ConfigError, NotFound
+from worker.state.redis_client import AsyncClient, safe_text
 
 Admit = Callable[[Subscription], None]  # a worker's admission: raises ConfigError
 

@@ -18,8 +18,8 @@ import orjson
 from redis.exceptions import ResponseError
 
 from worker.fleet.registry import Entry, Registry
-from worker.redis_client import safe_text
-from worker.subscriptions import Subscription
+from worker.model.subscriptions import Subscription
+from worker.state.redis_client import safe_text
 
 FOLLOW_AT_MOST = 1000  # log entries read in one round; further behind, the whole registry is read
 

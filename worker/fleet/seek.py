@@ -20,13 +20,13 @@ from typing import Any
 import orjson
 import pulsar.asyncio as pulsar_async
 
-from worker.config import PulsarSettings
 from worker.core import keys
-from worker.errors import PushWorkerError
 from worker.fleet import leases
 from worker.fleet.registry import delete_matching
-from worker.redis_client import AsyncClient, safe_text
-from worker.subscriptions import Subscription
+from worker.model.config import PulsarSettings
+from worker.model.subscriptions import Subscription
+from worker.runtime.errors import PushWorkerError
+from worker.state.redis_client import AsyncClient, safe_text
 
 SEEK_TTL_SECONDS = 300
 SEEK_TRIES = 3
@@ -62,7 +62,7 @@ async def seek_with_own_consumer(client: pulsar_async.Client, sub: Subscription,
     still to come. pulsar-lite refuses a seek past its last message (it drops the connection and
     leaves the cursor): then `latest` acknowledges the backlog up to now instead (Shared
     subscriptions cannot ack cumulatively)."""
-    from worker import consumer as pulsar_adapter
+    from worker.broker import consumer as pulsar_adapter
 
     cutoff = int(time.time() * 1000)
     position = cutoff if target.to == "latest" else min(target.publish_time_ms(), cutoff)
@@ -81,7 +81,7 @@ async def seek_with_own_consumer(client: pulsar_async.Client, sub: Subscription,
 
 async def _acknowledge_until(client: pulsar_async.Client, sub: Subscription, cutoff_ms: int) -> None:
     """Acknowledge every message published before `cutoff_ms`; newer ones stay for delivery."""
-    from worker import consumer as pulsar_adapter
+    from worker.broker import consumer as pulsar_adapter
 
     consumer = await pulsar_adapter.subscribe(client, sub, "push-worker-purge", receiver_queue_size=1000)
     try:
@@ -124,7 +124,7 @@ async def run_seek_request(client: AsyncClient, sub_key: str, worker_id: str,
     if request is None:
         return
     request_id, target = request
-    from worker.consumer import broker_error_text, transient
+    from worker.broker.consumer import broker_error_text, transient
 
     log.info("seeking", subscription=sub_key, to=target.describe())
     attempt = 0
@@ -214,7 +214,7 @@ async def _seek_by_worker(client: AsyncClient, channel: str, key: str, target: S
 
 
 async def _seek_directly(sub: Subscription, target: SeekTarget, settings: PulsarSettings) -> None:
-    from worker.consumer import open_client
+    from worker.broker.consumer import open_client
 
     async with open_client(settings) as client:
         await seek_with_own_consumer(client, sub, target)

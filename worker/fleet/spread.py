@@ -29,8 +29,8 @@ from worker.core.flow import MAX_PAUSE
 from worker.core.redis_batch import Pipeliner
 from worker.fleet.leases import holders
 from worker.fleet.worker_protocol import ServingWorker
-from worker.redis_client import AsyncClient
-from worker.subscriptions import RateLimit, Subscription
+from worker.model.subscriptions import RateLimit, Subscription
+from worker.state.redis_client import AsyncClient
 
 
 class Pausable(Protocol):

@@ -11,8 +11,8 @@ from typing import Any, Protocol
 from worker.core.dispatcher import Fence
 from worker.core.metrics import Metrics
 from worker.fleet.seek import SeekTarget
-from worker.subscriptions import Subscription
-from worker.supervisor import Supervisor
+from worker.model.subscriptions import Subscription
+from worker.runtime.supervisor import Supervisor
 
 
 class Served(Protocol):

@@ -1,2 +1,2 @@
 """Operator commands: the registry and subscriptions (`admin`), dead letters (`dlq`), `publish`.
-Each returns what to print; `render` lays out tables."""
+Each returns what to print; `render` lays out tables; `explain` turns any error into one line."""

@@ -19,8 +19,16 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from worker.admission import admit_for
-from worker.config import (
+from worker.broker.embedded import recorded_endpoints
+from worker.core import attempts, keys, recent
+from worker.core.messages import rfc3339
+from worker.fleet import quarantine
+from worker.fleet.admission import admit_for
+from worker.fleet.leases import holders
+from worker.fleet.published import published
+from worker.fleet.registry import Registry, clear_state
+from worker.fleet.seek import SeekTarget, seek_by_command
+from worker.model.config import (
     PULSAR_SCHEMES,
     REDIS_SCHEMES,
     PulsarSettings,
@@ -30,19 +38,11 @@ from worker.config import (
     parse_settings,
     read_yaml,
 )
-from worker.core import attempts, keys, recent
-from worker.core.messages import rfc3339
-from worker.embedded import recorded_endpoints
-from worker.errors import ConfigError, NotFound, PushWorkerError, UsageError
-from worker.filters import MIXED
-from worker.fleet import quarantine
-from worker.fleet.leases import holders
-from worker.fleet.published import published
-from worker.fleet.registry import Registry, clear_state
-from worker.fleet.seek import SeekTarget, seek_by_command
+from worker.model.filters import MIXED
+from worker.model.subscriptions import MAX_WORKERS, State, Subscription, is_push, parse_subscription, valid_key
 from worker.ops.render import Output, people_yaml, table
-from worker.redis_client import AsyncClient, connect, safe_text
-from worker.subscriptions import MAX_WORKERS, State, Subscription, is_push, parse_subscription, valid_key
+from worker.runtime.errors import ConfigError, NotFound, PushWorkerError, UsageError
+from worker.state.redis_client import AsyncClient, connect, safe_text
 
 
 @dataclass(frozen=True)

@@ -34,12 +34,10 @@ import pulsar
 import pulsar.asyncio as pulsar_async
 from aiolimiter import AsyncLimiter
 
-from worker import consumer as pulsar_adapter
-from worker import logs
-from worker.admission import check_secrets, secret_store
-from worker.backlog import BacklogReader
-from worker.broker_admin import AdminError, make_session
-from worker.config import PulsarSettings
+from worker.broker import consumer as pulsar_adapter
+from worker.broker.backlog import BacklogReader
+from worker.broker.broker_admin import AdminError, make_session
+from worker.broker.deadletter import DLQ_CURSOR, DeadLetterPublisher, subscribe_cursor
 from worker.core import keys
 from worker.core.attempts import AttemptStore
 from worker.core.delivery import Deliverer
@@ -47,12 +45,14 @@ from worker.core.dispatcher import DeliveryContext, Dispatcher
 from worker.core.messages import Envelope, base64_text, rfc3339
 from worker.core.metrics import Metrics
 from worker.core.redis_batch import Pipeliner
-from worker.deadletter import DLQ_CURSOR, DeadLetterPublisher, subscribe_cursor
-from worker.errors import NotFound, UsageError
-from worker.oidc import Tokens
+from worker.endpoint.oidc import Tokens
+from worker.fleet.admission import check_secrets, secret_store
+from worker.model.config import PulsarSettings
+from worker.model.subscriptions import Subscription
 from worker.ops.admin import Admin, Target
 from worker.ops.render import Output, inert, table
-from worker.subscriptions import Subscription
+from worker.runtime import logs
+from worker.runtime.errors import NotFound, UsageError
 
 QUIET_SECONDS = 2.0  # no message for this long: the cursor holds nothing more for us
 DRY_RUN_LIMIT = 10_000_000  # a dry run counts up to this many (`--max-messages` fewer)

@@ -7,10 +7,10 @@ from urllib.parse import urlsplit
 
 import pulsar
 
-from worker.config import PulsarSettings
-from worker.consumer import client_options
+from worker.broker.consumer import client_options
 from worker.core.messages import format_message_id
-from worker.errors import InfrastructureError, strip_userinfo
+from worker.model.config import PulsarSettings
+from worker.runtime.errors import InfrastructureError, strip_userinfo
 
 CONNECT_SECONDS = 3.0  # a broker that does not take a connection within this is said at once
 
