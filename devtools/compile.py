@@ -79,6 +79,10 @@ def build() -> None:
     """The wheel, by the package build with its hook on, installed into COMPILED_DIR."""
     shutil.rmtree(COMPILED_DIR, ignore_errors=True)
     shutil.rmtree(WHEELS, ignore_errors=True)
+    # setuptools copies the package into its build directory and never removes what the sources no
+    # longer hold: a moved module would ship twice. Its compiled objects (temp.*) are kept.
+    for copied in (BUILD / "setuptools").glob("lib*"):
+        shutil.rmtree(copied)
     env = {**os.environ, "PUSH_WORKER_COMPILE": "1"}
     subprocess.run([build_python(), "-m", "pip", "wheel", "--quiet", "--disable-pip-version-check", "--no-deps",
                     "--no-build-isolation", "--wheel-dir", str(WHEELS), str(ROOT)], check=True, env=env, cwd=ROOT)

@@ -163,7 +163,7 @@ async def test_a_slow_or_lossy_redis_slows_delivery_and_loses_nothing(
             figures.append(f"{what}: p50 {1000 * latency[len(latency) // 2]:.0f} ms, "
                            f"p99 {1000 * latency[int(len(latency) * 0.99)]:.0f} ms")
             assert fleet.owners(["p-fleet/slow"])["p-fleet/slow"] == "w0", f"the lease was lost, {what}"
-            assert worker.process.readiness()[0] == 200, worker.process.readiness()
+            assert worker.readiness()[0] == 200, worker.readiness()
 
         await deliver("as it is")
         link.latency = 0.05

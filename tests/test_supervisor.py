@@ -63,7 +63,7 @@ async def test_a_task_that_keeps_failing_turns_ready_then_alive_red_and_a_stable
 async def test_a_worker_whose_fleet_loop_keeps_failing_reports_it(start_worker, endpoint, topic):
     """Fault injection in a real worker: its fleet round raises on every call."""
     worker = await start_worker(make_sub(topic, endpoint.url))
-    worker.runtime.supervisor.ready_after, worker.runtime.supervisor.live_after = 0.5, 1.5
+    worker.supervisor.ready_after, worker.supervisor.live_after = 0.5, 1.5
     assert worker.fleet is not None and worker.status is not None
     port = worker.status.port
 
