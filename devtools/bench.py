@@ -42,6 +42,7 @@ import yarl
 from aiohttp import web
 
 from devtools import BENCH_SECTIONS, apache_pulsar, cgroups, dispatcher_bench, operator_crowd, probes, redis_topologies
+from devtools.baseline import Baseline, Figure
 from devtools.scratch import scratch_dir
 from worker.broker import embedded
 from worker.broker.consumer import CONSUMER_TYPES, PulsarConsumer, to_envelope
@@ -699,7 +700,9 @@ class Bench:
             alone = latencies()
             misbehaviour = threading.Thread(target=noisy.start, args=(self, noisy_topic), daemon=True)
             misbehaviour.start()
+            attempts0 = probes.metric(ps, "pushworker_deliveries_total", project="p-noisy")
             during = latencies()
+            noisy_rate = (probes.metric(ps, "pushworker_deliveries_total", project="p-noisy") - attempts0) / seconds
             published = publisher.stop()
             up = proc.poll() is None
 
@@ -720,7 +723,7 @@ class Bench:
         publisher.check()
         return Neighbours(name, 1000 * _percentile(alone, 0.5), 1000 * _percentile(alone, 0.99),
                           1000 * _percentile(during, 0.5), 1000 * _percentile(during, 0.99), lost,
-                          peak_rss / 2**20, up)
+                          peak_rss / 2**20, up, noisy_rate)
 
     def idle(self, count: int = 1000, settle: float = 10.0, seconds: float = 30.0) -> tuple[float, float, float]:
         """Seconds until `count` idle subscriptions are all served (Active), then the worker's CPU (a
@@ -757,6 +760,7 @@ class Neighbours:
     lost: int  # of the well-behaved project's messages
     rss_mb: float
     up: bool
+    noisy_rate: float  # the misbehaving project's attempts a second meanwhile
 
 
 @dataclass(frozen=True)
@@ -767,18 +771,20 @@ class NoisyProject:
     path: str
     settings: dict[str, Any]
     start: Callable[[Bench, str], None]
+    guarded: str = ""  # its key in the baseline, and the targets of issue #59 (none: a reference row)
+    allowance_ms: float = 10.0  # the well-behaved project's p99 at most 2x alone plus this (issue #59)
 
 
 NOISY_PROJECTS = {
     "a burst of 30,000 messages": NoisyProject("/ok", {"max_ack_pending": 1000},
-                                               lambda bench, topic: bench.publish(topic, 30_000)),
+                                               lambda bench, topic: bench.publish(topic, 30_000), "burst"),
     "every answer a 400, retried forever": NoisyProject(
         "/refuse", {"max_ack_pending": 1000, "max_deliver": -1, "retry": {"min_backoff_seconds": 0,
                                                                          "max_backoff_seconds": 0}},
-        lambda bench, topic: bench.publish(topic, 5_000)),
+        lambda bench, topic: bench.publish(topic, 5_000), "retry_storm"),
     "an endpoint that hangs (600 s deadline)": NoisyProject(
         "/hang", {"max_ack_pending": 5000, "max_concurrency": 5000, "ack_deadline_seconds": 600},
-        lambda bench, topic: bench.publish(topic, 5_000)),
+        lambda bench, topic: bench.publish(topic, 5_000), "hung"),
     # The reference of the next row, measured in the same run: any process of the admin pod's CPU
     # limit on the bench's core (beside the broker, publisher and endpoint) costs this much.
     "reference: a process burning 0.25 core (the admin pod's limit)": NoisyProject(
@@ -788,7 +794,7 @@ NOISY_PROJECTS = {
                                                operator_crowd.run(bench.last_config, bench.admin))),
     "120 messages of 4 MiB, answered in 0.5 s": NoisyProject(
         "/slow", {"max_ack_pending": 200},
-        lambda bench, topic: bench.publish(topic, 120, payload=os.urandom((4 << 20) - 1024))),
+        lambda bench, topic: bench.publish(topic, 120, payload=os.urandom((4 << 20) - 1024)), "large", 50.0),
 }
 
 
@@ -809,11 +815,9 @@ def _pin_apart(worker: psutil.Process) -> list[int]:
 
 ROOT = Path(__file__).resolve().parent.parent
 HPA_IMAGE = ROOT / "docs" / "images" / "autoscaling-loop.png"  # the spread section draws its loop here
-# What was won, guarded (issue #48): a worker's CPU per message in bursts at most the bare loop's per
-# request, and at steady rates at most twice the paced reference's.
-BURST_GUARD = 1.0
-STEADY_GUARD = 2.0
-IDLE_GUARD = 0.05  # 1,000 idle subscriptions: at most 5% of a core
+# Targets the issues set, beside the baseline's guards (devtools/baseline.py).
+BATCH_TARGET = 1.7  # M = 100 per core at least this many times one message a request (issue #49)
+IDLE_TARGET = 0.05  # 1,000 idle subscriptions: at most 5% of a core
 # `spread` only when asked: it needs root, a cgroup cpu controller and Apache Pulsar (spread_bench.py).
 SECTIONS = tuple(s for s in BENCH_SECTIONS if s != "spread")
 KIB = 1024
@@ -844,19 +848,29 @@ class Run:
     """One `make bench`: each case compared with references measured just before and just after it
     (this machine's speed drifts by tens of percent from minute to minute: shared cores)."""
 
-    def __init__(self, bench: Bench, rounds: int) -> None:
+    def __init__(self, bench: Bench, rounds: int, baseline: Baseline) -> None:
         self.bench = bench
         self.rounds = rounds
+        self.baseline = baseline
         self.ref_sink = bench.sink()
         self.shared: Figures | None = None
         self.broken_guards: list[str] = []
 
-    def guard(self, what: str, value: float, limit: float) -> None:
-        """What was won, kept: `value` at most `limit`, said either way; a broken guard fails the run."""
-        holds = value <= limit
-        print(f"guard: {what} at most {limit:.2f}: {value:.2f}, {'holds' if holds else 'DOES NOT HOLD'}")
+    def guard(self, figure: Figure) -> None:
+        """What was won, kept: `figure` against the recorded baseline, said either way; a broken guard
+        fails the run."""
+        holds, line = self.baseline.check(figure)
+        print(line)
         if not holds:
-            self.broken_guards.append(f"{what}: {value:.2f} (at most {limit:.2f})")
+            self.broken_guards.append(line.removeprefix("guard: "))
+
+    def target(self, what: str, value: float, limit: float, at_least: bool = False) -> None:
+        """A target an issue set (an absolute bound on a ratio), said either way; a missed one fails the run."""
+        holds = value >= limit if at_least else value <= limit
+        bound = f"{'at least' if at_least else 'at most'} {limit:.2f}"
+        print(f"target: {what} {bound}: {value:.2f}, {'holds' if holds else 'DOES NOT HOLD'}")
+        if not holds:
+            self.broken_guards.append(f"{what}: {value:.2f} ({bound})")
 
     def against_reference(self, run_case: Any, body: bytes = PAYLOAD, messages: int | None = None,
                           concurrency: int | None = None) -> tuple[Figures, Reference]:
@@ -896,8 +910,8 @@ class Run:
         if len(rounds) > 1:
             print(f"shared, {len(rounds)} rounds (the table shows the median round): x ref cpu "
                   f"{', '.join(f'{x:.2f}' for x in ratios)}; median {statistics.median_low(ratios):.2f}")
-        self.guard("CPU per message in bursts (shared, median round) x the bare loop's per request",
-                   statistics.median_low(ratios), BURST_GUARD)
+        self.guard(Figure("bursts_cpu_x_bare_loop", "CPU per message in bursts (shared, median round) x the bare "
+                          "loop's per request", statistics.median_low(ratios)))
         cpu = [k.cpu_us / s.cpu_us for (s, _), (k, _) in pairs]
         print(f"key-shared (1,000 keys) / the shared round before it: deliveries "
               f"{', '.join(f'{x:.2f}' for x in keyed_ratios)}x (median {statistics.median_low(keyed_ratios):.2f}; "
@@ -914,6 +928,20 @@ class Run:
               f"p99 {shared.p99_ms:.1f} ms; a bare Pulsar consumer of the same stream p50 {shared.bare_p50_ms:.1f} ms, "
               f"p99 {shared.bare_p99_ms:.1f} ms; p50 difference "
               f"{', '.join(f'{d:+.1f}' for d in differences)} ms (median {statistics.median(differences):+.1f})\n")
+
+    def neighbours(self, n: Neighbours, noisy: NoisyProject) -> None:
+        """The well-behaved project beside `noisy`: its p99 against its own alone, guarded by the
+        baseline; and issue #59's targets: p99 at most 2x alone + an allowance, p50 moved < 20%."""
+        ratio = n.during_p99_ms / n.alone_p99_ms
+        self.guard(Figure(f"neighbours_p99_x_alone_{noisy.guarded}", f"the well-behaved project's p99 beside "
+                          f"{n.misbehaviour} x alone", ratio))
+        self.target(f"its p99 beside {n.misbehaviour} (ms) x (2 x alone + {noisy.allowance_ms:.0f} ms)",
+                    n.during_p99_ms / (2 * n.alone_p99_ms + noisy.allowance_ms), 1.0)
+        self.target(f"its p50 beside {n.misbehaviour} x alone", n.during_p50_ms / n.alone_p50_ms, 1.2)
+        if n.noisy_rate > 0:  # a hung endpoint makes no attempts to count in 10 s
+            # Issue #59: the misbehaving project keeps at least 80% of its throughput before the scheduler.
+            self.guard(Figure(f"neighbours_noisy_attempts_per_s_{noisy.guarded}", f"the attempts a second of "
+                              f"{n.misbehaviour}", n.noisy_rate, lower_is_better=False))
 
     def concurrency(self) -> None:
         b = self.bench
@@ -949,8 +977,9 @@ class Run:
                     right=("subscriptions", "msg/s each", "delivered/s", "cpu us/msg", "ref cpu us/req", "x ref cpu",
                            "x 1 subscription", "x core shared", "p50 ms", "p99 ms", "rss MiB")))
         for s, ref in zip(rows, (Reference.around(a, b) for a, b in itertools.pairwise(refs)), strict=True):
-            self.guard(f"CPU per message of a steady stream over {s.subscriptions:,} subscription(s) x the paced "
-                       "reference's per request", s.cpu_us / ref.cpu_us, STEADY_GUARD)
+            self.guard(Figure(f"steady_cpu_x_paced_reference_{s.subscriptions}", "CPU per message of a steady "
+                              f"stream over {s.subscriptions:,} subscription(s) x the paced reference's per request",
+                              s.cpu_us / ref.cpu_us))
         print()
 
     def batch(self) -> None:
@@ -979,6 +1008,10 @@ class Run:
                     ["batch", "msg/s", "cpu us/msg", "msg/s per core", "x one a request"],
                     right=("msg/s", "cpu us/msg", "msg/s per core", "x one a request")))
         print(f"M = 100 per core / one a request, each round: {', '.join(f'{x:.2f}' for x in ratios)}x")
+        self.guard(Figure("batch_m100_x_one_a_request", "msg/s per core at M = 100 x one a request (median round)",
+                          statistics.median_low(ratios), lower_is_better=False))
+        self.target("msg/s per core at M = 100 x one a request (median round)", statistics.median_low(ratios),
+                    BATCH_TARGET, at_least=True)
         print(f"floor at M = 100 (receive, the batch body, one POST a batch, ack; no Redis, lanes or windows), "
               f"each round: {', '.join(f'{f.cpu_us:.1f}' for f in floors)} us/msg, "
               f"{', '.join(f'{figures[0].cpu_us / f.cpu_us:.2f}' for figures, f in zip(rounds, floors, strict=True))}"
@@ -1018,7 +1051,9 @@ class Run:
 
 
 async def run_bench(messages: int = 20000, concurrency: int = 64, sections: tuple[str, ...] = SECTIONS,
-                    steady_rate: float = 1000.0, rounds: int = 3) -> int:
+                    steady_rate: float = 1000.0, rounds: int = 3, record_baseline: bool = False) -> int:
+    baseline = Baseline()
+
     def work() -> int:
         print(f"devtools bench: {', '.join(sections)}; {os.cpu_count()} cores; "
               f"per-message path {compiled.state()}\n")
@@ -1029,7 +1064,7 @@ async def run_bench(messages: int = 20000, concurrency: int = 64, sections: tupl
         with scratch_dir("push-worker-bench-") as directory:
             bench = Bench(messages, concurrency, directory)
             try:
-                run = Run(bench, rounds)
+                run = Run(bench, rounds, baseline)
                 if "core" in sections:
                     run.core()
                 if "concurrency" in sections:
@@ -1048,15 +1083,21 @@ async def run_bench(messages: int = 20000, concurrency: int = 64, sections: tupl
                     print(table([{"misbehaviour": n.misbehaviour, "p50 ms": f"{n.during_p50_ms:.1f}",
                                   "p99 ms": f"{n.during_p99_ms:.1f}", "alone p99 ms": f"{n.alone_p99_ms:.1f}",
                                   "x alone p99": f"{n.during_p99_ms / n.alone_p99_ms:.2f}", "lost": f"{n.lost}",
-                                  "peak RSS MiB": f"{n.rss_mb:.0f}", "worker": "up" if n.up else "DOWN"}
+                                  "peak RSS MiB": f"{n.rss_mb:.0f}", "worker": "up" if n.up else "DOWN",
+                                  "its attempts/s": f"{n.noisy_rate:,.0f}"}
                                  for n in rows],
                                 ["misbehaviour", "p50 ms", "p99 ms", "alone p99 ms", "x alone p99", "lost",
-                                 "peak RSS MiB", "worker"],
-                                right=("p50 ms", "p99 ms", "alone p99 ms", "x alone p99", "lost", "peak RSS MiB")))
+                                 "peak RSS MiB", "worker", "its attempts/s"],
+                                right=("p50 ms", "p99 ms", "alone p99 ms", "x alone p99", "lost", "peak RSS MiB",
+                                       "its attempts/s")))
                     reference, operators = (next(n for n in rows if n.misbehaviour.startswith(prefix))
                                             for prefix in ("reference", "operators"))
                     print(f"operators' p99 x the reference's (a process of the same CPU limit on the same core): "
                           f"{operators.during_p99_ms / reference.during_p99_ms:.2f}")
+                    for n in rows:
+                        noisy = NOISY_PROJECTS[n.misbehaviour]
+                        if noisy.guarded:
+                            run.neighbours(n, noisy)
                     print()
                 if "spread" in sections:
                     from devtools import spread_bench
@@ -1074,10 +1115,16 @@ async def run_bench(messages: int = 20000, concurrency: int = 64, sections: tupl
                 if "idle" in sections:
                     ready, cpu, rss = bench.idle()
                     print(f"idle: 1000 push subscriptions served in {ready:.1f}s; RSS {rss:.0f} MiB")
-                    run.guard("idle CPU of 1,000 subscriptions (30 s, from 10 s after all served), share of a core",
-                              cpu, IDLE_GUARD)
+                    what = "idle CPU of 1,000 subscriptions (30 s, from 10 s after all served), share of a core"
+                    run.guard(Figure("idle_share_of_core_1000", what, cpu))
+                    run.target(what, cpu, IDLE_TARGET)
+                if record_baseline:
+                    baseline.record()
+                    print(f"\nbench: the baseline recorded in {baseline.path.relative_to(ROOT)} (commit it saying why)")
+                    return 0
                 if run.broken_guards:
-                    print(f"\nbench: {len(run.broken_guards)} guard(s) broken: " + "; ".join(run.broken_guards))
+                    print(f"\nbench: {len(run.broken_guards)} guard(s) or target(s) broken: "
+                          + "; ".join(run.broken_guards))
                     return 1
                 return 0
             finally:

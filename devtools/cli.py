@@ -21,7 +21,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     return run_loop(run_bench(messages=args.messages, concurrency=args.concurrency,
                               sections=tuple(args.section or SECTIONS), steady_rate=args.steady_rate,
-                              rounds=args.rounds))
+                              rounds=args.rounds, record_baseline=args.record_baseline))
 
 
 def _cmd_bench_fleet(args: argparse.Namespace) -> int:
@@ -64,6 +64,9 @@ def register(cmds: Any) -> None:
     p.add_argument("--steady-rate", type=positive_number, default=1000.0,
                    help="msg/s offered in total in the subscriptions section (default 1000: what this "
                         "project's 2-core machine sustains with broker, Redis, sink and publisher beside the worker)")
+    p.add_argument("--record-baseline", action="store_true",
+                   help="write this run's guarded ratios to docs/measurements/baseline.json (commit it saying why) "
+                        "instead of checking them")
     p.set_defaults(func=_cmd_bench)
     p = cmds.add_parser("bench-fleet", help="ownership convergence after a kill, movement on a join")
     p.add_argument("--subscriptions", type=positive_int, default=60, help="subscriptions to spread (default 60)")
