@@ -15,6 +15,7 @@ from worker.core.delivery import Outcome
 from worker.core.messages import Envelope, PushRequest
 from worker.core.metrics import Metrics
 from worker.core.recent import RecentDeliveries
+from worker.core.scheduler import FairShare
 from worker.endpoint.client_tls import ClientCertificates
 from worker.endpoint.oauth2 import OAuth2Tokens
 from worker.endpoint.oidc import Tokens
@@ -124,6 +125,7 @@ class DeliveryContext:
     memory: SharedBudget | None = None  # every subscription's held bytes together (`max_held_bytes`)
     certificates: ClientCertificates | None = None  # mutual TLS; made from `secrets` when not given
     oauth2: OAuth2Tokens | None = None  # OAuth 2.0 client credentials (fetched with the worker's client)
+    share: FairShare = field(default_factory=FairShare)  # the event loop's time, shared across projects
 
     def __post_init__(self) -> None:
         if self.tokens is None:

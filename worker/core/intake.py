@@ -7,10 +7,11 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from worker.core.budgets import ByteBudget, prefetch_bytes, too_large
+from worker.core.budgets import LARGE_MESSAGE_BYTES, ByteBudget, prefetch_bytes, too_large
 from worker.core.context import ConsumerLike, Shared
 from worker.core.flow import Window
 from worker.core.messages import Envelope, format_message_id, memory_per_payload_byte
+from worker.core.scheduler import cost_of
 
 INTAKE_PER_TURN = 32  # messages taken from the client in one turn of the loop
 
@@ -48,11 +49,16 @@ class Intake:
         # back is what it took even if the subscription's format changes meanwhile.
         self._held_per_byte = memory_per_payload_byte(shared.sub)
         # A message above this size tells `on_large_message` (once per size): the consumer's
-        # prefetch holds too many bytes of such messages and is to be made smaller.
+        # prefetch holds too many bytes of such messages and is to be made smaller,
         self._on_large_message = on_large_message
-        shrinkable = on_large_message is not None and prefetch > 1
-        self._too_large = too_large(prefetch, prefetch_bytes(ctx.max_held_bytes)) if shrinkable else 1 << 62
+        # or (the first of LARGE_MESSAGE_BYTES or more) that it is to move to a connection of its own.
+        self._too_large = 1 << 62
+        if on_large_message is not None:
+            shrinks = too_large(prefetch, prefetch_bytes(ctx.max_held_bytes)) if prefetch > 1 else 1 << 62
+            self._too_large = min(shrinks, LARGE_MESSAGE_BYTES - 1)
         self._reserved = 0  # 1 while the receive loop holds a slot for a message not yet received
+        self._share = ctx.share
+        self._project = shared.sub.tenant
         self.active: dict[str, int] = {}  # message ids taken and not yet settled: their publish times
 
     @property
@@ -93,6 +99,7 @@ class Intake:
             message, env = self._read(message)
             if not self.held.try_take(self._held(env)):
                 await self._take_bytes(env)
+            await self._turn(env)
             self._admit(message, env)
             # What the client already holds is taken in the same turn: one wake-up per burst, not per
             # message; but at most INTAKE_PER_TURN before other subscriptions get the loop: a window
@@ -112,7 +119,17 @@ class Intake:
                 message, env = self._read(message)
                 if not self.held.try_take(self._held(env)):
                     await self._take_bytes(env)
+                await self._turn(env)
                 self._admit(message, env)
+
+    async def _turn(self, env: Envelope) -> None:
+        """The project's turn of the loop for this message (`scheduler.FairShare`). Stopped meanwhile,
+        it was never admitted: its slot and bytes are freed and closing the consumer returns it."""
+        try:
+            await self._share.turn(self._project, cost_of(len(env.data)))
+        except asyncio.CancelledError:
+            self._release(env)
+            raise
 
     def _admit(self, message: Any, env: Envelope) -> None:
         """On to `route`, unless a copy is in hand already."""

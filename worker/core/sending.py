@@ -15,6 +15,7 @@ from worker.core.endpoint_health import EndpointHealth
 from worker.core.fencing import Fencing
 from worker.core.flow import AdaptiveLimit, RateLimit
 from worker.core.messages import Envelope, PushRequest, batch_id, build_batch_request, build_request
+from worker.core.scheduler import cost_of
 from worker.core.signing import auth_headers
 from worker.endpoint.secrets import SecretUnavailable
 from worker.model.subscriptions import Subscription
@@ -67,6 +68,9 @@ class Sender:
         m = self._shared.m
         if request.omitted_attributes:
             m.attributes_omitted.inc(request.omitted_attributes)
+        # The project's turn of the loop first (`scheduler.FairShare`): a retry storm or a burst of
+        # another project's requests does not keep this one waiting behind all of it.
+        await self._shared.ctx.share.turn(sub.tenant, cost_of(len(request.body)))
         # The rate limit before a concurrency slot: a request waiting for its turn holds no slot.
         waited = await self.rate.take()
         if waited:

@@ -111,6 +111,9 @@ class Worker:
         self.pulsar = pulsar_adapter.make_client(s.pulsar, self.pulsar_url)
         # A subscribe still pending in the C++ client can hold close() for its operation timeout.
         self._cleanup("close the Pulsar client", self.pulsar.close, 5)
+        # Its own connection and I/O thread for subscriptions of large messages (serving.py).
+        pulsar_large = pulsar_adapter.make_client(s.pulsar, self.pulsar_url)
+        self._cleanup("close the Pulsar client of large messages", pulsar_large.close, 5)
         session = broker_admin.make_session(s.pulsar.auth_token, s.pulsar.tls_trust_certs_file)
         self._cleanup("close the HTTP session", session.close, 5)
         if proxies := [name for name in PROXY_VARIABLES if os.environ.get(name)]:
@@ -121,7 +124,7 @@ class Worker:
         self.delivery, self.memory, self.dead_letters = delivery_context(
             s, self.pulsar, pipeliner, self.metrics, self.secrets, self.worker_id, self.supervisor, self.tokens,
             self.log, self._cleanup)
-        self.served = Serving(s, self.delivery, self.pulsar, self.redis,
+        self.served = Serving(s, self.delivery, self.pulsar, pulsar_large, self.redis,
                               LargestMessages(pipeliner, s.redis.attempts_ttl_seconds), session,
                               # A payload no request could carry is dead-lettered before its request is built.
                               functools.partial(pulsar_adapter.to_envelope,

@@ -14,7 +14,7 @@ import aiohttp
 from worker.broker import broker_admin
 from worker.broker import consumer as pulsar_adapter
 from worker.broker.prefetch import LargestMessages
-from worker.core.budgets import prefetch_bytes, prefetch_for
+from worker.core.budgets import LARGE_MESSAGE_BYTES, prefetch_bytes, prefetch_for, too_large
 from worker.core.dispatcher import CLOSE_TIMEOUT, DeliveryContext, Dispatcher, Fence, Stats
 from worker.core.messages import Envelope
 from worker.fleet import leases, seek
@@ -34,8 +34,8 @@ PARTITIONS_TTL = 300.0  # seconds a topic's partition count is used before it is
 class Serving:
     """The table of served subscriptions. `on_served` is told each time a dispatcher starts."""
 
-    def __init__(self, settings: Settings, delivery: DeliveryContext, pulsar: Any, redis: AsyncClient,
-                 largest: LargestMessages, session: aiohttp.ClientSession,
+    def __init__(self, settings: Settings, delivery: DeliveryContext, pulsar: Any, pulsar_large: Any,
+                 redis: AsyncClient, largest: LargestMessages, session: aiohttp.ClientSession,
                  to_envelope: Callable[[Any], Envelope], stop: asyncio.Event,
                  on_served: Callable[[], None]) -> None:
         self.settings = settings
@@ -44,6 +44,7 @@ class Serving:
         self.metrics = delivery.metrics
         self.supervisor = delivery.supervisor
         self.pulsar = pulsar
+        self.pulsar_large = pulsar_large  # a client of its own for subscriptions of large messages
         self.redis = redis
         self.largest = largest
         self.session = session
@@ -62,6 +63,7 @@ class Serving:
         # replaced by one with a smaller prefetch (large messages).
         self._resubscribing: set[str] = set()
         self._largest: dict[str, int] = {}  # the largest message seen per subscription, if large
+        self._on_large: set[str] = set()  # subscribed through `pulsar_large`
         self._carried_stats: dict[str, Stats] = {}  # a dispatcher's counters, to its replacement
         self._draining: set[Dispatcher] = set()  # stopped serving, their requests under way finishing
         self._prefetch_budget = prefetch_bytes(settings.max_held_bytes_per_subscription)  # bytes, per subscription
@@ -99,12 +101,16 @@ class Serving:
         task.add_done_callback(log_task_failure(self.supervisor, "subscribe"))  # the fleet tries again
 
     async def _subscribe_and_run(self, sub: Subscription, lease: Fence | None) -> None:
-        if sub.key not in self._largest:
+        remembered = sub.key not in self._largest  # else seen here (a consumer replaced for it)
+        if remembered:
             self._largest[sub.key] = await self.largest.recall(sub.key)
         prefetch = self._prefetch_for(sub, self._largest[sub.key])
         if self._largest[sub.key] > self.settings.pulsar.max_message_bytes:
             self.log.info("large messages: prefetch sized to them", subscription=sub.key,
                           message_bytes=self._largest[sub.key], prefetch=prefetch)
+        if self._largest[sub.key] >= LARGE_MESSAGE_BYTES:
+            self.log.info("large messages: a connection of their own", subscription=sub.key,
+                          message_bytes=self._largest[sub.key], remembered=remembered)
         consumer = await self._subscribe(sub, prefetch)
         dispatcher = Dispatcher(sub, consumer, self.to_envelope, self.delivery, lease, prefetch,
                                 functools.partial(self._large_messages, sub.key),
@@ -124,11 +130,17 @@ class Serving:
     async def _subscribe(self, sub: Subscription, prefetch: int) -> pulsar_adapter.PulsarConsumer:
         delay = 0.5
         while True:
-            subscribing = asyncio.ensure_future(pulsar_adapter.subscribe(self.pulsar, sub, self.worker_id,
+            large = self._largest.get(sub.key, 0) >= LARGE_MESSAGE_BYTES
+            client = self.pulsar_large if large else self.pulsar
+            subscribing = asyncio.ensure_future(pulsar_adapter.subscribe(client, sub, self.worker_id,
                                                                          receiver_queue_size=prefetch))
             try:
                 consumer = await asyncio.shield(subscribing)
                 self.broker_answered = True
+                if large:
+                    self._on_large.add(sub.key)
+                else:
+                    self._on_large.discard(sub.key)
                 return consumer
             except asyncio.CancelledError:
                 # Cancelling does not stop the subscribe inside the client: close the consumer it
@@ -238,22 +250,25 @@ class Serving:
         return prefetch_for(sub.max_ack_pending, largest, self._prefetch_budget, self.settings.pulsar.max_message_bytes)
 
     def _large_messages(self, key: str, size: int) -> None:
-        """The dispatcher of `key` took a message too large for its consumer's prefetch."""
+        """The dispatcher of `key` took a large message: one too large for its consumer's prefetch,
+        or the first of LARGE_MESSAGE_BYTES or more (its messages move to `pulsar_large`)."""
         dispatcher = self.dispatchers.get(key)
         if dispatcher is None or size <= self._largest.get(key, 0):
             return
         self._largest[key] = size
-        smaller = self._prefetch_for(dispatcher.sub, size) < dispatcher.prefetch
-        self._spawn(self._subscribe_smaller(key, size, smaller), f"prefetch {key}", "prefetch")
+        moves = size >= LARGE_MESSAGE_BYTES and key not in self._on_large
+        smaller = (size > too_large(dispatcher.prefetch, self._prefetch_budget)
+                   and self._prefetch_for(dispatcher.sub, size) < dispatcher.prefetch)
+        self._spawn(self._subscribe_again(key, size, smaller or moves), f"prefetch {key}", "prefetch")
 
-    async def _subscribe_smaller(self, key: str, size: int, smaller: bool) -> None:
-        """Remember the size for the next owner, then (if that makes it `smaller`) replace the
-        consumer by one whose prefetch fits: as a handover does, requests under way finish within
-        the shutdown grace and the rest goes back to the broker, which redelivers it in order
-        (attempt counts go on)."""
+    async def _subscribe_again(self, key: str, size: int, again: bool) -> None:
+        """Remember the size for the next owner, then (`again`) replace the consumer by one whose
+        prefetch fits, through the client for large messages: as a handover does, requests under
+        way finish within the shutdown grace and the rest goes back to the broker, which redelivers
+        it in order (attempt counts go on)."""
         await self.largest.remember(key, size)
         dispatcher = self.dispatchers.get(key)
-        if not smaller or dispatcher is None or key in self._resubscribing:
+        if not again or dispatcher is None or key in self._resubscribing:
             return  # nothing to gain, not served here any more, or a seek is replacing the consumer anyway
         sub, lease = dispatcher.sub, dispatcher.lease
         self._resubscribing.add(key)
@@ -272,6 +287,7 @@ class Serving:
         `unsubscribe`, the broker subscription and its backlog are deleted)."""
         self._resubscribing.discard(key)  # a seek under way does not serve it again when it ends
         self._largest.pop(key, None)  # Redis remembers it for whoever serves it next
+        self._on_large.discard(key)
         self._carried_stats.pop(key, None)
         await self._stop_serving(key, grace, unsubscribe)
 
