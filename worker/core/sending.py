@@ -86,6 +86,8 @@ class Sender:
             self.endpoint_limit.release(None, ticket)
             raise
         self.endpoint_limit.release(outcome, ticket)
+        # And again for what the answer sets going (ack, records): answers come back all together.
+        await self._shared.ctx.share.turn(sub.tenant)
         self._health.record(outcome.acked, outcome.last_status)
         if outcome.acked:
             self._breaker.acked()
