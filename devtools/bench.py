@@ -725,9 +725,13 @@ class Bench:
             misbehaviour = threading.Thread(target=noisy.start, args=(self, noisy_topic), daemon=True)
             misbehaviour.start()
             attempts0 = probes.metric(ps, "pushworker_deliveries_total", project="p-noisy")
+            # The reference of the same moments: a bare Pulsar consumer of the well-behaved topic (on the
+            # bench's cores), which sees what the broker and the publisher add without the worker.
+            bare = self.start_bare_consumer(good, int(rate * seconds))
             during = latencies()
             noisy_rate = (probes.metric(ps, "pushworker_deliveries_total", project="p-noisy") - attempts0) / seconds
             published = publisher.stop()
+            bare_latencies = json.loads(bare.communicate(timeout=120)[0])
             up = proc.poll() is None
 
             def delivered() -> int:
@@ -747,7 +751,7 @@ class Bench:
         publisher.check()
         return Neighbours(name, 1000 * _percentile(alone, 0.5), 1000 * _percentile(alone, 0.99),
                           1000 * _percentile(during, 0.5), 1000 * _percentile(during, 0.99), lost,
-                          peak_rss / 2**20, up, noisy_rate)
+                          peak_rss / 2**20, up, noisy_rate, 1000 * _percentile(bare_latencies, 0.99))
 
     def idle(self, count: int = 1000, settle: float = 10.0, seconds: float = 30.0) -> tuple[float, float, float]:
         """Seconds until `count` idle subscriptions are all served (Active), then the worker's CPU (a
@@ -785,6 +789,7 @@ class Neighbours:
     rss_mb: float
     up: bool
     noisy_rate: float  # the misbehaving project's attempts a second meanwhile
+    bare_p99_ms: float  # a bare consumer's of the well-behaved topic meanwhile (publish to receive)
 
 
 @dataclass(frozen=True)
@@ -1106,14 +1111,15 @@ async def run_bench(messages: int = 20000, concurrency: int = 64, sections: tupl
                           "publish-to-endpoint latency over 10 s alone, then over the first 10 s of the misbehaviour")
                     print(table([{"misbehaviour": n.misbehaviour, "p50 ms": f"{n.during_p50_ms:.1f}",
                                   "p99 ms": f"{n.during_p99_ms:.1f}", "alone p99 ms": f"{n.alone_p99_ms:.1f}",
+                                  "bare consumer p99 ms": f"{n.bare_p99_ms:.1f}",
                                   "x alone p99": f"{n.during_p99_ms / n.alone_p99_ms:.2f}", "lost": f"{n.lost}",
                                   "peak RSS MiB": f"{n.rss_mb:.0f}", "worker": "up" if n.up else "DOWN",
                                   "its attempts/s": f"{n.noisy_rate:,.0f}"}
                                  for n in rows],
-                                ["misbehaviour", "p50 ms", "p99 ms", "alone p99 ms", "x alone p99", "lost",
-                                 "peak RSS MiB", "worker", "its attempts/s"],
-                                right=("p50 ms", "p99 ms", "alone p99 ms", "x alone p99", "lost", "peak RSS MiB",
-                                       "its attempts/s")))
+                                ["misbehaviour", "p50 ms", "p99 ms", "alone p99 ms", "bare consumer p99 ms",
+                                 "x alone p99", "lost", "peak RSS MiB", "worker", "its attempts/s"],
+                                right=("p50 ms", "p99 ms", "alone p99 ms", "bare consumer p99 ms", "x alone p99",
+                                       "lost", "peak RSS MiB", "its attempts/s")))
                     reference, operators = (next(n for n in rows if n.misbehaviour.startswith(prefix))
                                             for prefix in ("reference", "operators"))
                     print(f"operators' p99 x the reference's (a process of the same CPU limit on the same core): "
