@@ -146,7 +146,11 @@ async def test_a_backlog_spreads_a_subscription_over_its_workers_and_a_drained_o
     endpoint.behaviour = slowly
     [topic] = topics(1)
     key = "p-fleet/spread"
-    assert fleet.apply([fleet_sub("spread", topic, endpoint.url, max_workers=3, max_concurrency=6)]).returncode == 0
+    # A window of 30: each worker's client prefetches at most that, so the backlog stays with the
+    # broker for every worker to take from (with the default 1,000, the first workers' prefetch took
+    # it all under a loaded CI machine, and the last to join delivered nothing).
+    assert fleet.apply([fleet_sub("spread", topic, endpoint.url, max_workers=3, max_concurrency=6,
+                                  max_ack_pending=30)]).returncode == 0
     workers = [fleet.start() for _ in range(3)]
     await eventually(lambda: fleet.holders(key, 1) != [""], timeout=30, what="the subscription served")
     # Published and asked from threads: the endpoint answers on this loop meanwhile.
