@@ -96,11 +96,7 @@ class Intake:
                 await shared.pause(1.0)
                 continue
             self._reserved = 0
-            message, env = self._read(message)
-            if not self.held.try_take(self._held(env)):
-                await self._take_bytes(env)
-            await self._turn(env)
-            self._admit(message, env)
+            await self._take(message)
             # What the client already holds is taken in the same turn: one wake-up per burst, not per
             # message; but at most INTAKE_PER_TURN before other subscriptions get the loop: a window
             # of 1,000 taken in one turn held everyone else's messages for its whole length (another
@@ -116,20 +112,21 @@ class Intake:
                 if message is None:
                     self.window.release()
                     break
-                message, env = self._read(message)
-                if not self.held.try_take(self._held(env)):
-                    await self._take_bytes(env)
-                await self._turn(env)
-                self._admit(message, env)
+                await self._take(message)
 
-    async def _turn(self, env: Envelope) -> None:
-        """The project's turn of the loop for this message (`scheduler.FairShare`). Stopped meanwhile,
-        it was never admitted: its slot and bytes are freed and closing the consumer returns it."""
+    async def _take(self, message: Any) -> None:
+        """A message received into a window slot: read, its bytes taken, its project's turn of the
+        loop (`scheduler.FairShare`), then admitted. Stopped while waiting for its turn, it was never
+        admitted: its slot and bytes are freed and closing the consumer returns it."""
+        message, env = self._read(message)
+        if not self.held.try_take(self._held(env)):
+            await self._take_bytes(env)
         try:
             await self._share.turn(self._project, cost_of(len(env.data)))
         except asyncio.CancelledError:
             self._release(env)
             raise
+        self._admit(message, env)
 
     def _admit(self, message: Any, env: Envelope) -> None:
         """On to `route`, unless a copy is in hand already."""
