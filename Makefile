@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint docs bench soak clean compile uncompile apache-pulsar apache-pulsar-stop test-apache-pulsar image-lock screenshots pulsar-guard
+.PHONY: install deps demo test test-fast lint docs bench soak clean compile uncompile apache-pulsar apache-pulsar-stop test-apache-pulsar image image-lock release screenshots pulsar-guard
 
 $(STAMP): pyproject.toml setup.py setup.cfg requirements.lock tests/cloudevents-sdk2.txt
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,20 @@ $(STAMP): pyproject.toml setup.py setup.cfg requirements.lock tests/cloudevents-
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# What `make test` drives besides Python, from Debian's packages (as root; .ci/run runs this):
+# Prometheus (promtool, a scraping server), kubectl (kustomize), openssl (a self-signed certificate),
+# iptables (partitions), chromium and chromium-driver (the console's browser tests), buildah and
+# mmdebstrap (the image, built without a daemon). Java 17 and Maven (the broker guard, Apache
+# Pulsar) come with the machine. Installs only when one is missing.
+DEBIAN_DEPS := prometheus kubectl openssl iptables chromium chromium-driver fonts-liberation buildah mmdebstrap
+DEPS_COMMANDS := prometheus kubectl openssl iptables chromium chromedriver buildah mmdebstrap
+
+deps:
+	@missing=""; for tool in $(DEPS_COMMANDS); do command -v $$tool >/dev/null || missing="$$missing $$tool"; done; \
+	if [ -z "$$missing" ]; then echo "make deps: all present"; else \
+	  echo "make deps: installing (missing:$$missing)"; apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(DEBIAN_DEPS) >/dev/null; fi
 
 # The development tools (devtools/: the demo, benchmarks, soak) are not in the shipped package; the
 # editable install puts them on the path: `$(DEV) <command> --help` lists their options.
@@ -111,5 +125,18 @@ image-lock: $(STAMP)
 	PIP_FIND_LINKS= $(BIN)/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras --no-emit-index-url \
 	  --no-emit-find-links -c $(VENV)/lock-constraints.txt -o deploy/compile-requirements.txt deploy/compile-tools.in
 
+# The image from deploy/Dockerfile with buildah (devtools/image.py), tagged with the version;
+# IMAGE_BASE: auto (python:3.11-slim pinned where a registry answers, else Debian's Python), pinned, debian.
+VERSION    := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGE_BASE ?= auto
+
+image: $(STAMP)
+	$(BIN)/python -m devtools.image --tag localhost/push-worker:$(VERSION) --base $(IMAGE_BASE) build
+
+# A release from the checked-out commit: checks that CHANGELOG.md has the version's section, then
+# the compiled wheel, the locks and the image (an OCI archive) into dist/ (docs/upgrading.md#releasing).
+release: $(STAMP)
+	$(BIN)/python -m devtools.releases build --base $(IMAGE_BASE)
+
 clean:
-	rm -rf $(VENV) .build worker/*.so .push-worker .pytest_cache .apache-pulsar tools/apache-pulsar/lib tools/apache-pulsar/target deploy/pulsar-guard/target
+	rm -rf $(VENV) .build dist worker/*.so .push-worker .pytest_cache .apache-pulsar tools/apache-pulsar/lib tools/apache-pulsar/target deploy/pulsar-guard/target

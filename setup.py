@@ -1,4 +1,5 @@
-"""The package build's one hook: the per-message path (worker/core/) compiled with mypyc.
+"""The package build's hooks: the per-message path (worker/core/) compiled with mypyc, and the
+commit the package is built from recorded beside it (`push-worker --version` prints it).
 
 Compiled where mypy is installed in the build environment (the image's build stage, `make
 compile`) and PUSH_WORKER_COMPILE is not 0; otherwise the package is pure Python, the same sources
@@ -9,11 +10,13 @@ lands in the checkout). Everything else is declared in pyproject.toml.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
 
 CORE = Path("worker") / "core"
 GROUP = "worker.core._compiled"  # the group's shared library: worker/core/_compiled__mypyc.*.so
@@ -34,4 +37,26 @@ def core_extensions() -> list[Any]:
                          target_dir=str(Path(".build") / "mypyc")))
 
 
-setup(ext_modules=core_extensions())
+def built_commit() -> str:
+    """PUSH_WORKER_COMMIT (the image's build has no git history), else the checkout's HEAD, marked
+    `+dirty` when the sources differ from it."""
+    if given := os.environ.get("PUSH_WORKER_COMMIT", "").strip():
+        return given
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "worker", "pyproject.toml", "setup.py"],
+                               capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if head.returncode != 0:
+        return "unknown"
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+class RecordCommit(build_py):
+    def run(self) -> None:
+        super().run()
+        (Path(self.build_lib) / "worker" / "runtime" / "COMMIT").write_text(built_commit() + "\n")
+
+
+setup(ext_modules=core_extensions(), cmdclass={"build_py": RecordCommit})

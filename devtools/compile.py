@@ -38,8 +38,12 @@ def stale(compiled_dir: Path = COMPILED_DIR, checkout: Path = ROOT) -> list[str]
     """The package's sources that the compiled build does not hold as they are now (changed,
     added or removed since it was made); every one when there is no build."""
     here, there = _sources(checkout), _sources(compiled_dir) if compiled_dir.exists() else {}
-    return sorted(name for name in here.keys() | there.keys()
-                  if name not in here or name not in there or here[name].read_bytes() != there[name].read_bytes())
+    changed = sorted(name for name in here.keys() | there.keys()
+                     if name not in here or name not in there or here[name].read_bytes() != there[name].read_bytes())
+    version = tomllib.loads((checkout / "pyproject.toml").read_text())["project"]["version"]
+    if there and not (compiled_dir / f"push_worker-{version}.dist-info").exists():  # a new version: --version says it
+        changed.append("pyproject.toml")
+    return changed
 
 
 def clean() -> None:

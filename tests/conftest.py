@@ -215,7 +215,7 @@ def previous_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory holding the previous release's `worker` package (tests/support/previous_release.py)."""
     from tests.support import previous_release as release
 
-    return release.extract(tmp_path_factory.mktemp("previous-release"))
+    return release.extract(tmp_path_factory.mktemp("previous-release"))[1]
 
 
 @pytest.fixture

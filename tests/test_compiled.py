@@ -51,7 +51,12 @@ def test_a_build_older_than_any_source_is_stale(tmp_path):
         (where / "worker" / "__init__.py").write_text("")
         (where / "worker" / "core" / "flow.py").write_text("LIMIT = 1\n")
     (build / "worker" / "core" / "flow.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")  # not a source
+    (checkout / "pyproject.toml").write_text('[project]\nversion = "1.0.0"\n')
+    (build / "push_worker-1.0.0.dist-info").mkdir()
     assert stale(build, checkout) == []
+    (checkout / "pyproject.toml").write_text('[project]\nversion = "1.1.0"\n')  # a new version: built again
+    assert stale(build, checkout) == ["pyproject.toml"]
+    (build / "push_worker-1.1.0.dist-info").mkdir()
     (checkout / "worker" / "core" / "flow.py").write_text("LIMIT = 2\n")  # edited after the build
     (checkout / "worker" / "added.py").write_text("")
     (build / "worker" / "removed.py").write_text("")

@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from devtools import releases
 from worker.core.metrics import Metrics
 from worker.model.config import parse_settings
 
@@ -192,56 +192,76 @@ def test_the_image_lock_pins_every_runtime_dependency_with_hashes_at_the_tested_
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # a wheel build: mypyc compiles core/, minutes on 2 busy cores
-def test_the_image_build_steps_install_from_the_hashed_lock(tmp_path):
-    """The Dockerfile's install steps, run here (no container engine on the build machines): the
-    hashed lock installs with --require-hashes; the package is built as a wheel by its build hook
-    (worker/core compiled with mypyc) in a build venv of its own, installed on top without
-    resolving, pip check; every per-message module then imports compiled."""
+@pytest.mark.skipif(not (shutil.which("buildah") and shutil.which("mmdebstrap")) and not os.environ.get("CI"),
+                    reason="buildah and mmdebstrap not installed (make deps installs Debian's)")
+@pytest.mark.timeout(1200)  # a Debian base, then a wheel build: mypyc compiles core/, minutes on 2 busy cores
+def test_the_image_builds_and_runs_version_and_check_on_the_deployed_config(tmp_path):
+    """deploy/Dockerfile built by buildah (devtools/image.py; the base is Debian's Python where no
+    registry is reachable, as on the project's machines), in a storage of the test's own: the
+    hashed lock installs with --require-hashes, the package is a wheel built by its hook (worker/core
+    compiled with mypyc), pip check passes, every per-message module imports compiled (the build's
+    last step fails otherwise). In a container of it, as its non-root user: `push-worker --version`
+    names this commit, and `check` accepts the config deploy/base ships."""
+    from devtools.image import Buildah, head_commit
+
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     assert "--require-hashes --no-deps -r deploy/requirements.txt" in dockerfile
-    assert "-r deploy/requirements.txt -r deploy/compile-requirements.txt" in dockerfile
-    assert "COPY pyproject.toml setup.py setup.cfg README.md ./" in dockerfile
-    assert "PUSH_WORKER_COMPILE=1 /opt/compile/bin/python -m pip wheel" in dockerfile
-    assert "/opt/push-worker/bin/python -m pip install --no-cache-dir --no-deps /wheels/push_worker-*.whl" in dockerfile
-    check = re.search(r'^ARG COMPILED_CHECK="(.*)"$', dockerfile, re.M)
-    assert check and 'python -c "$COMPILED_CHECK"' in dockerfile
-    assert "devtools" not in dockerfile.split("FROM ${PYTHON_IMAGE}\n")[-1]  # nothing of the tools ships
     assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11-slim@sha256:[0-9a-f]{64}$", dockerfile, re.M)
-    src = tmp_path / "src"  # what the Dockerfile copies
-    src.mkdir()
-    for name in ("pyproject.toml", "setup.py", "setup.cfg", "README.md"):
-        shutil.copy(ROOT / name, src / name)
-    shutil.copytree(ROOT / "worker", src / "worker", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-    venv, build = tmp_path / "image", tmp_path / "compile"
-    for where in (venv, build):
-        subprocess.run([sys.executable, "-m", "venv", str(where)], check=True)
-    python, build_python = str(venv / "bin" / "python"), str(build / "bin" / "python")
-    site_packages = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
-    env = {**os.environ, "PIP_FIND_LINKS": "", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-    for inherited in ("PYTHONPATH", "PYTHONSAFEPATH", "PUSH_WORKER_COMPILE"):
-        env.pop(inherited, None)
-    wheels = tmp_path / "wheels"
+    assert "devtools" not in dockerfile.split("FROM ${PYTHON_IMAGE}\n")[-1]  # nothing of the tools ships
+    buildah = Buildah(tmp_path)
+    commit = head_commit()
+    try:
+        buildah.build("localhost/push-worker:test", commit, base="debian")
+        version = buildah.run("localhost/push-worker:test", "push-worker", "--version")
+        assert version.stdout == f"push-worker {releases.project_version()} (commit {commit[:12]})\n", version
+        checked = buildah.run("localhost/push-worker:test", "push-worker", "check", "--config",
+                              "/etc/push-worker/worker.yaml", mounts={DEPLOY / "base" / "worker.yaml":
+                                                                      "/etc/push-worker/worker.yaml"})
+        assert checked.returncode == 0 and checked.stdout.startswith("ok: "), checked
+        who = buildah.run("localhost/push-worker:test", "id", "-u")
+        assert who.stdout.strip() == "10001"
+        state = buildah.run("localhost/push-worker:test", "python", "-c",
+                            "from worker.runtime import compiled; print(compiled.state())")
+        assert state.stdout.strip() == "compiled (mypyc)", state
+        shipped = buildah.run("localhost/push-worker:test", "python", "-c",
+                              "import importlib.util as u; print(u.find_spec('devtools'))")
+        assert shipped.stdout.strip() == "None"  # what ships is the product: no development tools
+        offered = buildah.run("localhost/push-worker:test", "push-worker", "--help").stdout
+        assert "subs" in offered and not any(tool in offered for tool in ("demo", "bench", "soak"))
+        config = buildah.config("localhost/push-worker:test")
+        assert config["Entrypoint"] == ["push-worker", "run", "--config", "/etc/push-worker/worker.yaml"]
+        assert config["Labels"]["org.opencontainers.image.revision"] == commit
+    finally:
+        subprocess.run(["buildah", *buildah.options, "rm", "--all"], capture_output=True, timeout=120)
+        subprocess.run(["buildah", *buildah.options, "rmi", "--all", "--force"], capture_output=True, timeout=300)
 
-    def run(*step: str, cwd: Path = tmp_path, compile: bool = False) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run(step, capture_output=True, text=True, timeout=600, cwd=cwd,
-                              env={**env, "PUSH_WORKER_COMPILE": "1"} if compile else env)
-        assert done.returncode == 0, (step, done.stdout[-2000:], done.stderr[-2000:])
-        return done
 
-    run(python, "-m", "pip", "install", "--quiet", "--no-cache-dir", "--require-hashes", "--no-deps",
-        "-r", str(DEPLOY / "requirements.txt"))
-    run(build_python, "-m", "pip", "install", "--quiet", "--no-cache-dir", "--require-hashes", "--no-deps",
-        "-r", str(DEPLOY / "requirements.txt"), "-r", str(DEPLOY / "compile-requirements.txt"))
-    run(build_python, "-m", "pip", "wheel", "--quiet", "--no-cache-dir", "--no-deps", "--no-build-isolation",
-        "--wheel-dir", str(wheels), ".", cwd=src, compile=True)
-    [wheel] = wheels.glob("push_worker-*.whl")
-    run(python, "-m", "pip", "install", "--quiet", "--no-cache-dir", "--no-deps", str(wheel))
-    run(python, "-m", "pip", "check")
-    assert run(python, "-c", check.group(1)).stdout.strip() == "compiled (mypyc)"  # every module compiled
-    run(str(venv / "bin" / "push-worker"), "--version")
-    # What ships is the product: no development tools in the package, none on its command line.
-    assert not (site_packages / "devtools").exists() and not (site_packages / "worker" / "devtools").exists()
-    offered = subprocess.run([str(venv / "bin" / "push-worker"), "--help"], capture_output=True, text=True,
-                             env=env, timeout=60, cwd=tmp_path).stdout
-    assert "subs" in offered and not any(tool in offered for tool in ("demo", "bench", "soak"))
+@needs_kubectl
+def test_a_change_to_the_config_rolls_both_deployments(tmp_path):
+    """The ConfigMap is named by its content (configMapGenerator): an edited worker.yaml renders a
+    new name in both pod templates, which is what makes Kubernetes roll them."""
+    def mounted_configs(deploy: Path) -> dict[str, str]:
+        out = subprocess.run(["kubectl", "kustomize", str(deploy / "overlays" / "example")], capture_output=True,
+                             text=True, check=True).stdout
+        return {d["metadata"]["name"]: next(v["configMap"]["name"] for v in d["spec"]["template"]["spec"]["volumes"]
+                                            if "configMap" in v)
+                for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment"}
+
+    copy = tmp_path / "deploy"
+    shutil.copytree(DEPLOY, copy, ignore=shutil.ignore_patterns("target", "pulsar-guard"))
+    before = mounted_configs(copy)
+    config = copy / "base" / "worker.yaml"
+    config.write_text(config.read_text().replace("shutdown_grace_seconds: 60", "shutdown_grace_seconds: 45"))
+    after = mounted_configs(copy)
+    assert set(before) == set(after) == {"push-worker", "push-worker-admin"}
+    assert len(set(before.values())) == 1 and before["push-worker"].startswith("push-worker-config-")
+    assert len(set(after.values())) == 1 and after["push-worker"] != before["push-worker"]
+
+
+def test_the_manifests_run_the_image_of_this_version():
+    """The base's and the overlay's image tags are the version in pyproject.toml: a release that
+    forgets them would deploy the one before."""
+    version = releases.project_version()
+    tags = re.findall(r"image: push-worker:(\S+)", "".join(p.read_text() for p in (DEPLOY / "base").glob("*.yaml")))
+    tags += re.findall(r"newTag: (\S+)", (DEPLOY / "overlays" / "example" / "kustomization.yaml").read_text())
+    assert tags and set(tags) == {version}

@@ -1,17 +1,25 @@
-"""A rolling upgrade: workers of the previous release and of this one in one fleet, each version's
-CLI changing the registry (tests/support/previous_release.py). What changes in Redis between the two is
-said in CHANGELOG.md under "Rolling upgrade"."""
+"""A rolling upgrade and its rollback: workers of the previous release (CHANGELOG.md's record,
+tests/support/previous_release.py) and of this one in one fleet, as a Kubernetes rollout runs them,
+each version's CLI changing the registry. What may change in Redis between releases, and which
+releases can go back to which, is in CHANGELOG.md and docs/upgrading.md."""
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import json
 import time
 from pathlib import Path
+
+import pytest
+from aiohttp import web
 
 from tests.support.endpoints import Endpoint
 from tests.support.fleet_harness import FleetHarness, WorkerProcess, fleet_sub
 from tests.support.helpers import eventually
 from tests.support.pulsar_client import Client
+from worker.core.keys import layout_key
+from worker.fleet.layout import LAYOUT
 
 
 def updates(worker: WorkerProcess) -> dict[str, int]:
@@ -73,3 +81,86 @@ async def test_a_fleet_of_the_previous_release_and_this_one_follows_each_version
         assert len(ids) == len(set(ids)) == 24, "each message delivered once"
     finally:
         fleet.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("direction", ["upgrade", "rollback"])
+async def test_a_rollout_and_its_rollback_under_a_steady_stream_lose_nothing_and_never_number_back(
+        tmp_path: Path, broker, redis_url: str, endpoint: Endpoint, client: Client, previous_release: Path,
+        direction: str):
+    """A fleet of two workers of one release is replaced, one pod at a time as the Deployment's
+    surge of one does, by two of the other (upgrade: previous -> this; rollback: this -> previous),
+    while messages keep coming and every third one fails its first attempt. Every message is acked
+    once, a message's attempt numbers only go up across the handovers, and Redis keeps layout 1."""
+    old_code, new_code = (previous_release, None) if direction == "upgrade" else (None, previous_release)
+    fleet = FleetHarness(tmp_path, broker.url, redis_url)
+    run = time.monotonic_ns()
+    topics = [f"persistent://p-roll/main/t{run}-{i}" for i in range(4)]
+    names = [f"roll-{run}-{i}" for i in range(4)]
+
+    def answer(received) -> web.Response:
+        sequence = int(received.body_payload.split()[-1])
+        first = received.headers["Pubsub-Delivery-Attempt"] == "1"
+        return web.Response(status=503 if first and sequence % 3 == 0 else 204)
+
+    endpoint.behaviour = answer
+    published: list[str] = []
+    stop_publishing = asyncio.Event()
+
+    async def publish_steadily() -> None:
+        sequence = 0
+        while not stop_publishing.is_set():
+            for topic in topics:
+                sequence += 1
+                published.extend(await asyncio.to_thread(client.publish, topic, [f"{topic} {sequence}".encode()]))
+            await asyncio.sleep(0.1)  # the stream's pace, not a synchronisation
+
+    def acked() -> collections.Counter[str]:
+        return collections.Counter(r.headers["Pubsub-Message-Id"] for r in endpoint.requests if r.acked)
+
+    async def delivered_since(count: int) -> None:
+        """Messages published from now on reach the endpoint (the fleet serves every subscription)."""
+        mark = len(published) + count
+        await eventually(lambda: len(published) >= mark and set(published[:mark]) <= set(acked()),
+                         timeout=90, what=f"the first {mark} messages acked")
+
+    async def replace(retiring: WorkerProcess, worker_id: str) -> WorkerProcess:
+        """The surge pod first, ready in a fleet of three; then the old pod's SIGTERM."""
+        arriving = fleet.start(worker_id, code=new_code)
+        await eventually(lambda: arriving.fleet_size() == 3, timeout=60, what=f"{worker_id} in the fleet")
+        assert await asyncio.to_thread(retiring.stop) == 0
+        return arriving
+
+    publisher = None
+    try:
+        a, b = fleet.start("a", code=old_code), fleet.start("b", code=old_code)
+        await eventually(lambda: a.fleet_size() == b.fleet_size() == 2, timeout=60, what="a fleet of two")
+        assert fleet.apply([fleet_sub(n, t, endpoint.url) for n, t in zip(names, topics, strict=True)],
+                           code=old_code).returncode == 0
+        publisher = asyncio.create_task(publish_steadily())
+        await delivered_since(12)
+        c = await replace(a, "c")
+        await delivered_since(12)
+        d = await replace(b, "d")
+        await eventually(lambda: set(fleet.owners([f"p-roll/{n}" for n in names]).values()) <= {"c", "d"},
+                         timeout=60, what="the new pods serving everything")
+        await delivered_since(12)
+        stop_publishing.set()
+        await publisher
+        await eventually(lambda: set(published) <= set(acked()), timeout=90, what="every message acked")
+        assert c.proc.poll() is None and d.proc.poll() is None
+        layout = fleet.redis.get(layout_key())
+    finally:
+        stop_publishing.set()
+        if publisher is not None:
+            await asyncio.gather(publisher, return_exceptions=True)
+        fleet.close()
+    assert [m for m, n in acked().items() if n > 1] == [], "a message acked twice"
+    numbers: dict[str, list[int]] = collections.defaultdict(list)
+    for r in endpoint.requests:
+        numbers[r.headers["Pubsub-Message-Id"]].append(int(r.headers["Pubsub-Delivery-Attempt"]))
+    went_back = {m: seen for m, seen in numbers.items() if seen != sorted(set(seen))}
+    assert went_back == {}, "attempt numbers went back (or repeated) across the handovers"
+    assert sum(len(seen) > 1 for seen in numbers.values()) >= len(published) // 4  # the retries happened
+    assert layout == str(LAYOUT).encode()  # written by this release's first worker, kept by the previous one

@@ -1,7 +1,8 @@
 """The previous release of push-worker, run beside this one as a Kubernetes rollout does.
 
-`PREVIOUS_RELEASE` is the commit of main that the last release shipped; the fixture
-`previous_release` extracts its `worker` package from this repository's history. A worker or CLI
+Which release that is comes from CHANGELOG.md's record (devtools/releases.py: the newest recorded
+release that is an ancestor of this checkout and not the checkout itself). The fixture
+`previous_release` extracts its `worker` package from this repository's history; a worker or CLI
 started with that directory as its working directory imports it instead of this checkout's (the
 interpreter puts the working directory first on the path): same dependencies, the old code.
 """
@@ -11,17 +12,13 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-PREVIOUS_RELEASE = "82f66859a0604e0ccf78c2d20b2fd4d3a7013c2d"  # main before the change log of registry changes
-REPOSITORY = Path(__file__).resolve().parents[2]
+from devtools.releases import ROOT, Release, previous
 
 
-def extract(where: Path) -> Path:
-    """The previous release's `worker` package under `where`; fails saying how to get the history."""
-    archive = subprocess.run(["git", "-C", str(REPOSITORY), "archive", "--format=tar", PREVIOUS_RELEASE, "worker"],
-                             capture_output=True, timeout=120)
-    if archive.returncode != 0:
-        raise RuntimeError(f"the previous release {PREVIOUS_RELEASE[:12]} is not in this checkout's history "
-                           f"({archive.stderr.decode().strip()}); the upgrade tests need a full clone "
-                           "(git fetch --unshallow)")
+def extract(where: Path) -> tuple[Release, Path]:
+    """The previous release, and its `worker` package under `where`."""
+    release = previous()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", release.commit, "worker"],
+                             capture_output=True, timeout=120, check=True)
     subprocess.run(["tar", "-x", "-C", str(where)], input=archive.stdout, check=True, timeout=120)
-    return where
+    return release, where

@@ -17,6 +17,7 @@ from worker.cli import worker as worker_commands
 from worker.cli.common import Parser
 from worker.ops.explain import explain
 from worker.ops.render import inert
+from worker.runtime import release
 from worker.runtime.errors import ConfigErrors, strip_userinfo
 
 EXAMPLES = """examples:
@@ -32,11 +33,9 @@ the fleet promises; docs/configuration.md: every setting)"""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from importlib.metadata import version
-
     parser = Parser(prog="push-worker", description=__doc__.splitlines()[0] if __doc__ else None,
                     epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=f"push-worker {version('push-worker')}")
+    parser.add_argument("--version", action="version", version=f"push-worker {release.describe()}")
     cmds = parser.add_subparsers(dest="command", required=True)
     for group in (worker_commands, admin, subs, messages, dlq):
         group.register(cmds)

@@ -109,6 +109,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     settings = load_settings(args.config)
     preflight(settings)
     print(f"ok: {len(settings.subscriptions)} push subscription(s)")
+    for line in settings.deprecated:
+        print(f"warning: {line}", file=sys.stderr)
     if empty_config(args.config):
         print("warning: " + EMPTY_CONFIG.format(args.config), file=sys.stderr)
     for i, token in enumerate(settings.admin.tokens if settings.admin is not None else ()):

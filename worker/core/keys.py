@@ -121,3 +121,9 @@ def fleet_key(fleet: str, what: str) -> str:
     `expired`, `quarantined`): all share the fleet's hash tag, so the fleet's multi-key operations stay in one
     Cluster slot."""
     return f"{PREFIX}:{tag('fleet/' + fleet)}:{what}"
+
+
+def layout_key() -> str:
+    """The Redis layout the keys follow (an integer, `fleet.layout.LAYOUT`): one for every fleet of the
+    Redis, since subscription keys are not a fleet's own."""
+    return f"{PREFIX}:layout"

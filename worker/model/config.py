@@ -15,6 +15,7 @@ Environment variables (they win over the file, so secrets need not live in it):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import ipaddress
 import os
@@ -31,6 +32,7 @@ import yaml
 from worker.endpoint.destinations import DestinationPolicy
 from worker.endpoint.oidc import OidcIssuer, OidcKey
 from worker.endpoint.secrets import SecretRef
+from worker.model import deprecations
 from worker.model.admin_settings import AdminSettings, parse_admin
 from worker.model.subscriptions import (
     ERROR_AFTER_SECONDS,
@@ -190,6 +192,8 @@ class Settings:
                               help="auto: console on a terminal, JSON otherwise")
     log_level: str = setting("info", choices=("debug", "info", "warning", "error"), yaml="log.level",
                              help="the least severe line written")
+    # Not a setting: a warning line for each key given under a deprecated spelling (model/deprecations.py).
+    deprecated: tuple[str, ...] = ()
 
 
 def _url(r: FieldReader, name: str, schemes: tuple[str, ...], env_name: str = "",
@@ -334,6 +338,7 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
     if not isinstance(data, dict):
         raise ConfigError("", "config", f"must be a mapping of settings (pulsar, redis, subscriptions, ...), "
                                         f"not a {type(data).__name__}")
+    data, deprecated = deprecations.respell(data)
     r = FieldReader("config", data)
     broken: list[ConfigError] = []  # every rule broken, not only the first: `check` names them all
 
@@ -377,7 +382,7 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
     if broken:
         raise broken[0] if len(broken) == 1 else ConfigErrors(broken)
     assert settings is not None
-    return settings
+    return dataclasses.replace(settings, deprecated=deprecated) if deprecated else settings
 
 
 def _pulsar(p: FieldReader, env: Mapping[str, str]) -> PulsarSettings:

@@ -22,7 +22,7 @@ from redis.exceptions import ResponseError
 from worker.broker.embedded import recorded_endpoints
 from worker.core import attempts, keys, recent
 from worker.core.messages import rfc3339
-from worker.fleet import quarantine
+from worker.fleet import layout, quarantine
 from worker.fleet.admission import admit_for
 from worker.fleet.leases import holders
 from worker.fleet.published import published
@@ -186,6 +186,13 @@ class Admin:
                                  admit_for(target.settings) if target.configured else None,
                                  target.settings.fleet.max_subscriptions_per_project if target.configured else None)
         self.lease_seconds = target.settings.fleet.lease_seconds
+        self._layout_read = False
+
+    async def writable(self) -> None:
+        """Before a command writes: Redis holds no layout newer than this release's (fleet/layout.py)."""
+        if not self._layout_read:
+            await layout.claim(self.client)
+            self._layout_read = True
 
     async def existing(self, name: str) -> str:
         """The key of a subscription in the registry, the given config, or served by a worker (a
@@ -230,6 +237,7 @@ class Admin:
     async def seek(self, name: str, target: SeekTarget, pulsar: PulsarSettings, wait: float = 60.0) -> Output:
         """Move the subscription's cursor (through the worker serving it, or directly when none does)
         and reset its attempt counts."""
+        await self.writable()
         key = await self.existing(name)
         await self.registry.refuse_if_expired(key, "seek")
         result = await seek_by_command(self.client, self.registry.channel, key, target,
@@ -278,6 +286,7 @@ class Admin:
         state does not know (never tried: still in the backlog; or settled longer ago than
         `redis.settled_ttl_seconds`) is NotFound: marking it would say "will be discarded" of a
         message that may never come, and leave a record behind for a week."""
+        await self.writable()
         key = await self.existing(name)
         await self.registry.refuse_if_expired(key, "discard")
         marked = await attempts.mark_discard(self.client, key, message_id)
@@ -311,6 +320,7 @@ class Admin:
 
     async def pause(self, name: str, paused: bool, wait: float) -> Output:
         """Pause or resume; a pause returns once no worker delivers for it any more (up to `wait` s)."""
+        await self.writable()
         key = await self.existing(name)
         await self.registry.refuse_if_expired(key, "pause" if paused else "resume")
         suspended = not paused and await self._state(key) == State.SUSPENDED
@@ -354,6 +364,7 @@ class Admin:
 
     async def apply(self, path: str) -> Output:
         """Validate everything before writing anything, and write atomically: a bad file changes nothing."""
+        await self.writable()
         definitions = _load_definitions(path)
         await self.refuse_workers_own(definitions)
         results = [{"subscription": sub.key, "result": what}
@@ -375,6 +386,7 @@ class Admin:
     async def delete(self, name: str | None, topic: str | None = None) -> Output:
         """Delete one subscription, or (`topic`) every subscription of a deleted topic; their owners
         stop within a second or two and their Redis state is cleared."""
+        await self.writable()
         if topic is not None:
             deleted = await self.registry.delete_topic(topic)
         else:

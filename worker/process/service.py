@@ -26,14 +26,14 @@ from worker.broker.prefetch import LargestMessages
 from worker.core.metrics import Metrics
 from worker.core.redis_batch import Pipeliner
 from worker.endpoint.oidc import Tokens
-from worker.fleet import Fleet
+from worker.fleet import Fleet, layout
 from worker.fleet.admission import admit_for, secret_store
 from worker.fleet.expiry import BacklogReport, ExpiryWatch
 from worker.model.config import Settings
 from worker.process.delivery_setup import delivery_context
 from worker.process.readiness import readiness
 from worker.process.serving import Serving
-from worker.runtime import compiled, logs
+from worker.runtime import compiled, logs, release
 from worker.runtime.aio import wait_event
 from worker.runtime.errors import strip_userinfo
 from worker.runtime.http_server import StatusServer
@@ -92,6 +92,8 @@ class Worker:
         releases exactly what a start got to, in reverse. Waits (logging each retry) while Redis
         does not answer; the status server is up first, so /healthz answers and /readyz says why."""
         s = self.settings
+        for line in s.deprecated:
+            self.log.warning(line)
         self.tokens = Tokens(self.secrets, s.oidc)
         self.status = StatusServer(s.http.host, s.http.port, self.metrics, self.readiness, self.liveness, self.tokens)
         await self.status.start()
@@ -135,6 +137,7 @@ class Worker:
             self._admin_beside(local)
         if not await redis_start.wait_until_answering(self.redis, self._stop, self.log, self.metrics.redis_errors.inc):
             return  # stopped while waiting
+        await layout.claim(self.redis)  # before anything is written: a newer layout ends the start here
         await redis_start.warn_if_evicting(self.redis, self.log)
         self.fleet = Fleet(self.served, self.redis, s.fleet, s.subscriptions, admit_for(s))
         await self.fleet.start()
@@ -184,7 +187,7 @@ class Worker:
             if ready:
                 self.log.info("worker started", fleet=self.settings.fleet.name, members=len(self.fleet.members),
                               owned=len(self.fleet.leases), http_port=self.status.port,
-                              per_message_path=compiled.state())
+                              per_message_path=compiled.state(), version=release.version(), commit=release.commit())
                 return
             if why.startswith("broker unreachable") and (said_at is None or loop.time() - said_at >= WAIT_LOG_SECONDS):
                 self.log.warning(f"waiting for the broker at {strip_userinfo(self.pulsar_url)}", reason=why)

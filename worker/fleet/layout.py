@@ -1,0 +1,41 @@
+"""The Redis layout: which key names and record formats the fleet's state follows.
+
+Each release reads and writes one layout, `LAYOUT`, and records it in `pw:layout` where nothing is
+recorded yet. A release that changes the layout raises the number and says in CHANGELOG.md whether
+earlier releases can run beside it; a release started on a layout newer than its own refuses to
+start, before it writes anything, with one line that says what to do (docs/upgrading.md#rollback).
+Releases before 1.0.0 do not read the key: going back to one of them is safe only while the layout
+is theirs (1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from worker.core import keys
+from worker.runtime.errors import StartupError
+
+LAYOUT = 1  # the layout of every release since the first (1.0.0): pw:{tenant/name}:... and pw:{fleet/...}:...
+
+
+class LayoutTooNew(StartupError):
+    """Redis holds a layout this release cannot read or write without corrupting it."""
+
+
+def _number(raw: Any) -> int:
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+    if not text.isdigit():
+        raise LayoutTooNew(f"redis: {keys.layout_key()} holds {text[:40]!r}, not a layout number; this release "
+                           f"writes layout {LAYOUT} (docs/upgrading.md#redis-layout)")
+    return int(text)
+
+
+async def claim(client: Any) -> int:
+    """The layout Redis holds, recorded as ours when none was; LayoutTooNew if newer than ours."""
+    await client.set(keys.layout_key(), LAYOUT, nx=True)
+    found = _number(await client.get(keys.layout_key()))
+    if found > LAYOUT:
+        raise LayoutTooNew(f"redis holds layout {found}, written by a later release; this release reads layout "
+                           f"{LAYOUT} only and changed nothing: run a release that reads layout {found} "
+                           "(docs/upgrading.md#rollback)")
+    return found
