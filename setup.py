@@ -56,7 +56,11 @@ def built_commit() -> str:
 class RecordCommit(build_py):
     def run(self) -> None:
         super().run()
-        (Path(self.build_lib) / "worker" / "runtime" / "COMMIT").write_text(built_commit() + "\n")
+        if getattr(self, "editable_mode", False):  # an editable install copies nothing: release.py asks git
+            return
+        recorded = Path(self.build_lib) / "worker" / "runtime" / "COMMIT"
+        recorded.parent.mkdir(parents=True, exist_ok=True)
+        recorded.write_text(built_commit() + "\n")
 
 
 setup(ext_modules=core_extensions(), cmdclass={"build_py": RecordCommit})
