@@ -220,6 +220,8 @@ async def test_corrupt_attempt_records_start_over_instead_of_blocking(redis_url)
         client.hset(keys.message_key(sub, "1:5:-1:-1"), "n", "4")  # a healthy record in the same batch
         client.set(keys.history_key(sub, "1:1:-1:-1"), "wrong type")
         client.set(keys.settled_key(sub), "wrong type")
+        client.set(keys.log_key(sub), "wrong type")
+        client.rpush(keys.log_stats_key(sub), "wrong type")
         records = [await store.begin(sub, f"1:{i}:-1:-1") for i in range(1, 6)]
         # A count of 30 digits is no count of attempts: said, never incremented (the message is settled).
         assert [(r.number, r.corrupt, r.unrepresentable) for r in records] == [
@@ -228,6 +230,7 @@ async def test_corrupt_attempt_records_start_over_instead_of_blocking(redis_url)
         await store.record(sub, "1:1:-1:-1", [{"attempt": 1, "result": "ack"}], settled=True)
         assert client.hget(keys.message_key(sub, "1:1:-1:-1"), "settled") == b"1"
         assert client.llen(keys.history_key(sub, "1:1:-1:-1")) == 1
+        assert client.xlen(keys.log_key(sub)) == 1  # the delivery log started over too
         again = await store.begin(sub, "1:1:-1:-1")
         assert again.settled  # a redelivered copy of a settled message: no new attempt
     finally:

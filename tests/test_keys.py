@@ -15,6 +15,7 @@ from worker.core import keys
 pytestmark = pytest.mark.broker_independent
 
 SUB_KEY_BUILDERS = (keys.lease_key, keys.status_key, keys.seek_key, keys.seek_result_key, keys.over_since_key,
+                    keys.log_key, keys.log_stats_key,
                     keys.settled_key, keys.pattern)
 
 

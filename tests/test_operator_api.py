@@ -5,10 +5,12 @@ the OpenAPI document's."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import uuid
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import aiohttp
 import pytest
@@ -406,3 +408,157 @@ async def test_config_file_subscriptions_answer_409_and_are_no_oracle_for_anothe
     assert [a[0] for a in answers] == [400, 400]
     assert answers[0][1]["error"]["message"].replace("static-b", "X") == \
         answers[1][1]["error"]["message"].replace("no-such-name", "X"), answers
+
+
+async def test_the_delivery_log_keeps_every_attempt_with_headers_both_ways_and_search_finds_them(
+        fleet, endpoint: Endpoint, client: Client):
+    """Every attempt, newest first, with the request's headers (the credential as [redacted]) and the
+    answer's (an echoed credential cut out); searched by message id, status class or status, attempt
+    number, ordering key and time, in pages that add up to the whole; the hourly counts; a viewer
+    reads no header; a bad parameter is one line and a 400."""
+    w, _, clients, _, secrets, _ = fleet
+    alice, victor = clients["alice"], clients["victor"]
+    topic = f"persistent://p-a/main/log-{uuid.uuid4().hex[:8]}"
+
+    def answer(rec: Received) -> web.Response:
+        first, odd = rec.headers["Pubsub-Delivery-Attempt"] == "1", rec.body_payload.endswith((b"1", b"3", b"5"))
+        echo = {"X-Echo": f"you sent {rec.headers.get('Authorization')}", "X-Upstream": "shard-7"}
+        return web.Response(status=503 if first and odd else 204, headers=echo)
+
+    endpoint.behaviour = answer
+    status, _ = await alice.call("POST", "/v1/projects/p-a/subscriptions", definition("logged", topic, endpoint.url))
+    assert status == 201
+    await eventually(lambda: "p-a/logged" in w.dispatchers, what="the worker serves it")
+    began = rfc3339_now()
+    keyed = client.publish(topic, [b"m0", b"m1", b"m2"], key="customer-7")
+    plain = client.publish(topic, [b"m3", b"m4", b"m5"])
+    ids = keyed + plain
+    await eventually(lambda: w.dispatchers["p-a/logged"].stats.acked == 6, what="all delivered")
+    path = "/v1/projects/p-a/subscriptions/logged/log"
+
+    async def search(**query: Any) -> dict[str, Any]:
+        status, page = await alice.call("GET", path + "?" + urlencode(query))
+        assert status == 200, page
+        return page
+
+    async def every_attempt_logged() -> bool:  # the record after an ack rides with the next round trip
+        return len((await search(limit=200))["entries"]) == 9
+
+    await eventually(every_attempt_logged, what="nine attempts in the log")
+    everything = (await search(limit=200))["entries"]
+    assert [e["id"] for e in everything] == sorted((e["id"] for e in everything), key=_entry_order, reverse=True)
+    assert sorted((e["message_id"], e["attempt"], e["status"]) for e in everything) == sorted(
+        [(m, 1, "204") for m in (ids[0], ids[2], ids[4])] + [(m, 1, "503") for m in (ids[1], ids[3], ids[5])]
+        + [(m, 2, "204") for m in (ids[1], ids[3], ids[5])])
+    bearer = (secrets / "p-a" / "push-token").read_text()
+    for e in everything:
+        assert e["request_headers"]["Authorization"] == "[redacted]"
+        assert e["request_headers"]["Pubsub-Message-Id"] == e["message_id"]
+        echoed = {k.lower(): v for k, v in e["response_headers"].items()}
+        assert echoed["x-upstream"] == "shard-7" and "[redacted]" in echoed["x-echo"]
+        assert bearer not in json.dumps(e)
+    assert [(e["attempt"], e["status"]) for e in (await search(message_id=ids[1]))["entries"]] == [(2, "204"),
+                                                                                                   (1, "503")]
+    assert len((await search(status="5xx"))["entries"]) == 3
+    assert len((await search(status="503"))["entries"]) == 3
+    assert len((await search(status="2xx"))["entries"]) == 6
+    assert {e["message_id"] for e in (await search(min_attempt=2))["entries"]} == {ids[1], ids[3], ids[5]}
+    assert {e["message_id"] for e in (await search(ordering_key="customer-7"))["entries"]} == set(keyed)
+    assert len((await search(since=began))["entries"]) == 9
+    assert (await search(until="2020-01-01T00:00:00Z"))["entries"] == []
+    pages, cursor = [], None
+    while True:  # pages of four add up to the whole, in order, with no entry twice
+        page = await search(limit=4, **({"cursor": cursor} if cursor else {}))
+        pages += page["entries"]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert [e["id"] for e in pages] == [e["id"] for e in everything]
+
+    hours = (await alice.call("GET", path + "/hours"))[1]["hours"]
+    assert len(hours) == 72 and sum(h["attempts"] for h in hours) == 9  # the last hour or two (across an hour's end)
+    assert sum(h["by_class"].get("5xx", 0) for h in hours) == 3
+    assert any(h["p95_latency_ms"] is not None for h in hours[-2:])
+    status, viewed = await victor.call("GET", path)
+    assert status == 200 and all(e["request_headers"] == {} == e["response_headers"] for e in viewed["entries"])
+    _, message = await alice.call("GET", f"/v1/projects/p-a/subscriptions/logged/messages/{ids[1]}")
+    assert [e["attempt"] for e in message["log"]] == [1, 2] and message["log"][0]["response_headers"]
+    for bad in ({"status": "bogus"}, {"cursor": "xyz"}, {"limit": "0"}, {"since": "yesterday-ish"}):
+        status, error = await alice.call("GET", path + "?" + urlencode(bad))
+        assert status == 400 and error["error"]["message"] and "\n" not in error["error"]["message"], (bad, error)
+
+
+def _entry_order(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq)
+
+
+def rfc3339_now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+async def test_an_operator_reads_a_payload_back_from_the_broker_and_replays_a_delivered_message(
+        fleet, endpoint: Endpoint, client: Client):
+    """The message page's payload (JSON pretty-printed, binary as hex, the whole of it as a download)
+    is read back from the broker, for operators only; a replay sends a settled message once more,
+    numbered after its last attempt, never retried nor dead-lettered when it fails; a message still
+    being delivered is refused (409), an id the topic does not hold is 404."""
+    w, _, clients, _, _, _ = fleet
+    alice, victor = clients["alice"], clients["victor"]
+    topic = f"persistent://p-a/main/replay-{uuid.uuid4().hex[:8]}"
+    failing: set[bytes] = {b"\x00\xffbinary"}  # fails its first attempt
+    hold: set[bytes] = set()  # fails every attempt
+
+    def answer(rec: Received) -> web.Response:
+        body = rec.body_payload
+        if body in hold or (body in failing and rec.headers["Pubsub-Delivery-Attempt"] == "1"):
+            return web.Response(status=503)
+        return web.Response(status=204)
+
+    endpoint.behaviour = answer
+    status, _ = await alice.call("POST", "/v1/projects/p-a/subscriptions", definition(
+        "replayed", topic, endpoint.url, dead_letter={"topic": topic + "-dlq"}))
+    assert status == 201
+    await eventually(lambda: "p-a/replayed" in w.dispatchers, what="the worker serves it")
+    [as_json] = client.publish(topic, [b'{"order": 7, "items": ["a"]}'], properties={"kind": "order"}, key="c-7")
+    [binary] = client.publish(topic, [b"\x00\xffbinary"])
+    await eventually(lambda: w.dispatchers["p-a/replayed"].stats.acked == 2, what="both delivered")
+    base = "/v1/projects/p-a/subscriptions/replayed/messages"
+
+    _, shown = await alice.call("GET", f"{base}/{as_json}")
+    assert shown["payload"]["encoding"] == "json"
+    assert shown["payload"]["text"] == '{\n  "order": 7,\n  "items": [\n    "a"\n  ]\n}'
+    assert shown["attributes"] == {"kind": "order"} and shown["ordering_key"] == "c-7"
+    _, shown = await alice.call("GET", f"{base}/{binary}")
+    assert shown["payload"] == {"size": 8, "truncated": False, "encoding": "hex", "text": "00 ff 62 69 6e 61 72 79"}
+    status, data, headers = await alice.raw(f"{base}/{binary}/payload")
+    assert status == 200 and data == b"\x00\xffbinary" and "attachment" in headers["Content-Disposition"]
+    _, viewed = await victor.call("GET", f"{base}/{binary}")
+    assert "payload" not in viewed
+    assert (await victor.raw(f"{base}/{binary}/payload"))[0] == 403
+    assert (await victor.call("POST", f"{base}/{binary}/replay"))[0] == 403
+
+    before = len(endpoint.requests)
+    status, replayed = await alice.call("POST", f"{base}/{binary}/replay")
+    assert status == 200 and replayed == {"subscription": "p-a/replayed", "message_id": binary, "attempt": 3,
+                                          "result": "delivered"}, replayed
+    again = endpoint.requests[before:]
+    assert [(r.headers["Pubsub-Message-Id"], r.headers["Pubsub-Delivery-Attempt"]) for r in again] == [(binary, "3")]
+    _, shown = await alice.call("GET", f"{base}/{binary}")
+    assert [e["attempt"] for e in shown["history"] if "result" in e] == [1, 2, 3]
+    assert [(e["attempt"], e["worker"]) for e in shown["log"]][-1] == (3, "replay")
+
+    hold.add(b'{"order": 7, "items": ["a"]}')  # the endpoint fails it now: one attempt, no retry, no dead letter
+    before = len(endpoint.requests)
+    status, replayed = await alice.call("POST", f"{base}/{as_json}/replay")
+    assert status == 200 and replayed["result"] == "failed" and replayed["attempt"] == 2
+    assert len(endpoint.requests) - before == 1 and w.dispatchers["p-a/replayed"].stats.dead_lettered == 0
+
+    hold.add(b"pending")
+    [pending] = client.publish(topic, [b"pending"])  # retried every 0.05-0.2 s: never settled while held
+    await eventually(lambda: any(r.headers["Pubsub-Message-Id"] == pending for r in endpoint.requests),
+                     what="its first attempt")
+    status, refused = await alice.call("POST", f"{base}/{pending}/replay")
+    assert status == 409 and "still being delivered" in refused["error"]["message"], refused
+    status, _ = await alice.call("POST", f"{base}/999999:0:-1:-1/replay")
+    assert status == 404

@@ -99,6 +99,13 @@ class ApiClient:
         self.base = base
         self.token = token
 
+    async def raw(self, path: str) -> tuple[int, bytes, dict[str, str]]:
+        """A GET whose answer is not JSON (a payload download): status, bytes, headers."""
+        sent = {"Authorization": f"Bearer {self.token}"} if self.token is not None else {}
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session, \
+                session.get(self.base + path, headers=sent) as response:
+            return response.status, await response.read(), dict(response.headers)
+
     async def call(self, method: str, path: str, body: Any = None, **headers: str) -> tuple[int, Any]:
         sent = dict(headers)
         if self.token is not None:

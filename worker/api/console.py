@@ -27,6 +27,7 @@ import yaml
 from aiohttp import web
 
 from worker.api.auth import Authenticator, Principal, Unauthorized
+from worker.api.charts import charts
 from worker.api.operations import Operations
 from worker.api.routes import (
     PRINCIPAL,
@@ -34,12 +35,15 @@ from worker.api.routes import (
     Forbidden,
     audit,
     audited,
+    log_query,
     may_act,
+    payload_download,
     perform,
     project_seen,
     visible_projects,
 )
 from worker.core.messages import rfc3339
+from worker.ops.delivery_log import STATUS_CLASSES
 from worker.ops.render import inert
 from worker.runtime.errors import ConfigError, NotFound, PushWorkerError
 
@@ -47,10 +51,12 @@ COOKIE = "pw_console"
 COOKIE_SECONDS = 8 * 3600
 NOTICE_COOKIE = "pw_notice"  # an action's outcome, shown once on the page it leads to
 FORM_FIELDS = ("to", "message_id", "since", "until", "status")  # an action's arguments, from its page to its form
-ACTIONS = {"pause": "Pause", "resume": "Resume", "seek": "Seek", "redrive": "Redrive"}
+ACTIONS = {"pause": "Pause", "resume": "Resume", "seek": "Seek", "redrive": "Redrive", "replay": "Replay"}
 SORTABLE = ("name", "state", "workers", "backlog", "oldest_unacked_age_seconds", "delivery_rate", "p95_latency_ms",
             "errors")
 ANSWER_SHOWN = 256  # bytes of an endpoint's answer on the message page (the attempt log keeps no more)
+LIVE_SECONDS = 15  # a subscription page reloads itself this often (a meta refresh: no script)
+SEARCH_FIELDS = ("message_id", "since", "until", "status", "min_attempt", "ordering_key")
 
 def _shown(value: Any) -> Any:
     """Every value a page prints: control, bidi and invisible characters escaped (render.inert)."""
@@ -125,8 +131,9 @@ class Console:
     COOKIE = COOKIE
 
     def __init__(self, ops: Operations, auth: Authenticator, secure_cookie: bool,
-                 on_failed_login: Callable[[], None] = lambda: None) -> None:
+                 on_failed_login: Callable[[], None] = lambda: None, grafana_url: str = "") -> None:
         self.ops = ops
+        self.grafana_url = grafana_url
         self.auth = auth
         self.secure_cookie = secure_cookie
         self.failed_logins = FailedLogins()
@@ -143,6 +150,8 @@ class Console:
         app.router.add_get("/console/projects/{project}", self.project)
         app.router.add_get(base, self.subscription)
         app.router.add_get(base + "/messages/{message_id}", self.message)
+        app.router.add_get(base + "/messages/{message_id}/payload", self.payload)
+        app.router.add_get(base + "/log", self.log)
         app.router.add_get(base + "/confirm/{action}", self.confirm)
         app.router.add_post(base + "/{action}", self.act)
 
@@ -237,11 +246,15 @@ class Console:
         except PushWorkerError as e:  # the broker is not answering: the rest of the page still helps
             dead, dead_note = None, f"dead letters unavailable: {e}"
         definition = yaml.safe_dump(sub.get("definition"), sort_keys=False) if sub.get("definition") else ""
+        hours = await self.ops.log_hours(project, name)
         page = self._page(request, "subscription.html", project=project, name=name, sub=sub,
                           status=sub["status"], definition=definition, retrying=retrying, settled=settled,
                           dead=dead, dead_note=dead_note, notice=request.cookies.get(NOTICE_COOKIE, ""),
                           spark=sparkline(sub["status"]["delivered_per_step"]),
-                          can_act=request[PRINCIPAL].grants.acts_on(project))
+                          can_act=request[PRINCIPAL].grants.acts_on(project),
+                          live=request.query.get("live") != "0", live_seconds=LIVE_SECONDS,
+                          charts=charts(hours["hours"]), kept=_duration(hours["kept_seconds"]),
+                          status_classes=STATUS_CLASSES, grafana=self.grafana_link(project, name))
         if NOTICE_COOKIE in request.cookies:
             page.del_cookie(NOTICE_COOKIE, path="/console")  # shown once
         return page
@@ -256,6 +269,32 @@ class Console:
             if isinstance(answer, str):
                 entry["answer"] = answer[:ANSWER_SHOWN]
         return self._page(request, "message.html", project=project, name=name, message=data)
+
+    async def payload(self, request: web.Request) -> web.Response:
+        """The download link of a message page: the payload's bytes (operators, as the API)."""
+        project = self._project(request)
+        may_act(request[PRINCIPAL], project)
+        message_id = request.match_info["message_id"]
+        return payload_download(await self.ops.payload(project, request.match_info["name"], message_id), message_id)
+
+    async def log(self, request: web.Request) -> web.Response:
+        """The delivery log's search: the subscription page's form, a page of results, newest first."""
+        project = self._project(request)
+        name = request.match_info["name"]
+        query = log_query(request.query)
+        page = await self.ops.log(project, name, query, headers=request[PRINCIPAL].grants.acts_on(project))
+        form = {k: request.query.get(k, "") for k in SEARCH_FIELDS}
+        more = {k: v for k, v in form.items() if v} | ({"cursor": page["next_cursor"]} if page["next_cursor"] else {})
+        return self._page(request, "log.html", project=project, name=name, page=page, query=query, form=form,
+                          more=more, status_classes=STATUS_CLASSES)
+
+    def grafana_link(self, project: str, name: str) -> str:
+        """The Grafana dashboard with this subscription chosen (admin.grafana_url; "" without it)."""
+        base = self.grafana_url
+        if not base:
+            return ""
+        return f"{base.rstrip('/')}/d/push-worker-subscription/push-worker-subscription?" + urlencode(
+            {"var-project": project, "var-subscription": name}, quote_via=quote)
 
     def _action(self, request: web.Request) -> tuple[str, str, str]:
         """The project, subscription and action of an action's page or form, which the caller may do."""
@@ -292,7 +331,15 @@ class Console:
         return response
 
 
+def _duration(seconds: int) -> str:
+    if seconds % 86400 == 0:
+        return f"{seconds // 86400} day(s)"
+    return f"{seconds // 3600} hour(s)" if seconds % 3600 == 0 else f"{seconds} s"
+
+
 def _notice(action: str, outcome: dict[str, Any]) -> str:
+    if action == "replay":
+        return f"replayed {outcome.get('message_id', '')} as attempt {outcome.get('attempt')}: {outcome.get('result')}"
     if action == "redrive":
         return (f"redrive done: {outcome.get('redriven', 0)} delivered, "
                 f"{outcome.get('dead_lettered_again', 0)} dead-lettered again")

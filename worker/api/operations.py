@@ -7,16 +7,22 @@ are never confirmed to exist) and a subscription by its name in that project, ne
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 from typing import Any
 
+from pulsar import asyncio as pulsar_async
+
 from worker.api.shared_reads import SharedReads
+from worker.broker import consumer as pulsar_adapter
 from worker.core.recent import OUTCOMES
 from worker.fleet.seek import SeekTarget
 from worker.model.config import Settings
 from worker.model.subscriptions import NAME_PATTERN, NAME_RULE, PROJECT_PATTERN, parse_subscription
+from worker.ops import delivery_log, replay
 from worker.ops.admin import Admin, Target
+from worker.ops.delivery_log import LogQuery
 from worker.ops.dlq import DeadLetters, Selection
 from worker.runtime.errors import ConfigError, NotFound, PushWorkerError
 
@@ -53,10 +59,22 @@ class Operations:
         self.shared_reads = SharedReads()
         self.pulsar = dataclasses.replace(settings.pulsar, service_url=pulsar_url)
         self.secrets_dir = str(settings.secrets_dir) if settings.secrets_dir else ""
+        self.log_seconds = settings.redis.delivery_log_seconds
+        self.settings = settings
+        self._reader: pulsar_async.Client | None = None
 
     async def close(self) -> None:
+        if self._reader is not None:
+            reader, self._reader = self._reader, None
+            await asyncio.wait_for(reader.close(), timeout=5.0)
         await self.dlq.close()
         await self.admin.close()
+
+    def _broker(self) -> pulsar_async.Client:
+        """One Pulsar client for reading messages back, kept until `close()`."""
+        if self._reader is None:
+            self._reader = pulsar_adapter.make_client(self.pulsar, self.pulsar.service_url or "", operator=True)
+        return self._reader
 
     @staticmethod
     def check_project(project: str) -> None:
@@ -114,8 +132,52 @@ class Operations:
         `_answers`)."""
         key = await self.existing(project, name)
         data = (await self.admin.show(message_id, key)).data
-        return {"message_id": message_id, "history": _answers(data["history"], answers),
-                "attempts_in_progress": data["attempts_in_progress"]}
+        times = [int(e["at_ms"]) for e in data["history"] if isinstance(e.get("at_ms"), int)]
+        # The log's entries of this message: its history says when to look (a narrow range read).
+        logged = await delivery_log.of_message(self.admin.client, key, message_id, min(times) - 1000,
+                                               max(times) + 1000) if times else []
+        out = {"message_id": message_id, "history": _answers(data["history"], answers),
+               "attempts_in_progress": data["attempts_in_progress"], "log": _headers(logged, answers)}
+        if answers:  # payloads, as answers, to the project's operators only (docs/security.md)
+            try:
+                message = await replay.read(self._broker(), (await self.admin.definition(key)).topic, message_id)
+            except (NotFound, PushWorkerError) as e:
+                out["payload"] = {"unavailable": str(e)}
+            else:
+                out["payload"] = replay.payload_view(message.data() or b"")
+                out["attributes"] = dict(message.properties())
+                out["ordering_key"] = message.partition_key() or None
+                out["publish_time_ms"] = message.publish_timestamp()
+        return out
+
+    async def payload(self, project: str, name: str, message_id: str) -> bytes:
+        """The whole payload, read back from the broker (operators)."""
+        key = await self.existing(project, name)
+        message = await replay.read(self._broker(), (await self.admin.definition(key)).topic, message_id)
+        return message.data() or b""
+
+    async def replay(self, project: str, name: str, message_id: str) -> dict[str, Any]:
+        """One more request for a settled message (ops/replay.py), numbered after its last attempt."""
+        key = await self.existing(project, name)
+        await self.admin.writable()
+        try:
+            history = (await self.admin.show(message_id, key)).data["history"]
+        except NotFound:
+            history = []  # its records are gone (older than the history's TTL): it counts from 1
+        return await replay.replay(self.settings, self.pulsar, self.admin.client, await self.admin.definition(key),
+                                   message_id, history)
+
+    async def log(self, project: str, name: str, query: LogQuery, headers: bool) -> dict[str, Any]:
+        """A page of the delivery log's search, newest first; `headers`: both ways, and the answers
+        (operators only, as `_answers`)."""
+        key = await self.existing(project, name)
+        page = await delivery_log.search(self.admin.client, key, query, self.log_seconds)
+        return {**page, "entries": _headers(page["entries"], headers), "kept_seconds": self.log_seconds}
+
+    async def log_hours(self, project: str, name: str) -> dict[str, Any]:
+        key = await self.existing(project, name)
+        return {"hours": await delivery_log.hourly(self.admin.client, key, self.log_seconds),
+                "kept_seconds": self.log_seconds}
 
     async def dead_letter(self, project: str, name: str, message_id: str, limit: int, answers: bool) -> dict[str, Any]:
         key = await self.existing(project, name)
@@ -211,6 +273,14 @@ def _answers(history: list[dict[str, Any]], shown: bool) -> list[dict[str, Any]]
     if shown:
         return history
     return [{**e, "answer": ANSWER_HIDDEN} if "answer" in e else e for e in history]
+
+
+def _headers(entries: list[dict[str, Any]], shown: bool) -> list[dict[str, Any]]:
+    """Log entries for a viewer: without the headers and the answer (see `_answers`)."""
+    if shown:
+        return entries
+    return [{**e, "request_headers": {}, "response_headers": {}, "answer": ANSWER_HIDDEN if e.get("answer") else ""}
+            for e in entries]
 
 
 def _summary(row: dict[str, Any]) -> dict[str, Any]:

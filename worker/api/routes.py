@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from functools import cache
@@ -22,6 +23,8 @@ from aiohttp import web
 from worker.api.auth import Principal
 from worker.api.operations import MESSAGE_STATES, NO_SUCH_PROJECT, Operations
 from worker.fleet.seek import SeekTarget
+from worker.ops.delivery_log import MAX_LIMIT as LOG_MAX_LIMIT
+from worker.ops.delivery_log import STATUS_CLASSES, LogQuery
 from worker.ops.dlq import Selection
 from worker.runtime import logs
 from worker.runtime.errors import ConfigError, NotFound, UsageError
@@ -92,7 +95,11 @@ def may_act(principal: Principal, project: str) -> None:
 
 
 def _int(request: web.Request, name: str, default: int, high: int = MAX_LIMIT) -> int:
-    text = request.query.get(name)
+    return _int_of(request.query, name, default, high)
+
+
+def _int_of(query: Any, name: str, default: int, high: int = MAX_LIMIT) -> int:
+    text = query.get(name) or None  # an empty form field: the default
     if text is None:
         return default
     if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= high:  # ASCII: '²' is a digit too
@@ -121,6 +128,12 @@ async def _body(request: web.Request) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise UsageError("body", "JSON", "must be an object")
     return data
+
+
+def payload_download(data: bytes, message_id: str) -> web.Response:
+    """A payload as a file to save (never shown inline: it is the project's data, not a page)."""
+    return web.Response(body=data, content_type="application/octet-stream", headers={
+        "Content-Disposition": f'attachment; filename="{re.sub(r"[^0-9A-Za-z-]", "_", message_id)}.bin"'})
 
 
 def json_response(data: Any, status: int = 200) -> web.Response:
@@ -153,6 +166,35 @@ def selection_of(body: dict[str, Any]) -> Selection:
                      tuple(statuses))
 
 
+def log_query(query: Any) -> LogQuery:
+    """A delivery log search from query parameters (the API's and the console's form alike)."""
+    def text(name: str, longest: int) -> str:
+        value = str(query.get(name, "")).strip()
+        if len(value) > longest or not value.isprintable():
+            raise UsageError("query", name, f"must be printable text of at most {longest} characters")
+        return value
+
+    def moment(name: str) -> int | None:
+        value = text(name, 64)
+        if not value:
+            return None
+        try:
+            return parse_moment(value)
+        except ValueError as e:
+            raise UsageError("query", name, str(e)) from None
+
+    status = text("status", 32)
+    if status and status not in STATUS_CLASSES and not (len(status) == 3 and status.isdigit()):
+        raise UsageError("query", "status", f"must be one of {', '.join(STATUS_CLASSES)}, or a status like 503")
+    cursor = text("cursor", 48)
+    if cursor and not re.fullmatch(r"\d{1,20}-\d{1,20}", cursor):
+        raise UsageError("query", "cursor", "must be a next_cursor a search answered")
+    return LogQuery(message_id=text("message_id", MESSAGE_ID_MAX), since_ms=moment("since"), until_ms=moment("until"),
+                    status=status, min_attempt=_int_of(query, "min_attempt", 1, 1_000_000),
+                    ordering_key=text("ordering_key", 256), limit=_int_of(query, "limit", 50, LOG_MAX_LIMIT),
+                    cursor=cursor)
+
+
 def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
     value = body.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
@@ -178,7 +220,11 @@ class Api:
         app.router.add_delete(sub, self.delete)
         app.router.add_get(sub + "/messages", self.messages)
         app.router.add_get(sub + "/messages/{message_id}", self.message)
+        app.router.add_get(sub + "/messages/{message_id}/payload", self.payload)
+        app.router.add_post(sub + "/messages/{message_id}/replay", self.replay)
         app.router.add_get(sub + "/history", self.history)
+        app.router.add_get(sub + "/log", self.log)
+        app.router.add_get(sub + "/log/hours", self.log_hours)
         app.router.add_get(sub + "/dead-letters/{message_id}", self.dead_letter)
         for action in ACTIONS:
             app.router.add_post(f"{sub}/{action}", self.act)
@@ -238,10 +284,34 @@ class Api:
         return json_response(await self.ops.message(project, request.match_info["name"], _message_id(request),
                                                     answers=principal.grants.acts_on(project)))
 
+    async def payload(self, request: web.Request) -> web.Response:
+        """The whole payload as bytes (operators: payloads are shown as answers are, docs/security.md)."""
+        principal, project = project_seen(request)
+        may_act(principal, project)
+        message_id = _message_id(request)
+        return payload_download(await self.ops.payload(project, request.match_info["name"], message_id), message_id)
+
+    async def replay(self, request: web.Request) -> web.Response:
+        principal, project = project_seen(request)
+        name = request.match_info["name"]
+        may_act(principal, project)
+        message_id = _message_id(request)
+        with audited(principal, project, "replay", f"{name} {message_id}"):
+            return json_response(await self.ops.replay(project, name, message_id))
+
     async def history(self, request: web.Request) -> web.Response:
         _, project = project_seen(request)
         limit = _int(request, "limit", 50)
         return json_response({"messages": await self.ops.recent(project, request.match_info["name"], limit)})
+
+    async def log(self, request: web.Request) -> web.Response:
+        principal, project = project_seen(request)
+        return json_response(await self.ops.log(project, request.match_info["name"], log_query(request.query),
+                                                headers=principal.grants.acts_on(project)))
+
+    async def log_hours(self, request: web.Request) -> web.Response:
+        _, project = project_seen(request)
+        return json_response(await self.ops.log_hours(project, request.match_info["name"]))
 
     async def dead_letter(self, request: web.Request) -> web.Response:
         principal, project = project_seen(request)
@@ -273,6 +343,10 @@ async def perform(ops: Operations, project: str, name: str, action: str, body: d
     message_id = body.get("message_id") or None
     if message_id is not None and (not isinstance(message_id, str) or len(message_id) > MESSAGE_ID_MAX):
         raise UsageError("body", "message_id", "must be a message id")
+    if action == "replay":
+        if message_id is None:
+            raise UsageError("body", "message_id", "is required: the settled message to send again")
+        return await ops.replay(project, name, message_id)
     if action == "discard":
         if message_id is None:
             raise UsageError("body", "message_id", "is required: the message to settle without delivery")

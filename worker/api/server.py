@@ -24,6 +24,7 @@ from worker.api.routes import PRINCIPAL, Api, Forbidden, Handler, audit
 from worker.model.admin_settings import AdminSettings
 from worker.model.config import Settings
 from worker.ops.explain import explain
+from worker.ops.replay import StillDelivering
 from worker.runtime import logs
 from worker.runtime.errors import ConfigError, NotFound, StartupError
 from worker.runtime.http_server import listen
@@ -42,7 +43,7 @@ SECURITY_HEADERS = {
 def answer_for(error: BaseException) -> tuple[int, str]:
     """The status and the one line a caller gets for `error`."""
     for kind, status in ((Unauthorized, 401), (Forbidden, 403), (NotFound, 404), (Conflict, 409),
-                         (ConfigError, 400)):  # ConfigError: a bad definition, argument or body
+                         (StillDelivering, 409), (ConfigError, 400)):  # ConfigError: a bad definition, argument or body
         if isinstance(error, kind):
             return status, " ".join(str(error).split())[:300]
     text = explain(error)[1]  # Redis or the broker failing: what failed and what to check
@@ -83,8 +84,8 @@ class AdminServer:
         self.auth = Authenticator(self.settings, self._session)
         app = web.Application(middlewares=[self._guard], client_max_size=MAX_BODY_BYTES)
         Api(self.ops).add_routes(app)
-        Console(self.ops, self.auth, secure_cookie=self.tls,
-                on_failed_login=self.metrics.refused_anonymous.inc).add_routes(app)
+        Console(self.ops, self.auth, secure_cookie=self.tls, on_failed_login=self.metrics.refused_anonymous.inc,
+                grafana_url=self.settings.grafana_url).add_routes(app)
         self._runner = CappedRunner(app, MAX_CONNECTIONS, self.metrics.limited.labels("connections").inc,
                                     access_log=None)
         await self._runner.setup()

@@ -14,6 +14,7 @@ messages that is one round trip per message instead of two.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from redis.exceptions import ResponseError
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
 
 from worker.core import keys
+from worker.core.history import LOG_FIELDS, LOG_ONLY, log_values
 from worker.core.redis_batch import BatchScript, Pipeliner
 from worker.model.config import RedisSettings
 from worker.runtime import logs
@@ -95,16 +97,22 @@ BEGIN = BatchScript(_BEGIN.replace("{probe}", ""), width=5)
 # The same for a breaker's probe (`breaker.py`), counted as one.
 BEGIN_PROBE = BatchScript(_BEGIN.replace("{probe}", "probes = call('HINCRBY', KEYS[i], 'probes', 1)"), width=5)
 
-# Shared: the settled list; its TTL, the history cap and the settled marker's TTL. Per operation: the
+# Shared: the settled list, the delivery log and its hourly counts; the settled list's TTL, the
+# history cap, the settled marker's TTL, and the log's bounds (entries, seconds). Per operation: the
 # counter and history keys; args settled ('1'/'0'), last status, settled summary, history TTL (0:
-# not kept), number of history entries, the entries. Appends the entries (capped, with the TTL);
-# then, settled: turn the counter into a settled marker (a redelivered copy is then acked without a
-# request, and numbering never starts over) and list the message among the settled; else remember
-# how the attempt ended (for a dead-letter published after a crash).
+# not kept), number of history entries, the entries, then the time (ms), the number of log entries
+# and for each its LOG_FIELDS values, its outcome class and latency bin ('' for an event). Appends
+# the entries (capped, with the TTL); then, settled: turn the counter into a settled marker (a
+# redelivered copy is then acked without a request, and numbering never starts over) and list the
+# message among the settled; else remember how the attempt ended (for a dead-letter published after
+# a crash). Each log entry goes to the stream (trimmed to the newest entries, and by age once a
+# call) and counts in its hour; an hour's counts older than the log are dropped once an hour.
 RECORD = BatchScript(_LUA_CALL + """
 local ttl, cap, settled_ttl = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local a, settled_any, out = 4, false, {}
-for k = 2, #KEYS, 2 do
+local log_max, log_seconds = ARGV[4], tonumber(ARGV[5])
+local names = {LOG_NAMES}
+local a, settled_any, out, now = 6, false, {}, 0
+for k = 4, #KEYS, 2 do
   local settled, last, summary, history_ttl, count = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3],
     tonumber(ARGV[a + 4])
   a = a + 5
@@ -115,6 +123,24 @@ for k = 2, #KEYS, 2 do
     redis.call('EXPIRE', KEYS[k + 1], history_ttl)
   end
   a = a + count
+  now = tonumber(ARGV[a])
+  local logged = tonumber(ARGV[a + 1])
+  a = a + 2
+  local hour = math.floor(now / 3600000)
+  for j = 1, logged do
+    local fields = {}
+    for f = 1, #names do
+      fields[#fields + 1] = names[f]
+      fields[#fields + 1] = ARGV[a + f - 1]
+    end
+    call('XADD', KEYS[2], 'MAXLEN', '~', log_max, '*', unpack(fields))
+    local class, bin = ARGV[a + #names], ARGV[a + #names + 1]
+    if class ~= '' then
+      call('HINCRBY', KEYS[3], hour .. ':' .. class, 1)
+      call('HINCRBY', KEYS[3], hour .. ':l' .. bin, 1)
+    end
+    a = a + #names + 2
+  end
   if settled == '1' then
     call('HSET', KEYS[k], 'settled', 1)
     redis.call('EXPIRE', KEYS[k], settled_ttl)
@@ -129,8 +155,22 @@ if settled_any then
   redis.call('LTRIM', KEYS[1], 0, cap * 10 - 1)
   redis.call('EXPIRE', KEYS[1], ttl)
 end
+if now > 0 then
+  call('XTRIM', KEYS[2], 'MINID', '~', now - log_seconds * 1000)
+  redis.call('EXPIRE', KEYS[2], log_seconds)
+  local hour = math.floor(now / 3600000)
+  if tonumber(call('HGET', KEYS[3], 'hour') or 0) ~= hour then
+    local oldest = hour - math.ceil(log_seconds / 3600)
+    for _, field in ipairs(call('HKEYS', KEYS[3])) do
+      local h = tonumber(string.match(field, '^(%d+):'))
+      if h and h < oldest then redis.call('HDEL', KEYS[3], field) end
+    end
+    redis.call('HSET', KEYS[3], 'hour', hour)
+  end
+  redis.call('EXPIRE', KEYS[3], log_seconds)
+end
 return out
-""", width=1)
+""".replace("LOG_NAMES", ", ".join(f"'{name}'" for name in LOG_FIELDS)), width=1)
 
 HISTORY_CAP = 100  # entries kept per message (the newest); the settled list keeps 10x as many messages
 
@@ -172,6 +212,8 @@ class AttemptStore:
         self.history_ttl_seconds = settings.history_ttl_seconds
         self.acked_history_ttl_seconds = settings.acked_history_ttl_seconds
         self.settled_ttl_seconds = settings.settled_ttl_seconds
+        self.log_attempts = settings.delivery_log_attempts
+        self.log_seconds = settings.delivery_log_seconds
         self._on_error = on_error or (lambda: None)
         # Subscriptions whose records Redis does not take (its outage, a Cluster shard down, a full
         # Redis, an ACL that leaves their keys out): said in their status and the log, not only counted.
@@ -257,13 +299,18 @@ class AttemptStore:
     def _record(self, subscription_key: str, message_id: str, entries: list[dict[str, Any]], settled: bool,
                 last_status: str, acked_first_time: bool, lazy: bool) -> asyncio.Future[Any]:
         op_keys = (keys.message_key(subscription_key, message_id), keys.history_key(subscription_key, message_id))
-        summary = orjson.dumps({"message_id": message_id, **(entries[-1] if entries else {})}) if settled else b""
+        logged = [log_values(message_id, entry) for entry in entries]
+        history = [{k: v for k, v in entry.items() if k not in LOG_ONLY} for entry in entries]
+        summary = orjson.dumps({"message_id": message_id, **(history[-1] if history else {})}) if settled else b""
         history_ttl = self.acked_history_ttl_seconds if acked_first_time else self.history_ttl_seconds
-        op_args = ("1" if settled else "0", last_status, summary, history_ttl, len(entries),
-                   *(orjson.dumps(e) for e in entries))
-        return self.pipeliner.operation(RECORD, (keys.settled_key(subscription_key),),
-                                        (self.history_ttl_seconds, HISTORY_CAP, self.settled_ttl_seconds), op_keys,
-                                        op_args, subscription_key, lazy)
+        op_args = ("1" if settled else "0", last_status, summary, history_ttl, len(history),
+                   *(orjson.dumps(e) for e in history), int(time.time() * 1000), len(logged),
+                   *(value for values in logged for value in values))
+        return self.pipeliner.operation(
+            RECORD, (keys.settled_key(subscription_key), keys.log_key(subscription_key),
+                     keys.log_stats_key(subscription_key)),
+            (self.history_ttl_seconds, HISTORY_CAP, self.settled_ttl_seconds, self.log_attempts, self.log_seconds),
+            op_keys, op_args, subscription_key, lazy)
 
     async def unsent(self, subscription_key: str, message_ids: list[str]) -> None:
         """Attempts begun for `message_ids` that no request carried (an open breaker or a lost lease held

@@ -12,7 +12,7 @@ from yarl import URL
 
 from worker.core import http1
 from worker.core.messages import PushRequest
-from worker.core.redact import answer_text
+from worker.core.redact import answer_text, received_headers, sent_headers
 from worker.endpoint.destinations import DestinationPolicy, GuardedResolver
 from worker.runtime.errors import DestinationRefused
 
@@ -42,6 +42,9 @@ class Outcome:
     retry_after: float | None = None
     detail: str = ""
     answer: str = ""  # a failure's first bytes of body, credentials cut out (the attempt log keeps it)
+    # For the delivery log, credentials cut out (redact.py): the headers sent, and those answered.
+    request_headers: dict[str, str] | None = None
+    response_headers: dict[str, str] | None = None
 
     @property
     def acked(self) -> bool:
@@ -115,6 +118,7 @@ class Deliverer:
         if len(request.body) > self.policy.max_request_bytes:
             return Outcome(Result.TOO_LARGE, detail=f"request body of {len(request.body)} bytes is over "
                            f"destinations.max_request_bytes ({self.policy.max_request_bytes})")
+        sent = sent_headers(request.headers)
         try:
             target = self._target(url)  # a URL yarl cannot parse is a ValueError: a connection error below
             # An answer counts once complete within the deadline; a huge or endless body costs at
@@ -122,20 +126,26 @@ class Deliverer:
             answer = await self.client.post(target, request.headers, request.body, RESPONSE_BODY_CAP, deadline,
                                              credentials, owner, tls)
         except TimeoutError:
-            return Outcome(Result.TIMEOUT, latency=time.monotonic() - started, detail=f"no answer in {deadline:g}s")
+            return Outcome(Result.TIMEOUT, latency=time.monotonic() - started, detail=f"no answer in {deadline:g}s",
+                           request_headers=sent)
         except (DestinationRefused, http1.ProtocolError) as e:
-            return Outcome(Result.CONNECTION_ERROR, latency=time.monotonic() - started, detail=str(e))
+            return Outcome(Result.CONNECTION_ERROR, latency=time.monotonic() - started, detail=str(e),
+                           request_headers=sent)
         except (OSError, ValueError) as e:
-            return Outcome(Result.CONNECTION_ERROR, latency=time.monotonic() - started, detail=type(e).__name__)
+            return Outcome(Result.CONNECTION_ERROR, latency=time.monotonic() - started, detail=type(e).__name__,
+                           request_headers=sent)
         except Exception as e:  # an outcome, never an exception: one odd endpoint must not wedge a message
             return Outcome(Result.CONNECTION_ERROR, latency=time.monotonic() - started,
-                           detail=f"unexpected {type(e).__name__}")
+                           detail=f"unexpected {type(e).__name__}", request_headers=sent)
         latency = time.monotonic() - started
+        answered = received_headers(answer.headers, request.headers)
         if is_ack_status(answer.status):
-            return Outcome(Result.ACK, status=answer.status, latency=latency)
+            return Outcome(Result.ACK, status=answer.status, latency=latency, request_headers=sent,
+                           response_headers=answered)
         retry_after = parse_retry_after(answer.headers.get("retry-after")) if answer.status in (429, 503) else None
         return Outcome(Result.NACK, status=answer.status, latency=latency, retry_after=retry_after,
-                       answer=answer_text(answer.preview, request.headers) if answer.preview else "")
+                       answer=answer_text(answer.preview, request.headers) if answer.preview else "",
+                       request_headers=sent, response_headers=answered)
 
     async def close(self) -> None:
         await self.client.close()

@@ -111,6 +111,16 @@ def over_since_key(subscription_key: str) -> str:
     return f"{PREFIX}:{tag(subscription_key)}:backlog-over-since"
 
 
+def log_key(subscription_key: str) -> str:
+    """The delivery log: a stream of every attempt (entry ids are times), trimmed by age and count."""
+    return f"{PREFIX}:{tag(subscription_key)}:log"
+
+
+def log_stats_key(subscription_key: str) -> str:
+    """The delivery log's hourly counts (`<hour>:<outcome>`, `<hour>:l<latency bin>`): the charts."""
+    return f"{PREFIX}:{tag(subscription_key)}:log-stats"
+
+
 def resumed_key(subscription_key: str) -> str:
     """When (ms) an operator last resumed the subscription (`subs resume`): closes its breaker."""
     return f"{PREFIX}:{tag(subscription_key)}:resumed"

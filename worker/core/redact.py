@@ -1,4 +1,4 @@
-"""Credentials cut out of an endpoint's answer before it is kept (the attempt log shows it).
+"""Credentials cut out of what the delivery log keeps: an endpoint's answer and headers both ways.
 
 An endpoint may echo the request back, credentials and all, in any encoding: as sent, in another
 case, URL-encoded, JSON-escaped, in base64 or hex, split in pieces, with a byte inserted. Rather
@@ -18,6 +18,8 @@ CREDENTIAL_HEADERS = frozenset({"authorization", "webhook-signature"})
 REDACTED = "[redacted]"
 RUN = 8
 SHORTEST_TAIL = 4  # a credential's first characters at the answer's end, cut from this many on
+LOGGED_HEADERS = 40  # of an answer's headers, the first this many are kept
+LOGGED_VALUE = 256  # characters of a header's value kept
 _LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")  # length-preserving
 
 
@@ -75,3 +77,20 @@ def answer_text(preview: bytes, headers: dict[str, str]) -> str:
         elif i == 0 or not cut[i - 1]:
             out.append(REDACTED)
     return "".join(out)
+
+
+def sent_headers(headers: dict[str, str]) -> dict[str, str]:
+    """A request's headers as the delivery log keeps them: a credential header's value never."""
+    return {name: REDACTED if name.lower() in CREDENTIAL_HEADERS else value[:LOGGED_VALUE]
+            for name, value in headers.items()}
+
+
+def received_headers(answer: dict[str, str], request: dict[str, str]) -> dict[str, str]:
+    """An answer's headers as the delivery log keeps them: the first LOGGED_HEADERS, each value cut
+    to LOGGED_VALUE characters with the request's credentials cut out (an endpoint may echo them)."""
+    kept: dict[str, str] = {}
+    for name, value in answer.items():
+        if len(kept) >= LOGGED_HEADERS:
+            break
+        kept[name[:LOGGED_VALUE]] = answer_text(value[:LOGGED_VALUE].encode("utf-8", "replace"), request)
+    return kept

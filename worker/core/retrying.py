@@ -91,7 +91,7 @@ class Retrying:
                 return AGAIN  # the breaker's turn, or `Fencing.wait`, waits
             if probe:
                 self._breaker.probed(probe, outcome.acked)
-            entry = attempt_entry(record.number, outcome, self._worker_id)
+            entry = attempt_entry(record.number, outcome, self._worker_id, env.ordering_key or "")
             if probe:
                 entry["probe"] = True
             if outcome.acked:
@@ -179,8 +179,8 @@ class Retrying:
             if probe:
                 self._breaker.probed(probe, outcome.acked)
             entries = []
-            for _, _, record in sending:
-                entry = attempt_entry(record.number, outcome, self._worker_id)
+            for _, env, record in sending:
+                entry = attempt_entry(record.number, outcome, self._worker_id, env.ordering_key or "")
                 entry["batch"] = len(sending)
                 if probe:
                     entry["probe"] = True

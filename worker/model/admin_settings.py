@@ -88,6 +88,7 @@ class AdminSettings:
     tls_key_file: str | None = None
     jwt: JwtSettings | None = None
     tokens: tuple[StaticToken, ...] = ()
+    grafana_url: str = ""  # the console links each subscription to its Grafana dashboard there
 
 
 def _loopback(url: str) -> bool:
@@ -142,7 +143,7 @@ def parse_admin(a: FieldReader) -> AdminSettings | None:
     """None when the section is absent: the listener is off."""
     if not a.data:
         return None
-    a.reject_unknown({"host", "port", "tls", "auth", "tokens"})
+    a.reject_unknown({"host", "port", "tls", "auth", "tokens", "grafana_url"})
     jwt = _jwt(a.sub("auth")) if a.data.get("auth") else None
     tokens = _tokens(a)
     if jwt is None and not tokens:
@@ -154,4 +155,4 @@ def parse_admin(a: FieldReader) -> AdminSettings | None:
     return AdminSettings(host=a.text("host", AdminSettings.host), port=a.integer("port", AdminSettings.port, 0, 65535),
                          tls_cert_file=tls.text("cert_file") if tls.data else None,
                          tls_key_file=tls.text("key_file") if tls.data else None,
-                         jwt=jwt, tokens=tokens)
+                         jwt=jwt, tokens=tokens, grafana_url=_https(a, "grafana_url") if a.has("grafana_url") else "")

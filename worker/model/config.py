@@ -115,6 +115,12 @@ class RedisSettings:
     # this (its ack was lost to a crash or a broker outage) is acked without a request.
     settled_ttl_seconds: int = setting(600, 60, 10**8, help="a settled message's marker: a redelivered copy is "
                                                             "acked unsent")
+    # The delivery log (a Redis stream per subscription: every attempt with its headers both ways):
+    # what the API's and the console's search read. Whichever bound comes first (docs/sizing.md#redis).
+    delivery_log_seconds: int = setting(3 * 24 * 3600, 3600, 90 * 24 * 3600,
+                                        help="how long the delivery log keeps an attempt")
+    delivery_log_attempts: int = setting(100_000, 1000, 10_000_000,
+                                         help="the most attempts the delivery log keeps per subscription")
 
 
 @dataclass(frozen=True)

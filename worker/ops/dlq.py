@@ -37,22 +37,17 @@ from aiolimiter import AsyncLimiter
 from worker.broker import consumer as pulsar_adapter
 from worker.broker.backlog import BacklogReader
 from worker.broker.broker_admin import AdminError, make_session
-from worker.broker.deadletter import DLQ_CURSOR, DeadLetterPublisher, subscribe_cursor
+from worker.broker.deadletter import DLQ_CURSOR, subscribe_cursor
 from worker.core import keys
-from worker.core.attempts import AttemptStore
-from worker.core.delivery import Deliverer
-from worker.core.dispatcher import DeliveryContext, Dispatcher
+from worker.core.dispatcher import Dispatcher
 from worker.core.messages import Envelope, base64_text, rfc3339
-from worker.core.metrics import Metrics
-from worker.core.redis_batch import Pipeliner
-from worker.endpoint.oidc import Tokens
-from worker.fleet.admission import check_secrets, secret_store
 from worker.model.config import PulsarSettings
 from worker.model.subscriptions import Subscription
 from worker.ops.admin import Admin, Target
+from worker.ops.delivering import check_credentials, operator_delivery
 from worker.ops.render import Output, inert, table
 from worker.runtime import logs
-from worker.runtime.errors import NotFound, UsageError
+from worker.runtime.errors import NotFound
 
 QUIET_SECONDS = 2.0  # no message for this long: the cursor holds nothing more for us
 DRY_RUN_LIMIT = 10_000_000  # a dry run counts up to this many (`--max-messages` fewer)
@@ -358,55 +353,36 @@ class DeadLetters:
                       selection: Selection = Selection()) -> Output:
         sub = await self.subscription(admin, name)
         # A request that cannot be signed would fail every redriven message (and dead-letter it again).
-        refs = [*sub.signing_secrets, sub.bearer_token, sub.oauth2.client_secret if sub.oauth2 else None]
-        if self.target.settings.secrets_dir is None and any(ref is not None and ref.secret for ref in refs):
-            raise UsageError("dlq redrive", "--config", "is required for this subscription: the redrive delivers to "
-                             "its endpoint with its credentials, read from the worker's secrets.dir (set in the "
-                             "worker.yaml)")
-        secrets = secret_store(self.target.settings)
-        check_secrets(sub, secrets)
+        check_credentials(self.target.settings, sub, "dlq redrive")
         # Redelivery ignores the original ordering (the messages failed out of order already).
         sub = dataclasses.replace(sub, type="shared", max_ack_pending=concurrency)
         settings = self.target.settings
-        pipeliner = Pipeliner(admin.client)
-        metrics = Metrics()
-        client = pulsar_adapter.make_client(self.pulsar_settings, self.pulsar_settings.service_url or "",
-                                            operator=True)
-        deliverer = Deliverer(settings.destinations)
-        ctx = DeliveryContext(deliverer,
-                              AttemptStore(pipeliner, settings.redis),
-                              DeadLetterPublisher(client), metrics, secrets, worker_id="dlq-redrive",
-                              tokens=Tokens(secrets, settings.oidc),
-                              max_held_bytes=settings.max_held_bytes_per_subscription)
         dispatcher: Dispatcher | None = None
         started = time.monotonic()
-        try:
-            assert sub.dead_letter_topic is not None
-            consumer = await subscribe_cursor(client, sub.dead_letter_topic, max(concurrency, 10),
-                                              "push-worker-dlq-redrive")
-            source = DeadLetterSource(consumer, sub, rate, 1 if message_id else limit,
-                                      lambda original: admin.client.delete(keys.message_key(sub.key, original)),
-                                      message_id=message_id, selection=selection)
-            dispatcher = Dispatcher(sub, source, lambda m: original_envelope(sub, m), ctx)
-            dispatcher.start()
-            report = 0.0
-            while not (source.exhausted.is_set() and dispatcher.stats.settled == source.taken):
-                await asyncio.sleep(0.1)
-                if time.monotonic() - report >= 1.0:
-                    report = time.monotonic()
-                    progress(_progress(sub, dispatcher, source, time.monotonic() - started))
-            if message_id is not None and source.taken == 0:
-                raise NotFound(f"no dead letter {message_id} for {sub.key} (by its own id or its original id)")
-            result = {"subscription": sub.key, **selection.describe(), "redriven": dispatcher.stats.acked,
-                      "dead_lettered_again": dispatcher.stats.dead_lettered, "taken": source.taken,
-                      "seconds": round(time.monotonic() - started, 1)}
-        finally:
-            if dispatcher is not None:
-                await dispatcher.stop(grace=settings.shutdown_grace_seconds)
-            await ctx.dead_letters.close()
-            await asyncio.wait_for(client.close(), timeout=5.0)
-            await pipeliner.close()
-            await deliverer.close()
+        async with operator_delivery(settings, self.pulsar_settings, admin.client, "dlq-redrive") as delivery:
+            try:
+                assert sub.dead_letter_topic is not None
+                consumer = await subscribe_cursor(delivery.client, sub.dead_letter_topic, max(concurrency, 10),
+                                                  "push-worker-dlq-redrive")
+                source = DeadLetterSource(consumer, sub, rate, 1 if message_id else limit,
+                                          lambda original: admin.client.delete(keys.message_key(sub.key, original)),
+                                          message_id=message_id, selection=selection)
+                dispatcher = Dispatcher(sub, source, lambda m: original_envelope(sub, m), delivery.ctx)
+                dispatcher.start()
+                report = 0.0
+                while not (source.exhausted.is_set() and dispatcher.stats.settled == source.taken):
+                    await asyncio.sleep(0.1)
+                    if time.monotonic() - report >= 1.0:
+                        report = time.monotonic()
+                        progress(_progress(sub, dispatcher, source, time.monotonic() - started))
+                if message_id is not None and source.taken == 0:
+                    raise NotFound(f"no dead letter {message_id} for {sub.key} (by its own id or its original id)")
+                result = {"subscription": sub.key, **selection.describe(), "redriven": dispatcher.stats.acked,
+                          "dead_lettered_again": dispatcher.stats.dead_lettered, "taken": source.taken,
+                          "seconds": round(time.monotonic() - started, 1)}
+            finally:
+                if dispatcher is not None:
+                    await dispatcher.stop(grace=settings.shutdown_grace_seconds)
         return Output(result, f"{sub.key}: redrive done: {result['redriven']} delivered, "
                               f"{result['dead_lettered_again']} dead-lettered again, in {result['seconds']}s")
 

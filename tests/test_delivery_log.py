@@ -1,0 +1,64 @@
+"""The delivery log's bounds: a subscription's stream keeps at most `redis.delivery_log_attempts`
+entries and none older than `redis.delivery_log_seconds`, and its hourly counts drop the hours the
+window has left (real Redis; the search itself is tested through the API, tests/test_operator_api.py)."""
+
+from __future__ import annotations
+
+import time
+
+import redis as redis_sync
+import redis.asyncio as aioredis
+
+from tests.support.helpers import eventually
+from worker.core import keys
+from worker.core.attempts import AttemptStore
+from worker.core.redis_batch import Pipeliner
+from worker.model.config import RedisSettings
+from worker.ops import delivery_log
+from worker.ops.delivery_log import LogQuery
+
+SUB = "p-test/logged"
+
+
+def attempt(n: int, status: str = "204") -> dict:
+    return {"at_ms": int(time.time() * 1000), "attempt": 1, "result": "ack" if status == "204" else "nack",
+            "status": status, "latency_ms": 3.0 + n % 50, "worker": "w0",
+            "request_headers": {"Pubsub-Message-Id": f"1:{n}:-1:-1"}, "response_headers": {"server": "t"}}
+
+
+async def test_the_log_keeps_the_newest_attempts_up_to_its_count_and_drops_what_is_older_than_its_window(redis_url):
+    client = redis_sync.Redis.from_url(redis_url)
+    async_client = aioredis.Redis.from_url(redis_url)
+    # A window of two hours: a test that runs across an hour's end still finds its counts.
+    settings = RedisSettings(delivery_log_attempts=1000, delivery_log_seconds=7200)
+    store = AttemptStore(Pipeliner(async_client), settings)
+    now_ms = int(time.time() * 1000)
+    hour = now_ms // 3_600_000
+    try:
+        # What an earlier day left: entries three hours old, and the counts of their hour.
+        for i in range(50):
+            client.xadd(keys.log_key(SUB), {"message_id": f"old-{i}"}, id=f"{now_ms - 3 * 3_600_000}-{i + 1}")
+        client.hset(keys.log_stats_key(SUB), mapping={f"{hour - 5}:2xx": 50, f"{hour - 5}:l1": 50, "hour": hour - 5})
+        for n in range(1500):
+            await store.record(SUB, f"1:{n}:-1:-1", [attempt(n, "503" if n % 10 == 0 else "204")], settled=n % 10 != 0,
+                               lazy=n % 2 == 0)
+        await eventually(lambda: client.xlen(keys.log_key(SUB)) <= 1100, what="the log trimmed to its count")
+        length = client.xlen(keys.log_key(SUB))
+        # MAXLEN ~ trims whole stream nodes (100 entries each): never below the bound, at most a node above.
+        assert 1000 <= length <= 1100, length
+        kept = client.xrange(keys.log_key(SUB))
+        assert not any(fields[b"message_id"].startswith(b"old-") for _, fields in kept)  # older than the window
+        assert kept[-1][1][b"message_id"] == b"1:1499:-1:-1"  # the newest kept
+        assert 0 < client.ttl(keys.log_key(SUB)) <= 7200
+        stats = client.hgetall(keys.log_stats_key(SUB))
+        assert not any(field.startswith(f"{hour - 5}:".encode()) for field in stats)
+        hours = await delivery_log.hourly(async_client, SUB, 7200)
+        assert len(hours) == 2 and sum(h["attempts"] for h in hours) == 1500
+        assert sum(h["by_class"].get("5xx", 0) for h in hours) == 150
+        # A search reads at most SCAN_BUDGET entries a call, and says where to go on.
+        rare = await delivery_log.search(async_client, SUB, LogQuery(message_id="1:600:-1:-1", limit=5), 7200)
+        assert [e["message_id"] for e in rare["entries"]] == ["1:600:-1:-1"] and rare["scanned"] == length
+    finally:
+        await store.pipeliner.close()
+        await async_client.aclose()
+        client.close()

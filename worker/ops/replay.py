@@ -1,0 +1,152 @@
+"""A settled message read back from the broker by its id: its payload for the console, and a replay
+(one more request to the endpoint, numbered after the message's last attempt).
+
+The broker is the source: a message is read back while the topic's retention keeps it, which is
+how long the platform promises to keep messages; the delivery log keeps no payloads (its memory is
+per attempt, docs/sizing.md). Past the retention, reading answers NotFound and says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from typing import Any
+
+import pulsar
+from pulsar import asyncio as pulsar_async
+
+from worker.broker import consumer as pulsar_adapter
+from worker.core import keys
+from worker.core.dispatcher import Dispatcher
+from worker.model.config import PulsarSettings, Settings
+from worker.model.subscriptions import Subscription
+from worker.ops.delivering import check_credentials, operator_delivery
+from worker.runtime.errors import NotFound, PushWorkerError
+from worker.state.redis_client import AsyncClient
+
+READ_SECONDS = 10.0
+PREVIEW_BYTES = 64 * 1024  # of a payload, shown in a page; the rest is downloaded
+SETTLED_EVENTS = ("ack", "dead-lettered", "discarded", "dropped")
+
+
+class StillDelivering(PushWorkerError):
+    """The message is not settled yet: a replay would race the worker delivering it."""
+
+
+def message_id_of(text: str) -> pulsar.MessageId:
+    """`ledger:entry:partition:batch`, the form the fleet shows, as the client's id."""
+    parts = text.split(":")
+    if len(parts) != 4 or not all(p.lstrip("-").isdigit() for p in parts):
+        raise NotFound(f"{text}: not a message id (they look like ledger:entry:partition:batch)")
+    ledger, entry, partition, batch = (int(p) for p in parts)
+    return pulsar.MessageId(partition, ledger, entry, batch)
+
+
+async def read(client: pulsar_async.Client, topic: str, message_id: str) -> pulsar.Message:
+    """The message of `topic` with this id, from the broker; NotFound once retention took it."""
+    wanted = message_id_of(message_id)
+    partition = int(message_id.split(":")[2])
+    source = f"{topic}-partition-{partition}" if partition >= 0 else topic
+    reader = await client.create_reader(source, wanted, start_message_id_inclusive=True, receiver_queue_size=1)
+    try:
+        message = await asyncio.wait_for(reader.read_next(), READ_SECONDS)
+    except TimeoutError:
+        raise NotFound(f"{message_id}: not in {topic} any more (its retention passed) or never was") from None
+    finally:
+        await asyncio.wait_for(reader.close(), 5.0)
+    if pulsar_adapter.message_id_of(message) != message_id:
+        raise NotFound(f"{message_id}: not in {topic} any more (its retention passed) or never was")
+    return message
+
+
+def payload_view(data: bytes) -> dict[str, Any]:
+    """A payload as a page shows it: JSON pretty-printed, other text as it is, binary as hex; the
+    first PREVIEW_BYTES (the download link has it all)."""
+    shown = data[:PREVIEW_BYTES]
+    view: dict[str, Any] = {"size": len(data), "truncated": len(data) > PREVIEW_BYTES}
+    try:
+        text = shown.decode("utf-8")
+    except UnicodeDecodeError:
+        if view["truncated"]:  # a multi-byte character cut at the preview's end is still text
+            try:
+                text = shown[:-3].decode("utf-8") + shown[-3:].decode("utf-8", "ignore")
+            except UnicodeDecodeError:
+                return {**view, "encoding": "hex", "text": shown.hex(" ", 1)}
+        else:
+            return {**view, "encoding": "hex", "text": shown.hex(" ", 1)}
+    if not view["truncated"]:
+        try:
+            return {**view, "encoding": "json", "text": json.dumps(json.loads(text), indent=2, ensure_ascii=False)}
+        except ValueError:
+            pass
+    return {**view, "encoding": "utf-8", "text": text}
+
+
+def last_attempt(history: list[dict[str, Any]]) -> tuple[int, bool]:
+    """The message's last attempt number, and whether its history ends settled."""
+    numbers = [int(e["attempt"]) for e in history if isinstance(e.get("attempt"), int)]
+    ends = history[-1] if history else {}
+    settled = ends.get("result") == "ack" or ends.get("event") in SETTLED_EVENTS
+    return (max(numbers) if numbers else 0), settled
+
+
+class OneMessage:
+    """A dispatcher's source holding one message read back from the broker (acks go nowhere: the
+    message was settled on the subscription before)."""
+
+    def __init__(self, message: pulsar.Message) -> None:
+        self.message = message
+        self.given = False
+        self.settled = asyncio.Event()  # acked: delivered, or dropped after its one attempt
+
+    async def receive(self) -> pulsar.Message:
+        if not self.given:
+            self.given = True
+            return self.message
+        await asyncio.Event().wait()  # nothing more; the replay stops the dispatcher
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def receive_ready(self) -> None:
+        return None
+
+    async def acknowledge(self, message: Any) -> None:
+        self.settled.set()
+
+    async def negative_acknowledge(self, message: Any) -> None:
+        return None
+
+    async def unsubscribe(self) -> None:
+        raise NotImplementedError("a replay never deletes the subscription")
+
+    async def close(self) -> None:
+        return None
+
+
+async def replay(settings: Settings, pulsar_settings: PulsarSettings, redis: AsyncClient, sub: Subscription,
+                 message_id: str, history: list[dict[str, Any]]) -> dict[str, Any]:
+    """One more request for a settled message, numbered after its last attempt (its record is set
+    to that number first, so the dispatcher counts on from it); not retried, never dead-lettered."""
+    check_credentials(settings, sub, "replay")
+    number, settled = last_attempt(history)
+    if history and not settled:
+        raise StillDelivering(f"{message_id}: still being delivered (attempt {number} so far): replay it once it "
+                              "is settled")
+    # One attempt and no dead letter: a replay that fails says so and leaves the message settled.
+    once = dataclasses.replace(sub, max_deliver=number + 1, dead_letter_topic=None, type="shared")
+    record = keys.message_key(sub.key, message_id)
+    async with operator_delivery(settings, pulsar_settings, redis, "replay") as delivery:
+        message = await read(delivery.client, sub.topic, message_id)
+        await redis.delete(record)
+        if number:
+            await redis.hset(record, "n", number)
+        source = OneMessage(message)
+        dispatcher = Dispatcher(once, source, pulsar_adapter.to_envelope, delivery.ctx)
+        dispatcher.start()
+        try:
+            await asyncio.wait_for(source.settled.wait(), sub.ack_deadline_seconds + READ_SECONDS)
+        finally:
+            await dispatcher.stop(grace=settings.shutdown_grace_seconds)
+    delivered = dispatcher.stats.acked == 1
+    return {"subscription": sub.key, "message_id": message_id, "attempt": number + 1,
+            "result": "delivered" if delivered else "failed"}
