@@ -1,7 +1,10 @@
 """The web console in a real browser: Debian's headless Chromium driven by Selenium through Debian's
 chromium-driver (nothing downloaded). An operator logs in with a token, finds the failing
 subscription, reads a message's attempt log, pauses the subscription (the worker stops sending),
-redrives a dead letter (it arrives); a viewer cannot act; another project sees nothing.
+redrives a dead letter (it arrives); a viewer cannot act; another project sees nothing. A newcomer
+finds a failing message in at most three clicks from the project list; the delivery log's search,
+a replay, creating and editing a subscription (the diff before saving) and the endpoint view, each
+as an operator uses them.
 
 With PUSH_WORKER_SCREENSHOTS=docs/images the pages' screenshots land there (`make screenshots`)."""
 
@@ -14,6 +17,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 import pytest
@@ -245,3 +249,184 @@ async def test_a_form_posted_from_another_site_or_without_the_session_value_chan
     async with aiohttp.ClientSession() as session, session.get(base + "/console/", allow_redirects=False) as r:
         assert r.status == 302 and r.headers["Location"] == "/console/login"  # no session: the login page
     _ = Callable  # typing only
+
+
+class Clicks(Pages):
+    """Pages that count the clicks a person makes."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.clicks = 0
+
+    def go(self, element: Any) -> None:
+        self.clicks += 1
+        super().go(element)
+
+
+@pytest.fixture
+async def console(start_worker, start_admin, endpoint: Endpoint, tmp_path: Path):
+    settings, tokens = admin_settings(tmp_path / "admin")
+    w = await start_worker(fleet=FleetSettings(name="log-" + uuid.uuid4().hex[:8], lease_seconds=3,
+                                               heartbeat_seconds=0.5))
+    base = f"http://127.0.0.1:{(await start_admin(w, settings)).port}"
+    return w, base, tokens, Path(os.environ.get("PUSH_WORKER_SCREENSHOTS") or tmp_path / "shots")
+
+
+async def test_a_newcomer_finds_a_failing_message_in_three_clicks_searches_the_log_and_replays_it(
+        console, endpoint: Endpoint, client: Client, browser):
+    w, base, tokens, shots = console
+    alice = ApiClient(base, tokens["alice"])
+    topic = f"persistent://p-a/main/pay-{uuid.uuid4().hex[:8]}"
+    failing = {b"order-2"}
+
+    def answer(rec: Received) -> web.Response:
+        return web.Response(status=503 if rec.body_payload in failing else 204, headers={"X-Trace": "t-1"})
+
+    endpoint.behaviour = answer
+    created = await alice.call("POST", "/v1/projects/p-a/subscriptions", definition("payments", topic, endpoint.url))
+    assert created[0] == 201
+    await eventually(lambda: "p-a/payments" in w.dispatchers, what="served")
+    ids = client.publish(topic, [b'{"order": %d}' % i for i in range(2)] + [b"order-2"])
+    await eventually(lambda: w.dispatchers["p-a/payments"].stats.dead_lettered == 1, what="the failing one dead")
+
+    async def logged() -> bool:
+        _, page = await alice.call("GET", "/v1/projects/p-a/subscriptions/payments/log?limit=200")
+        return len(page["entries"]) == 6  # two delivered, three attempts of the failing one, its dead letter
+    await eventually(logged, what="every attempt in the log")
+    pages = Clicks(browser, base, shots)
+
+    def newcomer() -> None:
+        pages.log_in(tokens["alice"])
+        pages.clicks = 0  # from the project list on
+        pages.go(pages.find("tr[data-name='payments'] a"))
+        pages.find("#search select[name=status]").send_keys("5xx")
+        pages.go(pages.find("#search-log"))
+        rows = pages.all("#log tbody tr")
+        assert len(rows) == 3 and all("503" in row.text for row in rows)
+        pages.shot("log")
+        pages.go(pages.find(f"#log a[href$='{quote(ids[2], safe='')}']"))
+        assert pages.clicks <= 3 and "Message " + ids[2] in pages.find("h1").text
+        assert [row.find_elements(pages.by.TAG_NAME, "td")[3].text for row in pages.all("#attempts tbody tr")][:3] == \
+            ["503"] * 3
+        exchange = pages.find("#exchange-1").text
+        assert "Pubsub-Message-Id" in exchange and "t-1" in exchange  # the headers both ways
+        assert pages.find("#payload pre").text == "order-2"
+
+    await asyncio.to_thread(newcomer)
+
+    def search_and_replay() -> None:
+        pages.open("/console/projects/p-a/subscriptions/payments")
+        pages.find("#search input[name=message_id]").send_keys(ids[0])
+        pages.go(pages.find("#search-log"))
+        assert [row.find_elements(pages.by.TAG_NAME, "td")[1].text for row in pages.all("#log tbody tr")] == [ids[0]]
+        pages.go(pages.find(f"#log a[href$='{quote(ids[0], safe='')}']"))
+        assert pages.find("#payload pre").text == '{\n  "order": 0\n}'  # JSON pretty-printed
+        pages.shot("message-payload")
+        before = len(endpoint.requests)
+        pages.go(pages.find("#replay"))
+        pages.go(pages.find("#confirm"))
+        assert pages.find("#notice").text == f"replayed {ids[0]} as attempt 2: delivered"
+        assert [(r.headers["Pubsub-Message-Id"], r.headers["Pubsub-Delivery-Attempt"])
+                for r in endpoint.requests[before:]] == [(ids[0], "2")]
+
+    await asyncio.to_thread(search_and_replay)
+
+
+async def test_an_operator_creates_a_subscription_and_edits_it_seeing_the_diff_before_saving(
+        console, endpoint: Endpoint, browser):
+    w, base, tokens, shots = console
+    suffix = uuid.uuid4().hex[:8]
+    pages = Pages(browser, base, shots)
+
+    def create_and_edit() -> None:
+        pages.log_in(tokens["alice"])
+        pages.open("/console/projects/p-a")
+        pages.go(pages.find("#new-subscription"))
+        box = pages.find("#definition")
+        box.clear()
+        box.send_keys(f"name: made-{suffix}\ntopic: persistent://p-b/main/t-{suffix}\n"
+                      f"deliver: {{mode: push, push: {{url: '{endpoint.url}'}}}}\n")
+        pages.go(pages.find("#preview"))
+        assert "p-a's tenant" in pages.find("#form-error").text  # the API's rule: nothing saved
+        box = pages.find("#definition")
+        box.clear()
+        box.send_keys(f"name: made-{suffix}\ntopic: persistent://p-a/main/t-{suffix}\nmax_deliver: 3\n"
+                      f"deliver: {{mode: push, push: {{url: '{endpoint.url}', breaker: 'off'}}}}\n")
+        pages.go(pages.find("#preview"))
+        assert f"+name: made-{suffix}" in pages.find("#diff").text
+        pages.go(pages.find("#save"))
+        assert pages.find("#notice").text == "created"
+        wait_sync(lambda: f"p-a/made-{suffix}" in w.dispatchers, what="the worker serving the new subscription")
+
+        pages.go(pages.find("#edit"))
+        box = pages.find("#definition")
+        text = box.get_attribute("value")
+        box.clear()
+        box.send_keys(text.replace("max_deliver: 3", "max_deliver: 7"))
+        pages.go(pages.find("#preview"))
+        diff = pages.find("#diff").text.splitlines()
+        assert "-max_deliver: 3" in diff and "+max_deliver: 7" in diff and len([d for d in diff if d[:1] in "+-"]) == 2
+        pages.shot("edit-diff")
+        pages.go(pages.find("#save"))
+        assert pages.find("#notice").text == "saved"
+
+    await asyncio.to_thread(create_and_edit)
+    await eventually(lambda: w.dispatchers[f"p-a/made-{suffix}"].sub.max_deliver == 7, what="the edit applied")
+
+
+async def test_the_endpoint_view_lists_every_subscription_pushing_to_a_host(
+        console, endpoint: Endpoint, client: Client, browser):
+    w, base, tokens, shots = console
+    alice = ApiClient(base, tokens["alice"])
+    suffix = uuid.uuid4().hex[:8]
+    endpoint.behaviour = lambda rec: web.Response(status=500 if rec.headers["Pubsub-Subscription"] == "ledger" else 204)
+    for name in ("ledger", "mailer"):
+        topic = f"persistent://p-a/main/{name}-{suffix}"
+        created = await alice.call("POST", "/v1/projects/p-a/subscriptions", definition(name, topic, endpoint.url))
+        assert created[0] == 201
+        await eventually(lambda name=name: f"p-a/{name}" in w.dispatchers, what=f"{name} served")
+        client.publish(topic, [b"x"])
+    await eventually(lambda: w.dispatchers["p-a/ledger"].stats.dead_lettered == 1, what="ledger's message failed")
+    pages = Pages(browser, base, shots)
+
+    def endpoint_view() -> None:
+        pages.log_in(tokens["alice"])
+        pages.open("/console/projects/p-a/subscriptions/ledger")
+        assert [f.get_attribute("id") for f in pages.all("figure.chart")] == ["chart-rate", "chart-outcomes",
+                                                                               "chart-p95"]
+        pages.go(pages.find("#endpoint"))
+        rows = pages.all("#endpoint-subscriptions tbody tr")
+        names = {row.find_elements(pages.by.TAG_NAME, "td")[1].text: row.text for row in rows}
+        assert sorted(names) == ["ledger", "mailer"] and "500" in names["ledger"] and "500" not in names["mailer"]
+        assert pages.find("#endpoint-failed").text != "0%"
+        pages.shot("endpoint")
+        pages.go(pages.find("#endpoint-subscriptions a[href$='/mailer']"))
+        assert pages.find("h1").text.startswith("mailer")
+
+    await asyncio.to_thread(endpoint_view)
+
+
+async def test_a_subscription_page_reloads_itself_with_the_default_settings_and_stops_when_asked(
+        start_worker, start_admin, browser, tmp_path: Path):
+    """The live view as shipped (admin.refresh_seconds 15): a meta refresh, no script, and the page
+    is in fact loaded again; `stop` keeps it still."""
+    settings, tokens = admin_settings(tmp_path / "admin", refresh_seconds=15)
+    w = await start_worker(fleet=FleetSettings(name="live-" + uuid.uuid4().hex[:8]))
+    base = f"http://127.0.0.1:{(await start_admin(w, settings)).port}"
+    topic = f"persistent://p-a/main/live-{uuid.uuid4().hex[:8]}"
+    created = await ApiClient(base, tokens["alice"]).call("POST", "/v1/projects/p-a/subscriptions",
+                                                          definition("watched", topic, "https://example.com/push"))
+    assert created[0] == 201
+    pages = Pages(browser, base, tmp_path)
+
+    def live() -> None:
+        pages.log_in(tokens["alice"])
+        pages.open("/console/projects/p-a/subscriptions/watched")
+        assert pages.find("meta[http-equiv=refresh]").get_attribute("content") == "15"
+        assert not pages.all("script")
+        page = pages.find("html")
+        wait_sync(lambda: not _alive(page), 30, what="the page loaded again by itself")
+        pages.go(pages.find("#stop-live"))  # just after a reload: the next is 15 s away
+        assert not pages.all("meta[http-equiv=refresh]") and pages.find("#start-live")
+
+    await asyncio.to_thread(live)

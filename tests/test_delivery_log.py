@@ -62,3 +62,30 @@ async def test_the_log_keeps_the_newest_attempts_up_to_its_count_and_drops_what_
         await store.pipeliner.close()
         await async_client.aclose()
         client.close()
+
+
+async def test_an_attempt_costs_the_log_about_600_bytes_with_the_usual_headers(redis_url):
+    """docs/sizing.md's figure: an acked attempt with a dozen request headers and three answered
+    ones, as a worker writes it, in Redis's own count (MEMORY USAGE of the stream per entry)."""
+    client = redis_sync.Redis.from_url(redis_url)
+    async_client = aioredis.Redis.from_url(redis_url)
+    store = AttemptStore(Pipeliner(async_client), RedisSettings())
+    sent = {"Content-Type": "application/json", "Pubsub-Subscription": "orders",
+            "Pubsub-Topic": "persistent://p-demo/main/orders", "Pubsub-Publish-Time": "2026-12-06T11:00:00.123Z",
+            "Pubsub-Delivery-Attempt": "1", "Authorization": "[redacted]", "webhook-id": "msg_2Lk5",
+            "webhook-timestamp": "1765018800", "webhook-signature": "[redacted]", "Pubsub-Ordering-Key": "c-7"}
+    answered = {"content-length": "0", "date": "Sun, 06 Dec 2026 11:00:00 GMT", "server": "nginx"}
+    try:
+        for n in range(5000):
+            message_id = f"123:{n}:-1:-1"
+            await store.record(SUB, message_id, [{**attempt(n), "worker": "push-worker-7d9f5c-x2k4q",
+                                                  "request_headers": {**sent, "Pubsub-Message-Id": message_id},
+                                                  "response_headers": answered}],
+                               settled=True, acked_first_time=True, lazy=n % 100 != 0)
+        await eventually(lambda: client.xlen(keys.log_key(SUB)) == 5000, what="all logged")
+        per_entry = client.memory_usage(keys.log_key(SUB), samples=0) / 5000
+        assert 450 <= per_entry <= 750, per_entry
+    finally:
+        await store.pipeliner.close()
+        await async_client.aclose()
+        client.close()

@@ -533,10 +533,11 @@ async def test_an_operator_reads_a_payload_back_from_the_broker_and_replays_a_de
     assert shown["payload"] == {"size": 8, "truncated": False, "encoding": "hex", "text": "00 ff 62 69 6e 61 72 79"}
     status, data, headers = await alice.raw(f"{base}/{binary}/payload")
     assert status == 200 and data == b"\x00\xffbinary" and "attachment" in headers["Content-Disposition"]
-    _, viewed = await victor.call("GET", f"{base}/{binary}")
-    assert "payload" not in viewed
-    assert (await victor.raw(f"{base}/{binary}/payload"))[0] == 403
-    assert (await victor.call("POST", f"{base}/{binary}/replay"))[0] == 403
+    _, viewed = await victor.call("GET", f"{base}/{binary}")  # the project's data: its viewers read it too
+    assert viewed["payload"]["text"] == "00 ff 62 69 6e 61 72 79"
+    assert all(e["request_headers"] == {} for e in viewed["log"])
+    assert (await victor.raw(f"{base}/{binary}/payload"))[:2] == (200, b"\x00\xffbinary")
+    assert (await victor.call("POST", f"{base}/{binary}/replay"))[0] == 403  # acting is the operators'
 
     before = len(endpoint.requests)
     status, replayed = await alice.call("POST", f"{base}/{binary}/replay")

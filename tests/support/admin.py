@@ -51,9 +51,12 @@ def write_jwks(path: Path, issuer: Issuer) -> None:
     path.write_text(json.dumps({"keys": [{**public, "kid": issuer.kid, "alg": "RS256", "use": "sig"}]}))
 
 
-def admin_settings(directory: Path, issuer: Issuer | None = None) -> tuple[AdminSettings, dict[str, str]]:
+def admin_settings(directory: Path, issuer: Issuer | None = None,
+                   refresh_seconds: int = 3600) -> tuple[AdminSettings, dict[str, str]]:
     """The admin listener on a free port with a static token per PRINCIPALS entry (and JWTs of
-    `issuer`); returns the settings and each principal's token."""
+    `issuer`); returns the settings and each principal's token. Live pages reload every 15 s by
+    default: here once an hour, so that no reload races a test's clicks (the live view's own test
+    keeps the default)."""
     directory.mkdir(parents=True, exist_ok=True)
     tokens: dict[str, str] = {}
     static = []
@@ -67,7 +70,7 @@ def admin_settings(directory: Path, issuer: Issuer | None = None) -> tuple[Admin
     if issuer is not None:
         write_jwks(directory / "jwks.json", issuer)
         jwt_settings = JwtSettings(ISSUER, AUDIENCE, jwks_file=str(directory / "jwks.json"))
-    return AdminSettings(port=0, tokens=tuple(static), jwt=jwt_settings), tokens
+    return AdminSettings(port=0, tokens=tuple(static), jwt=jwt_settings, refresh_seconds=refresh_seconds), tokens
 
 
 def _operation(method: str, path: str) -> tuple[str, dict[str, Any]]:

@@ -23,7 +23,7 @@ def charts(hours: list[dict[str, Any]]) -> list[dict[str, Any]]:
     left, right = rfc3339(hours[0]["hour_ms"])[:13] + "h", rfc3339(hours[-1]["hour_ms"])[:13] + "h"
     most = max(max(h["attempts"] for h in hours), 1)
     rate = [{"x": round(i * step, 1), "w": round(max(step - 1, 1), 1), "h": round(h["attempts"] / most * HEIGHT, 1),
-             "y": round(HEIGHT - h["attempts"] / most * HEIGHT, 1), "cls": "ok",
+             "y": round(HEIGHT - h["attempts"] / most * HEIGHT, 1), "cls": "rate",
              "label": f"{rfc3339(h['hour_ms'])[:13]}h: {h['attempts']} attempts"} for i, h in enumerate(hours)]
     shares = []
     for i, h in enumerate(hours):
@@ -38,11 +38,14 @@ def charts(hours: list[dict[str, Any]]) -> list[dict[str, Any]]:
             top += part
     latencies = [h["p95_latency_ms"] for h in hours]
     slowest = max([v for v in latencies if v is not None] or [1.0])
-    line = " ".join(f"{i * step + step / 2:.1f},{HEIGHT - v / slowest * (HEIGHT - 2):.1f}"
-                    for i, v in enumerate(latencies) if v is not None)
+    points = [(round(i * step + step / 2, 1), round(HEIGHT - v / slowest * (HEIGHT - 2), 1), v, hours[i]["hour_ms"])
+              for i, v in enumerate(latencies) if v is not None]
+    line = " ".join(f"{x},{y}" for x, y, _, _ in points)
+    dots = [{"x": x - 1.5, "y": y - 1.5, "w": 3, "h": 3, "cls": "rate",  # a lone hour shows as a dot
+             "label": f"{rfc3339(hour)[:13]}h: p95 {v:g} ms"} for x, y, v, hour in points]
     frame = {"width": WIDTH, "height": HEIGHT, "left": left, "right": right}
     return [{**frame, "id": "rate", "title": "Attempts per hour", "bars": rate, "line": "", "top": f"{most}"},
             {**frame, "id": "outcomes", "title": "Outcomes per hour (share)", "bars": shares, "line": "",
              "top": "100%"},
-            {**frame, "id": "p95", "title": "p95 latency per hour", "bars": [], "line": line,
+            {**frame, "id": "p95", "title": "p95 latency per hour", "bars": dots, "line": line,
              "top": f"{slowest:g} ms"}]

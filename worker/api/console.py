@@ -13,6 +13,7 @@ cannot read, and a request whose Origin is another site is refused.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import hmac
 import time
@@ -43,6 +44,7 @@ from worker.api.routes import (
     visible_projects,
 )
 from worker.core.messages import rfc3339
+from worker.model.config import parse_yaml
 from worker.ops.delivery_log import STATUS_CLASSES
 from worker.ops.render import inert
 from worker.runtime.errors import ConfigError, NotFound, PushWorkerError
@@ -55,7 +57,7 @@ ACTIONS = {"pause": "Pause", "resume": "Resume", "seek": "Seek", "redrive": "Red
 SORTABLE = ("name", "state", "workers", "backlog", "oldest_unacked_age_seconds", "delivery_rate", "p95_latency_ms",
             "errors")
 ANSWER_SHOWN = 256  # bytes of an endpoint's answer on the message page (the attempt log keeps no more)
-LIVE_SECONDS = 15  # a subscription page reloads itself this often (a meta refresh: no script)
+MAX_DEFINITION_CHARS = 16 * 1024  # as the API's body (MAX_BODY_BYTES is the whole form's)
 SEARCH_FIELDS = ("message_id", "since", "until", "status", "min_attempt", "ordering_key")
 
 def _shown(value: Any) -> Any:
@@ -131,9 +133,11 @@ class Console:
     COOKIE = COOKIE
 
     def __init__(self, ops: Operations, auth: Authenticator, secure_cookie: bool,
-                 on_failed_login: Callable[[], None] = lambda: None, grafana_url: str = "") -> None:
+                 on_failed_login: Callable[[], None] = lambda: None, grafana_url: str = "",
+                 refresh_seconds: int = 15) -> None:
         self.ops = ops
         self.grafana_url = grafana_url
+        self.refresh_seconds = refresh_seconds  # live pages reload with a meta refresh: no script
         self.auth = auth
         self.secure_cookie = secure_cookie
         self.failed_logins = FailedLogins()
@@ -148,6 +152,11 @@ class Console:
         app.router.add_get("/console/", self.index)
         app.router.add_get("/console", self.index)
         app.router.add_get("/console/projects/{project}", self.project)
+        app.router.add_get("/console/projects/{project}/new", self.new)
+        app.router.add_post("/console/projects/{project}/new", self.save_new)
+        app.router.add_get("/console/endpoints/{host}", self.endpoint)
+        app.router.add_get(base + "/edit", self.edit)
+        app.router.add_post(base + "/edit", self.save_edit)
         app.router.add_get(base, self.subscription)
         app.router.add_get(base + "/messages/{message_id}", self.message)
         app.router.add_get(base + "/messages/{message_id}/payload", self.payload)
@@ -252,7 +261,8 @@ class Console:
                           dead=dead, dead_note=dead_note, notice=request.cookies.get(NOTICE_COOKIE, ""),
                           spark=sparkline(sub["status"]["delivered_per_step"]),
                           can_act=request[PRINCIPAL].grants.acts_on(project),
-                          live=request.query.get("live") != "0", live_seconds=LIVE_SECONDS,
+                          live=request.query.get("live") != "0" and self.refresh_seconds > 0,
+                          live_seconds=self.refresh_seconds,
                           charts=charts(hours["hours"]), kept=_duration(hours["kept_seconds"]),
                           status_classes=STATUS_CLASSES, grafana=self.grafana_link(project, name))
         if NOTICE_COOKIE in request.cookies:
@@ -268,12 +278,12 @@ class Console:
             answer = entry.get("answer")
             if isinstance(answer, str):
                 entry["answer"] = answer[:ANSWER_SHOWN]
-        return self._page(request, "message.html", project=project, name=name, message=data)
+        return self._page(request, "message.html", project=project, name=name, message=data,
+                          can_act=request[PRINCIPAL].grants.acts_on(project))
 
     async def payload(self, request: web.Request) -> web.Response:
-        """The download link of a message page: the payload's bytes (operators, as the API)."""
+        """The download link of a message page: the payload's bytes (as the API gives them)."""
         project = self._project(request)
-        may_act(request[PRINCIPAL], project)
         message_id = request.match_info["message_id"]
         return payload_download(await self.ops.payload(project, request.match_info["name"], message_id), message_id)
 
@@ -295,6 +305,88 @@ class Console:
             return ""
         return f"{base.rstrip('/')}/d/push-worker-subscription/push-worker-subscription?" + urlencode(
             {"var-project": project, "var-subscription": name}, quote_via=quote)
+
+    async def endpoint(self, request: web.Request) -> web.Response:
+        """Every subscription the caller sees that pushes to one host, with its health."""
+        host = request.match_info["host"].lower()
+        rows = []
+        for project in await visible_projects(self.ops, request[PRINCIPAL]):
+            rows += [row for row in await self.ops.subscriptions(project) if row.get("endpoint") == host]
+        for row in rows:
+            row["errors"] = _errors(row)
+        attempts = sum(row["attempts_recent"] for row in rows)
+        failed = sum(row["errors"] * row["attempts_recent"] for row in rows) / attempts if attempts else 0.0
+        worst = max((row["p95_latency_ms"] for row in rows if row["p95_latency_ms"] is not None), default=None)
+        return self._page(request, "endpoint.html", host=host, rows=rows, attempts=attempts, failed=failed,
+                          worst_p95=worst, live_seconds=self.refresh_seconds)
+
+    # -- creating and editing: a form, the diff, then the save ---------------------------------
+
+    async def new(self, request: web.Request) -> web.Response:
+        project = self._project(request)
+        may_act(request[PRINCIPAL], project)
+        return self._editor(request, project, None, NEW_TEMPLATE.format(project=project))
+
+    async def edit(self, request: web.Request) -> web.Response:
+        project = self._project(request)
+        name = request.match_info["name"]
+        may_act(request[PRINCIPAL], project)
+        return self._editor(request, project, name, await self._current(project, name))
+
+    async def _current(self, project: str, name: str) -> str:
+        sub = await self.ops.subscription(project, name)
+        definition = sub.get("definition")
+        if not definition or sub["status"].get("source") != "registry":
+            raise Forbidden(f"{name} is defined in a worker's config file: change it there")
+        return yaml.safe_dump(definition, sort_keys=False, allow_unicode=True)
+
+    def _editor(self, request: web.Request, project: str, name: str | None, text: str, error: str = "",
+                diff: list[str] | None = None, status: int = 200) -> web.Response:
+        base = f"/console/projects/{quote(project, safe='')}"
+        action = f"{base}/new" if name is None else f"{base}/subscriptions/{quote(name, safe='')}/edit"
+        page = self._page(request, "edit.html", project=project, name=name or "", creating=name is None, text=text,
+                          error=error, diff=diff, action=action,
+                          cancel=base if name is None else f"{base}/subscriptions/{quote(name, safe='')}")
+        page.set_status(status)
+        return page
+
+    async def save_new(self, request: web.Request) -> web.StreamResponse:
+        return await self._save(request, self._project(request), None)
+
+    async def save_edit(self, request: web.Request) -> web.StreamResponse:
+        return await self._save(request, self._project(request), request.match_info["name"])
+
+    async def _save(self, request: web.Request, project: str, name: str | None) -> web.StreamResponse:
+        """A posted definition: back to the form with the first broken rule, or the diff to confirm,
+        or (confirmed) saved through the API's operation, audited as the API audits it."""
+        principal = request[PRINCIPAL]
+        may_act(principal, project)
+        form = await self._checked_form(request)
+        # A browser sends a textarea's lines ended by CRLF (and a hidden field's again): one ending.
+        text = form.get("definition", "").replace("\r\n", "\n").replace("\r", "\n")
+        if form.get("back") == "yes":
+            return self._editor(request, project, name, text)
+        current = await self._current(project, name) if name is not None else ""
+        try:
+            definition = _definition_of(text)
+            await self.ops.check(project, definition, editing=name)
+        except (ConfigError, NotFound) as e:  # NotFound: another project's topic says no more than that
+            return self._editor(request, project, name, text, error=" ".join(str(e).split()), status=400)
+        if form.get("confirmed") != "yes":
+            proposed = yaml.safe_dump(definition, sort_keys=False, allow_unicode=True)
+            diff = list(difflib.unified_diff(current.splitlines(), proposed.splitlines(), "saved", "yours",
+                                             lineterm="", n=3))[2:]
+            return self._editor(request, project, name, text, diff=diff)
+        target = str(definition["name"])
+        with audited(principal, project, "create" if name is None else "edit", target):
+            if name is None:
+                await self.ops.create(project, definition)
+            else:
+                await self.ops.replace(project, name, definition)
+        response = redirect(f"/console/projects/{quote(project, safe='')}/subscriptions/{quote(target, safe='')}")
+        response.set_cookie(NOTICE_COOKIE, "created" if name is None else "saved", max_age=60, path="/console",
+                            httponly=True, samesite="Strict", secure=self.secure_cookie)
+        return response
 
     def _action(self, request: web.Request) -> tuple[str, str, str]:
         """The project, subscription and action of an action's page or form, which the caller may do."""
@@ -329,6 +421,32 @@ class Console:
         response.set_cookie(NOTICE_COOKIE, _notice(action, outcome), max_age=60, path="/console", httponly=True,
                             samesite="Strict", secure=self.secure_cookie)
         return response
+
+
+NEW_TEMPLATE = """name: my-subscription
+topic: persistent://{project}/main/my-topic
+ack_deadline_seconds: 30
+max_deliver: 5
+deliver:
+  mode: push
+  push:
+    url: https://example.com/push
+dead_letter:
+  topic: persistent://{project}/main/my-topic-dlq
+"""
+
+
+def _definition_of(text: str) -> Any:
+    """The form's YAML, or a ConfigError naming what is wrong with it."""
+    if len(text) > MAX_DEFINITION_CHARS:
+        raise ConfigError("definition", "YAML", f"is over {MAX_DEFINITION_CHARS} characters")
+    try:  # an alias repeats a node without its size showing: a few lines could stand for millions
+        aliased = any(isinstance(event, yaml.AliasEvent) for event in yaml.parse(text))
+    except yaml.YAMLError:
+        aliased = False  # parse_yaml says what is wrong
+    if aliased:
+        raise ConfigError("definition", "YAML", "anchors and aliases (*name) are not taken here: write it out")
+    return parse_yaml(text, "definition", "YAML")
 
 
 def _duration(seconds: int) -> str:

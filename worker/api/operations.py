@@ -138,20 +138,21 @@ class Operations:
                                                max(times) + 1000) if times else []
         out = {"message_id": message_id, "history": _answers(data["history"], answers),
                "attempts_in_progress": data["attempts_in_progress"], "log": _headers(logged, answers)}
-        if answers:  # payloads, as answers, to the project's operators only (docs/security.md)
-            try:
-                message = await replay.read(self._broker(), (await self.admin.definition(key)).topic, message_id)
-            except (NotFound, PushWorkerError) as e:
-                out["payload"] = {"unavailable": str(e)}
-            else:
-                out["payload"] = replay.payload_view(message.data() or b"")
-                out["attributes"] = dict(message.properties())
-                out["ordering_key"] = message.partition_key() or None
-                out["publish_time_ms"] = message.publish_timestamp()
+        # The payload is the project's own data: its viewers see it, as they see dead letters'
+        # (docs/security.md); headers and answers, which may echo a credential, are for operators.
+        try:
+            message = await replay.read(self._broker(), (await self.admin.definition(key)).topic, message_id)
+        except PushWorkerError as e:
+            out["payload"] = {"unavailable": str(e)}
+        else:
+            out["payload"] = replay.payload_view(message.data() or b"")
+            out["attributes"] = dict(message.properties())
+            out["ordering_key"] = message.partition_key() or None
+            out["publish_time_ms"] = message.publish_timestamp()
         return out
 
     async def payload(self, project: str, name: str, message_id: str) -> bytes:
-        """The whole payload, read back from the broker (operators)."""
+        """The whole payload, read back from the broker."""
         key = await self.existing(project, name)
         message = await replay.read(self._broker(), (await self.admin.definition(key)).topic, message_id)
         return message.data() or b""
@@ -212,6 +213,16 @@ class Operations:
         return await self.subscription(project, name)
 
     async def _apply(self, project: str, definition: dict[str, Any]) -> None:
+        await self.check(project, definition)
+        await self.admin.registry.apply_all([definition])
+        self.shared_reads.clear()
+
+    async def check(self, project: str, definition: Any, editing: str | None = None) -> None:
+        """What creating (or, `editing`, replacing) a definition would check, without writing: the
+        console's preview says the same as the save would."""
+        name = self._name_in(project, definition)
+        if editing is not None and name != editing:
+            raise ConfigError(f"subscription {editing!r}", "name", "cannot change: create a new subscription instead")
         # The topic decides the project: it must be this one, checked before anything that could
         # depend on another project's subscriptions (their config-file ones, say): no oracle.
         sub = parse_subscription(definition)
@@ -219,8 +230,15 @@ class Operations:
             raise ConfigError(f"subscription {sub.name!r}", "topic", f"must be in project {project}'s tenant")
         self.admin.registry.check(definition)
         await self.admin.refuse_workers_own([definition])
-        await self.admin.registry.apply_all([definition])
-        self.shared_reads.clear()
+
+    async def replace(self, project: str, name: str, definition: Any) -> dict[str, Any]:
+        """The whole definition of a registry subscription replaced (the console's edit)."""
+        key = await self.existing(project, name)
+        if key not in await self.admin.registry.definitions():
+            raise Conflict(f"{name}: served from a worker's config file (read-only here): change it in that file")
+        await self.check(project, definition, editing=name)
+        await self._apply(project, definition)
+        return await self.subscription(project, name)
 
     def _changed(self, answer: Any) -> dict[str, Any]:
         """An action's answer; what the reads shared until now showed has changed with it."""
@@ -292,6 +310,7 @@ def _summary(row: dict[str, Any]) -> dict[str, Any]:
     window = recent.get("window_seconds") or 300
     return {
         "project": row["project"], "name": row["name"], "type": row["type"], "state": row["state"],
+        "endpoint": row.get("endpoint", ""),
         "reason": row.get("reason", ""), "source": row.get("source", "registry"),
         "workers": [] if row.get("owner", "-") == "-" else row["owner"].split(","),
         "backlog": row.get("backlog"), "oldest_unacked_age_seconds": row.get("oldest_unacked_age_seconds"),

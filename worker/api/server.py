@@ -85,7 +85,7 @@ class AdminServer:
         app = web.Application(middlewares=[self._guard], client_max_size=MAX_BODY_BYTES)
         Api(self.ops).add_routes(app)
         Console(self.ops, self.auth, secure_cookie=self.tls, on_failed_login=self.metrics.refused_anonymous.inc,
-                grafana_url=self.settings.grafana_url).add_routes(app)
+                grafana_url=self.settings.grafana_url, refresh_seconds=self.settings.refresh_seconds).add_routes(app)
         self._runner = CappedRunner(app, MAX_CONNECTIONS, self.metrics.limited.labels("connections").inc,
                                     access_log=None)
         await self._runner.setup()

@@ -10,7 +10,10 @@ is theirs (1).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
+
+from redis.exceptions import ResponseError
 
 from worker.core import keys
 from worker.runtime.errors import StartupError
@@ -32,8 +35,13 @@ def _number(raw: Any) -> int:
 
 async def claim(client: Any) -> int:
     """The layout Redis holds, recorded as ours when none was; LayoutTooNew if newer than ours."""
-    await client.set(keys.layout_key(), LAYOUT, nx=True)
-    found = _number(await client.get(keys.layout_key()))
+    # A full or read-only Redis refuses the write: it is read all the same, and recorded by a later start.
+    with contextlib.suppress(ResponseError):
+        await client.set(keys.layout_key(), LAYOUT, nx=True)
+    raw = await client.get(keys.layout_key())
+    if raw is None:
+        return LAYOUT
+    found = _number(raw)
     if found > LAYOUT:
         raise LayoutTooNew(f"redis holds layout {found}, written by a later release; this release reads layout "
                            f"{LAYOUT} only and changed nothing: run a release that reads layout {found} "

@@ -89,6 +89,7 @@ class AdminSettings:
     jwt: JwtSettings | None = None
     tokens: tuple[StaticToken, ...] = ()
     grafana_url: str = ""  # the console links each subscription to its Grafana dashboard there
+    refresh_seconds: int = 15  # a subscription's page and the endpoint view reload themselves this often (0: never)
 
 
 def _loopback(url: str) -> bool:
@@ -143,7 +144,7 @@ def parse_admin(a: FieldReader) -> AdminSettings | None:
     """None when the section is absent: the listener is off."""
     if not a.data:
         return None
-    a.reject_unknown({"host", "port", "tls", "auth", "tokens", "grafana_url"})
+    a.reject_unknown({"host", "port", "tls", "auth", "tokens", "grafana_url", "refresh_seconds"})
     jwt = _jwt(a.sub("auth")) if a.data.get("auth") else None
     tokens = _tokens(a)
     if jwt is None and not tokens:
@@ -155,4 +156,5 @@ def parse_admin(a: FieldReader) -> AdminSettings | None:
     return AdminSettings(host=a.text("host", AdminSettings.host), port=a.integer("port", AdminSettings.port, 0, 65535),
                          tls_cert_file=tls.text("cert_file") if tls.data else None,
                          tls_key_file=tls.text("key_file") if tls.data else None,
-                         jwt=jwt, tokens=tokens, grafana_url=_https(a, "grafana_url") if a.has("grafana_url") else "")
+                         jwt=jwt, tokens=tokens, grafana_url=_https(a, "grafana_url") if a.has("grafana_url") else "",
+                         refresh_seconds=a.integer("refresh_seconds", AdminSettings.refresh_seconds, 0, 3600))

@@ -487,13 +487,19 @@ def read_yaml(path: str, where: str) -> Any:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(where, path, f"is not UTF-8 text (byte {e.start})") from None
+    return parse_yaml(text, where, path)
+
+
+def parse_yaml(text: str, where: str, name: str) -> Any:
+    """YAML text's content (the safe subset, a key given twice refused); a ConfigError naming
+    `where` and `name` and the line when it is not YAML."""
     try:
         return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader, with duplicate keys refused
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None)
-        raise ConfigError(where, path, f"is not valid YAML{at}" + (f" ({problem})" if problem else "")) from None
+        raise ConfigError(where, name, f"is not valid YAML{at}" + (f" ({problem})" if problem else "")) from None
 
 
 class _StrictLoader(yaml.SafeLoader):

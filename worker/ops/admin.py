@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from redis.exceptions import ResponseError
 
@@ -172,6 +173,17 @@ def _not_in_registry(name: str) -> NotFound:
     given that file."""
     return NotFound(f"{name}: its definition is not in the registry and no worker has published it: pass "
                     "--config with the worker.yaml that defines it")
+
+
+def _endpoint_host(definition: dict[str, Any]) -> str:
+    """The host a definition pushes to ("" when it names none a URL parser reads)."""
+    deliver = definition.get("deliver")
+    push = deliver.get("push") if isinstance(deliver, dict) else None
+    url = push.get("url") if isinstance(push, dict) else None
+    try:
+        return (urlsplit(url).hostname or "") if isinstance(url, str) else ""
+    except ValueError:
+        return ""
 
 
 class Admin:
@@ -432,6 +444,7 @@ class Admin:
                                                status.get("reason", ""))
         return {
             "project": project, "name": name, "type": definition.get("type", "shared"),
+            "endpoint": _endpoint_host(definition),
             "owner": ",".join(owners) or "-",
             "state": state, "reason": reason,
             **{field: sum(attempts.counter(report.get(field)) for report in reports)

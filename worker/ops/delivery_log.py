@@ -16,12 +16,14 @@ from typing import Any
 import orjson
 
 from worker.core import keys
+from worker.core.delivery import Result
 from worker.core.history import LATENCY_BINS_MS, outcome_class
 from worker.state.redis_client import AsyncClient
 
 SCAN_BUDGET = 5000  # entries read per search request at most
 CHUNK = 500
 MAX_LIMIT = 200
+ATTEMPT_RESULTS = frozenset(r.value for r in Result)
 STATUS_CLASSES = ("2xx", "3xx", "4xx", "5xx", "timeout", "connection_error")
 
 
@@ -43,7 +45,9 @@ class LogQuery:
             return False
         if self.min_attempt > 1 and (entry["attempt"] or 0) < self.min_attempt:
             return False
-        if self.status:
+        if self.status:  # of attempts: an event (dead-lettered, ...) repeats its last attempt's status
+            if entry["result"] not in ATTEMPT_RESULTS:
+                return False
             status = str(entry["status"])
             if status != self.status and outcome_class(status) != self.status:
                 return False
