@@ -383,6 +383,9 @@ class Figures:
     rss_mb: float  # the worker's peak RSS (sampled while it delivered)
     bare_p50_ms: float = float("nan")  # the bare Pulsar consumer beside it, same stream
     bare_p99_ms: float = float("nan")
+    redis_us: float = float("nan")  # Redis's own CPU per delivered message (its commandstats), standalone only
+    redis_calls: float = float("nan")  # commands Redis ran per delivered message, those inside scripts included
+    log_writes: float = float("nan")  # delivery log entries (XADD) per delivered message
 
 
 def _caught_up(sink: str, window: float = 2.0) -> bool:
@@ -566,13 +569,14 @@ class Bench:
             return self.cluster.config()
         return {"url": self.redis_service.url}
 
-    def config(self, subs: list[dict[str, Any]], redis_mode: str = "standalone") -> Path:
+    def config(self, subs: list[dict[str, Any]], redis_mode: str = "standalone", delivery_log: bool = True) -> Path:
         """A worker's config; its `admin:` section (which workers leave to `push-worker admin`) is
-        the operator crowd's (the neighbours section)."""
+        the operator crowd's (the neighbours section). `delivery_log` False: none kept (what it costs)."""
         path = self.dir / f"worker-{time.monotonic_ns()}.yaml"
         self.admin = operator_crowd.admin_section(self.dir)
+        redis_settings = {**self.redis_config(redis_mode), **({} if delivery_log else {"delivery_log_attempts": 0})}
         path.write_text(yaml.safe_dump({
-            "pulsar": {"service_url": self.broker.url}, "redis": self.redis_config(redis_mode),
+            "pulsar": {"service_url": self.broker.url}, "redis": redis_settings,
             "http": {"port": 0}, "destinations": {"allow_private": True, "max_request_bytes": 4 * 2**20},
             "log": {"format": "json", "level": "error"}, "state_dir": str(self.dir / "worker"),
             "admin": self.admin, "subscriptions": subs}))
@@ -603,14 +607,14 @@ class Bench:
     def run_worker(self, name: str, kind: str = "shared", keys: int = 0, fail_rate: float = 0.0,
                    redis_mode: str = "standalone", concurrency: int | None = None, payload: bytes = PAYLOAD,
                    content: str = "raw", messages: int | None = None, beside_bare: bool = False,
-                   latency: bool = True, batch: dict[str, int] | None = None) -> Figures:
+                   latency: bool = True, batch: dict[str, int] | None = None, delivery_log: bool = True) -> Figures:
         """Throughput on a backlog of `messages`, then latency on a steady stream (beside a bare
         consumer of the same topic with `beside_bare`)."""
         messages = messages or self.messages
         sink = self.sink(fail_rate)
         topic = self.backlog(name, kind, messages, keys, payload)
         proc = self.start_worker(self.config([self.sub(name, topic, sink + "/push", kind, content, concurrency,
-                                                       batch)], redis_mode))
+                                                       batch)], redis_mode, delivery_log))
         ps = psutil.Process(proc.pid)
         peak_rss = 0
 
@@ -623,9 +627,12 @@ class Bench:
             # CPU from the first delivery to the last: start-up (imports, subscribing) is not a message's cost.
             probes.wait(lambda: probes.get(sink + "/stats")["count"] > 0, 120, f"{name}: first delivery", poll=0.005)
             cpu0 = sum(ps.cpu_times()[:2])
+            redis0 = self.redis_work(redis_mode)
             probes.wait(lambda: delivered(messages), 600, f"{name}: all acked")
             stats = probes.get(sink + "/stats")
             cpu = sum(ps.cpu_times()[:2]) - cpu0
+            redis_us, redis_calls, log_writes = (after - before for before, after in
+                                                 zip(redis0, self.redis_work(redis_mode), strict=True))
             redis_per_msg = probes.metric(ps, "pushworker_redis_commands_total") / messages
             round_trips = probes.metric(ps, "pushworker_redis_round_trips_total")
             rate = messages / (stats["last"] - stats["first"])
@@ -646,7 +653,18 @@ class Bench:
             proc.wait(30)
         return Figures(name, rate, 1000 * _percentile(latencies, 0.5), 1000 * _percentile(latencies, 0.99),
                        redis_per_msg, round_trips / messages, 1e6 * cpu / messages, peak_rss / 2**20,
-                       1000 * _percentile(bare_latencies, 0.5), 1000 * _percentile(bare_latencies, 0.99))
+                       1000 * _percentile(bare_latencies, 0.5), 1000 * _percentile(bare_latencies, 0.99),
+                       redis_us / messages, redis_calls / messages, log_writes / messages)
+
+    def redis_work(self, mode: str) -> tuple[float, float, float]:
+        """What Redis has done so far, by its own count (INFO commandstats, every command a script runs
+        included): microseconds, commands, delivery log writes (XADD). NaN on a Cluster."""
+        if mode != "standalone":
+            return float("nan"), float("nan"), float("nan")
+        stats = self.redis.info("commandstats")
+        usec = sum(v["usec"] for k, v in stats.items() if k != "cmdstat_info")
+        calls = sum(v["calls"] for k, v in stats.items() if k != "cmdstat_info")
+        return float(usec), float(calls), float(stats.get("cmdstat_xadd", {}).get("calls", 0))
 
     def steady(self, subscriptions: int, total_rate: float, seconds: float = 10.0) -> Steady:
         """`subscriptions` subscriptions on one worker, each its own topic and endpoint path, sharing a
@@ -936,6 +954,7 @@ class Run:
               "loop (one process, uvloop) to the same sink, measured before and after each case")
         print(_ratio_table(rows))
         shared = self.shared = rows[0][0]
+        self.delivery_log_cost()
         if len(rounds) > 1:
             print(f"shared, {len(rounds)} rounds (the table shows the median round): x ref cpu "
                   f"{', '.join(f'{x:.2f}' for x in ratios)}; median {statistics.median_low(ratios):.2f}")
@@ -957,6 +976,30 @@ class Run:
               f"p99 {shared.p99_ms:.1f} ms; a bare Pulsar consumer of the same stream p50 {shared.bare_p50_ms:.1f} ms, "
               f"p99 {shared.bare_p99_ms:.1f} ms; p50 difference "
               f"{', '.join(f'{d:+.1f}' for d in differences)} ms (median {statistics.median(differences):+.1f})\n")
+
+    def delivery_log_cost(self) -> None:
+        """What the delivery log costs a message in bursts: shared with and without it (redis.
+        delivery_log_attempts 0), in pairs, each against the references around it; the worker's CPU
+        and Redis's own (commandstats: its commands, those in scripts included)."""
+        b = self.bench
+        pairs = [(self.against_reference(lambda r=r: b.run_worker(f"logged-{r + 1}", latency=False)),
+                  self.against_reference(lambda r=r: b.run_worker(f"unlogged-{r + 1}", latency=False,
+                                                                   delivery_log=False)))
+                 for r in range(self.rounds)]
+        cpu = [(w.cpu_us / wr.cpu_us) / (n.cpu_us / nr.cpu_us) for (w, wr), (n, nr) in pairs]
+        redis_us = [w.redis_us - n.redis_us for (w, _), (n, _) in pairs]
+        calls = [w.redis_calls - n.redis_calls for (w, _), (n, _) in pairs]
+        writes = statistics.median([w.log_writes for (w, _), _ in pairs])
+        print(f"delivery log, bursts (shared), with / without it, each x ref cpu: worker cpu "
+              f"{', '.join(f'{x:.2f}' for x in cpu)}x (median {statistics.median_low(cpu):.2f}); Redis's own cpu "
+              f"+{statistics.median(redis_us):.1f} us and +{statistics.median(calls):.1f} commands a message "
+              f"(of {statistics.median([w.redis_us for (w, _), _ in pairs]):.1f} us, "
+              f"{statistics.median([w.redis_calls for (w, _), _ in pairs]):.1f} commands); "
+              f"{writes:.2f} entries a message")
+        self.guard(Figure("delivery_log_worker_cpu_x_without", "the worker's CPU per message in bursts with the "
+                          "delivery log x without it (each x ref)", statistics.median_low(cpu)))
+        self.guard(Figure("delivery_log_redis_us_per_msg", "Redis's own CPU the delivery log adds per message in "
+                          "bursts (us)", statistics.median(redis_us)))
 
     def neighbours(self, n: Neighbours, noisy: NoisyProject) -> None:
         """The well-behaved project beside `noisy`: its p99 against its own alone, guarded by the

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from unittest import mock
 
+import pytest
+
 from worker.api.operations import merged
 from worker.core import recent
 from worker.core.delivery import Outcome, Result
@@ -121,3 +123,25 @@ def test_subs_get_prints_a_series_on_one_line():
                                    "warnings": ["filter: mixes AND and OR"]}})
     assert "    delivered: [0, 0, 0," in text and text.count("\n") == 5, text
     assert "  - 'filter: mixes AND and OR'" in text  # lists of text stay a line an item
+
+
+def test_the_grafana_link_opens_the_subscription_dashboard_with_it_chosen():
+    from worker.api.console import Console
+    from worker.model.admin_settings import parse_admin
+    from worker.runtime.errors import ConfigError
+    from worker.runtime.fields import FieldReader
+
+    console = Console(mock.Mock(), mock.Mock(), secure_cookie=True, grafana_url="https://grafana.example.com/")
+    assert console.grafana_link("p-a", "orders & co") == ("https://grafana.example.com/d/push-worker-subscription/"
+                                                          "push-worker-subscription?var-project=p-a&"
+                                                          "var-subscription=orders%20%26%20co")
+    assert Console(mock.Mock(), mock.Mock(), secure_cookie=True).grafana_link("p-a", "orders") == ""
+
+    def admin(**extra: object) -> object:
+        return parse_admin(FieldReader("config", {"tokens": [{"subject": "s", "file": "/f", "roles": ["admin"]}],
+                                                  **extra}, "admin."))
+
+    assert admin().refresh_seconds == 15 and admin().grafana_url == ""  # type: ignore[attr-defined]
+    for bad in ({"grafana_url": "http://grafana.example.com"}, {"refresh_seconds": -1}):
+        with pytest.raises(ConfigError):
+            admin(**bad)

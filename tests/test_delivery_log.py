@@ -89,3 +89,19 @@ async def test_an_attempt_costs_the_log_about_600_bytes_with_the_usual_headers(r
         await store.pipeliner.close()
         await async_client.aclose()
         client.close()
+
+
+async def test_no_log_is_kept_with_delivery_log_attempts_0(redis_url):
+    """`redis.delivery_log_attempts: 0` turns the log off: attempts are recorded as before, nothing
+    else (what `make bench` compares the log's cost with)."""
+    client = redis_sync.Redis.from_url(redis_url)
+    async_client = aioredis.Redis.from_url(redis_url)
+    store = AttemptStore(Pipeliner(async_client), RedisSettings(delivery_log_attempts=0))
+    try:
+        await store.record(SUB, "1:1:-1:-1", [attempt(1)], settled=True)
+        assert client.hget(keys.message_key(SUB, "1:1:-1:-1"), "settled") == b"1"
+        assert not client.exists(keys.log_key(SUB), keys.log_stats_key(SUB))
+    finally:
+        await store.pipeliner.close()
+        await async_client.aclose()
+        client.close()

@@ -155,7 +155,7 @@ if settled_any then
   redis.call('LTRIM', KEYS[1], 0, cap * 10 - 1)
   redis.call('EXPIRE', KEYS[1], ttl)
 end
-if now > 0 then
+if now > 0 and log_max ~= '0' then
   call('XTRIM', KEYS[2], 'MINID', '~', now - log_seconds * 1000)
   redis.call('EXPIRE', KEYS[2], log_seconds)
   local hour = math.floor(now / 3600000)
@@ -299,7 +299,7 @@ class AttemptStore:
     def _record(self, subscription_key: str, message_id: str, entries: list[dict[str, Any]], settled: bool,
                 last_status: str, acked_first_time: bool, lazy: bool) -> asyncio.Future[Any]:
         op_keys = (keys.message_key(subscription_key, message_id), keys.history_key(subscription_key, message_id))
-        logged = [log_values(message_id, entry) for entry in entries]
+        logged = [log_values(message_id, entry) for entry in entries] if self.log_attempts else []
         history = [{k: v for k, v in entry.items() if k not in LOG_ONLY} for entry in entries]
         summary = orjson.dumps({"message_id": message_id, **(history[-1] if history else {})}) if settled else b""
         history_ttl = self.acked_history_ttl_seconds if acked_first_time else self.history_ttl_seconds

@@ -119,8 +119,9 @@ class RedisSettings:
     # what the API's and the console's search read. Whichever bound comes first (docs/sizing.md#redis).
     delivery_log_seconds: int = setting(3 * 24 * 3600, 3600, 90 * 24 * 3600,
                                         help="how long the delivery log keeps an attempt")
-    delivery_log_attempts: int = setting(100_000, 1000, 10_000_000,
-                                         help="the most attempts the delivery log keeps per subscription")
+    delivery_log_attempts: int = setting(100_000, 0, 10_000_000,
+                                         help="the most attempts the delivery log keeps per subscription (0: none, "
+                                              "no log)")
 
 
 @dataclass(frozen=True)
