@@ -145,3 +145,26 @@ def test_the_grafana_link_opens_the_subscription_dashboard_with_it_chosen():
     for bad in ({"grafana_url": "http://grafana.example.com"}, {"refresh_seconds": -1}):
         with pytest.raises(ConfigError):
             admin(**bad)
+
+
+def test_the_console_form_shows_a_definition_in_fields_and_gives_it_back_whole():
+    from worker.api.console import definition_of, form_of
+    from worker.runtime.errors import ConfigError
+
+    definition = {"name": "orders", "topic": "persistent://p-a/main/orders", "type": "key-shared",
+                  "ack_deadline_seconds": 30, "max_deliver": 5, "retry": {"min_backoff_seconds": 1},
+                  "deliver": {"mode": "push", "push": {"url": "https://shop.example/push", "content": "raw"}},
+                  "dead_letter": {"topic": "persistent://p-a/main/orders-dlq"}}
+    fields = form_of(definition)
+    assert (fields["name"], fields["url"], fields["max_deliver"]) == ("orders", "https://shop.example/push", "5")
+    assert "type: key-shared" in fields["more"] and "url" not in fields["more"]
+    assert definition_of(fields) == definition
+    plain = form_of({"name": "n", "topic": "t", "deliver": {"mode": "push", "push": {"url": "https://x.example"}}})
+    assert plain["more"] == "" and definition_of(plain) == {"name": "n", "topic": "t", "deliver": {
+        "mode": "push", "push": {"url": "https://x.example"}}}
+    with pytest.raises(ConfigError, match="max_deliver"):
+        definition_of({**fields, "max_deliver": "five"})
+    with pytest.raises(ConfigError, match="anchors and aliases"):
+        definition_of({**fields, "more": "a: &x [1]\nb: *x\n"})
+    with pytest.raises(ConfigError, match="YAML mapping"):
+        definition_of({**fields, "more": "- a list"})

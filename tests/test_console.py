@@ -342,16 +342,21 @@ async def test_an_operator_creates_a_subscription_and_edits_it_seeing_the_diff_b
         pages.log_in(tokens["alice"])
         pages.open("/console/projects/p-a")
         pages.go(pages.find("#new-subscription"))
-        box = pages.find("#definition")
-        box.clear()
-        box.send_keys(f"name: made-{suffix}\ntopic: persistent://p-b/main/t-{suffix}\n"
-                      f"deliver: {{mode: push, push: {{url: '{endpoint.url}'}}}}\n")
+
+        def fill(**values: str) -> None:
+            for field, value in values.items():
+                box = pages.find(f"#{field}")
+                box.clear()
+                box.send_keys(value)
+
+        fill(name=f"made-{suffix}", topic=f"persistent://p-b/main/t-{suffix}", url=endpoint.url, max_deliver="3",
+             dead_letter_topic="", more='deliver:\n  push:\n    breaker: "off"\n')
         pages.go(pages.find("#preview"))
         assert "p-a's tenant" in pages.find("#form-error").text  # the API's rule: nothing saved
-        box = pages.find("#definition")
-        box.clear()
-        box.send_keys(f"name: made-{suffix}\ntopic: persistent://p-a/main/t-{suffix}\nmax_deliver: 3\n"
-                      f"deliver: {{mode: push, push: {{url: '{endpoint.url}', breaker: 'off'}}}}\n")
+        fill(topic=f"persistent://p-a/main/t-{suffix}", max_deliver="many")
+        pages.go(pages.find("#preview"))
+        assert "max_deliver" in pages.find("#form-error").text
+        fill(max_deliver="3")
         pages.go(pages.find("#preview"))
         assert f"+name: made-{suffix}" in pages.find("#diff").text
         pages.go(pages.find("#save"))
@@ -359,10 +364,9 @@ async def test_an_operator_creates_a_subscription_and_edits_it_seeing_the_diff_b
         wait_sync(lambda: f"p-a/made-{suffix}" in w.dispatchers, what="the worker serving the new subscription")
 
         pages.go(pages.find("#edit"))
-        box = pages.find("#definition")
-        text = box.get_attribute("value")
-        box.clear()
-        box.send_keys(text.replace("max_deliver: 3", "max_deliver: 7"))
+        assert pages.find("#name").get_attribute("readonly")
+        assert pages.find("#max_deliver").get_attribute("value") == "3"
+        fill(max_deliver="7")
         pages.go(pages.find("#preview"))
         diff = pages.find("#diff").text.splitlines()
         assert "-max_deliver: 3" in diff and "+max_deliver: 7" in diff and len([d for d in diff if d[:1] in "+-"]) == 2

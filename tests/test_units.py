@@ -242,3 +242,10 @@ async def test_a_receive_that_does_not_end_on_cancel_does_not_hold_a_stop(monkey
         await stopping
     assert ended, "the stop waited for the receive loop"
     assert "receive loop did not end on cancel; stopping without it" in [e["event"] for e in logged]
+
+
+def test_a_redis_older_than_6_2_is_too_old_for_the_delivery_log():
+    from worker.state.redis_start import too_old
+
+    assert too_old("6.0.16") and too_old("5.0.14")
+    assert not too_old("6.2.14") and not too_old("7.2.4") and not too_old("unknown")

@@ -13,6 +13,7 @@ cannot read, and a request whose Origin is another site is refused.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import hashlib
 import hmac
@@ -325,27 +326,27 @@ class Console:
     async def new(self, request: web.Request) -> web.Response:
         project = self._project(request)
         may_act(request[PRINCIPAL], project)
-        return self._editor(request, project, None, NEW_TEMPLATE.format(project=project))
+        return self._editor(request, project, None, form_of(yaml.safe_load(NEW_TEMPLATE.format(project=project))))
 
     async def edit(self, request: web.Request) -> web.Response:
         project = self._project(request)
         name = request.match_info["name"]
         may_act(request[PRINCIPAL], project)
-        return self._editor(request, project, name, await self._current(project, name))
+        return self._editor(request, project, name, form_of(await self._current(project, name)))
 
-    async def _current(self, project: str, name: str) -> str:
+    async def _current(self, project: str, name: str) -> dict[str, Any]:
         sub = await self.ops.subscription(project, name)
         definition = sub.get("definition")
-        if not definition or sub["status"].get("source") != "registry":
+        if not isinstance(definition, dict) or sub["status"].get("source") != "registry":
             raise Forbidden(f"{name} is defined in a worker's config file: change it there")
-        return yaml.safe_dump(definition, sort_keys=False, allow_unicode=True)
+        return definition
 
-    def _editor(self, request: web.Request, project: str, name: str | None, text: str, error: str = "",
-                diff: list[str] | None = None, status: int = 200) -> web.Response:
+    def _editor(self, request: web.Request, project: str, name: str | None, fields: dict[str, str],
+                error: str = "", diff: list[str] | None = None, status: int = 200) -> web.Response:
         base = f"/console/projects/{quote(project, safe='')}"
         action = f"{base}/new" if name is None else f"{base}/subscriptions/{quote(name, safe='')}/edit"
-        page = self._page(request, "edit.html", project=project, name=name or "", creating=name is None, text=text,
-                          error=error, diff=diff, action=action,
+        page = self._page(request, "edit.html", project=project, name=name or "", creating=name is None,
+                          fields=fields, error=error, diff=diff, action=action,
                           cancel=base if name is None else f"{base}/subscriptions/{quote(name, safe='')}")
         page.set_status(status)
         return page
@@ -363,20 +364,22 @@ class Console:
         may_act(principal, project)
         form = await self._checked_form(request)
         # A browser sends a textarea's lines ended by CRLF (and a hidden field's again): one ending.
-        text = form.get("definition", "").replace("\r\n", "\n").replace("\r", "\n")
+        fields = {k: form.get(k, "").replace("\r\n", "\n").replace("\r", "\n") for k in EDITED_FIELDS}
+        if name is not None:
+            fields["name"] = name  # shown, never changed
         if form.get("back") == "yes":
-            return self._editor(request, project, name, text)
-        current = await self._current(project, name) if name is not None else ""
+            return self._editor(request, project, name, fields)
+        # Both sides in one key order: the diff shows what changes, not how each was written.
+        current = _dump(await self._current(project, name), ordered=True) if name is not None else ""
         try:
-            definition = _definition_of(text)
+            definition = definition_of(fields)
             await self.ops.check(project, definition, editing=name)
         except (ConfigError, NotFound) as e:  # NotFound: another project's topic says no more than that
-            return self._editor(request, project, name, text, error=" ".join(str(e).split()), status=400)
+            return self._editor(request, project, name, fields, error=" ".join(str(e).split()), status=400)
         if form.get("confirmed") != "yes":
-            proposed = yaml.safe_dump(definition, sort_keys=False, allow_unicode=True)
-            diff = list(difflib.unified_diff(current.splitlines(), proposed.splitlines(), "saved", "yours",
-                                             lineterm="", n=3))[2:]
-            return self._editor(request, project, name, text, diff=diff)
+            diff = list(difflib.unified_diff(current.splitlines(), _dump(definition, ordered=True).splitlines(),
+                                             "saved", "yours", lineterm="", n=3))[2:]
+            return self._editor(request, project, name, fields, diff=diff)
         target = str(definition["name"])
         with audited(principal, project, "create" if name is None else "edit", target):
             if name is None:
@@ -436,7 +439,51 @@ dead_letter:
 """
 
 
-def _definition_of(text: str) -> Any:
+# The form's fields: the settings most edits touch, each a field of its own, and the rest as YAML.
+EDITED_FIELDS = ("name", "topic", "url", "ack_deadline_seconds", "max_deliver", "dead_letter_topic", "more")
+
+
+def _dump(definition: Any, ordered: bool = False) -> str:
+    return yaml.safe_dump(definition, sort_keys=ordered, allow_unicode=True)
+
+
+def form_of(definition: dict[str, Any]) -> dict[str, str]:
+    """A definition as the form shows it: its usual settings in fields, the rest as YAML."""
+    rest = copy.deepcopy(definition)
+    push = (rest.get("deliver") or {}).get("push") or {}
+    fields = {"name": str(rest.pop("name", "")), "topic": str(rest.pop("topic", "")), "url": str(push.pop("url", "")),
+              "ack_deadline_seconds": str(rest.pop("ack_deadline_seconds", "")),
+              "max_deliver": str(rest.pop("max_deliver", "")),
+              "dead_letter_topic": str((rest.pop("dead_letter", None) or {}).get("topic", ""))}
+    if rest.get("deliver") == {"mode": "push", "push": {}}:
+        rest.pop("deliver")
+    return {**fields, "more": _dump(rest) if rest else ""}
+
+
+def definition_of(fields: dict[str, str]) -> Any:
+    """The form's fields as a definition (the YAML of the rest, the fields over it), or a
+    ConfigError naming what is wrong; the API's rules judge it next."""
+    rest = _yaml_of(fields.get("more", "")) or {}
+    if not isinstance(rest, dict):
+        raise ConfigError("definition", "more settings", "must be a YAML mapping of settings")
+    definition: dict[str, Any] = {**rest, "name": fields["name"].strip(), "topic": fields["topic"].strip()}
+    for number in ("ack_deadline_seconds", "max_deliver"):
+        text = fields.get(number, "").strip()
+        if text:
+            if not text.lstrip("-").isdigit():
+                raise ConfigError("definition", number, "must be a whole number")
+            definition[number] = int(text)
+    deliver = definition.setdefault("deliver", {"mode": "push"})
+    if not isinstance(deliver, dict) or not isinstance(deliver.setdefault("push", {}), dict):
+        raise ConfigError("definition", "deliver", "must be a mapping with push: {url: ...}")
+    deliver.setdefault("mode", "push")
+    deliver["push"]["url"] = fields.get("url", "").strip()
+    if fields.get("dead_letter_topic", "").strip():
+        definition["dead_letter"] = {"topic": fields["dead_letter_topic"].strip()}
+    return definition
+
+
+def _yaml_of(text: str) -> Any:
     """The form's YAML, or a ConfigError naming what is wrong with it."""
     if len(text) > MAX_DEFINITION_CHARS:
         raise ConfigError("definition", "YAML", f"is over {MAX_DEFINITION_CHARS} characters")

@@ -137,6 +137,7 @@ class Worker:
             self._admin_beside(local)
         if not await redis_start.wait_until_answering(self.redis, self._stop, self.log, self.metrics.redis_errors.inc):
             return  # stopped while waiting
+        await redis_start.require_version(self.redis, self.log)
         await layout.claim(self.redis)  # before anything is written: a newer layout ends the start here
         await redis_start.warn_if_evicting(self.redis, self.log)
         self.fleet = Fleet(self.served, self.redis, s.fleet, s.subscriptions, admit_for(s))

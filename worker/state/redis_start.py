@@ -55,3 +55,30 @@ async def warn_if_evicting(client: AsyncClient, log: Any) -> None:
         log.warning("redis evicts keys when full: an evicted attempt count restarts a message's numbering "
                     "and an evicted lease lets two workers serve a subscription; set maxmemory-policy "
                     "noeviction", maxmemory_policy=policy, redis=address)
+
+
+OLDEST = (6, 2)  # XTRIM MINID (the delivery log's trim by age) came with Redis 6.2
+
+
+def too_old(version: str) -> bool:
+    """Whether a `redis_version` is older than OLDEST (one that does not parse is not judged)."""
+    try:
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) < OLDEST
+
+
+async def require_version(client: AsyncClient, log: Any) -> None:
+    """Refuse to start on a Redis older than OLDEST: its every record would fail, and deliveries
+    would wait for ever. A Redis that does not answer INFO (an ACL) is not judged."""
+    try:
+        info = await asyncio.wait_for(client.info("server"), PING_SECONDS)
+    except (*REDIS_DOWN, TimeoutError, ResponseError) as e:
+        log.info("redis version not checked", error=redis_client.describe(e)[:200])
+        return
+    versions = {str(v.get("redis_version", "")) for v in info.values()} if "redis_version" not in info else \
+        {str(info["redis_version"])}  # a Cluster answers per node
+    if old := sorted(v for v in versions if too_old(v)):
+        raise StartupError(f"redis {old[0]} is older than {'.'.join(map(str, OLDEST))}, which push-worker needs "
+                           "(the delivery log's trims); upgrade Redis")
