@@ -168,3 +168,20 @@ def test_the_console_form_shows_a_definition_in_fields_and_gives_it_back_whole()
         definition_of({**fields, "more": "a: &x [1]\nb: *x\n"})
     with pytest.raises(ConfigError, match="YAML mapping"):
         definition_of({**fields, "more": "- a list"})
+
+
+def test_the_logged_headers_keep_no_credential_and_stay_bounded():
+    import base64
+
+    from worker.core.redact import LOGGED_HEADERS, LOGGED_VALUE, received_headers, sent_headers
+
+    token = "s3cr3t-bearer-token-0123456789"
+    request = {"Authorization": f"Bearer {token}", "webhook-signature": "v1,abcdefghijklmnop", "Pubsub-Message-Id": "1"}
+    assert sent_headers(request) == {"Authorization": "[redacted]", "webhook-signature": "[redacted]",
+                                     "Pubsub-Message-Id": "1"}
+    answer = {"x-echo": f"got {token}", "x-b64": base64.b64encode(token.encode()).decode(), "server": "nginx",
+              **{f"x-{i}": "v" * 1000 for i in range(60)}}
+    kept = received_headers(answer, request)
+    assert token not in str(kept) and "[redacted]" in kept["x-echo"] and "[redacted]" in kept["x-b64"]
+    assert kept["server"] == "nginx" and len(kept) == LOGGED_HEADERS
+    assert max(len(v) for v in kept.values()) <= LOGGED_VALUE

@@ -54,8 +54,11 @@ def credentials(headers: dict[str, str]) -> frozenset[str]:
 
 def answer_text(preview: bytes, headers: dict[str, str]) -> str:
     """A failed answer's first bytes as text, with every credential of the request cut out."""
-    text = preview.decode("utf-8", "replace")
-    secrets = credentials(headers)
+    return _cut(preview.decode("utf-8", "replace"), credentials(headers))
+
+
+def _cut(text: str, secrets: frozenset[str]) -> str:
+    """`text` with every run of `secrets` (in any encoding `_runs` knows) cut out."""
     if not secrets or not text:
         return text
     runs, forms = _runs(secrets)
@@ -88,9 +91,10 @@ def sent_headers(headers: dict[str, str]) -> dict[str, str]:
 def received_headers(answer: dict[str, str], request: dict[str, str]) -> dict[str, str]:
     """An answer's headers as the delivery log keeps them: the first LOGGED_HEADERS, each value cut
     to LOGGED_VALUE characters with the request's credentials cut out (an endpoint may echo them)."""
+    secrets = credentials(request)  # once for all the answer's headers: this runs for every attempt
     kept: dict[str, str] = {}
     for name, value in answer.items():
         if len(kept) >= LOGGED_HEADERS:
             break
-        kept[name[:LOGGED_VALUE]] = answer_text(value[:LOGGED_VALUE].encode("utf-8", "replace"), request)
+        kept[name[:LOGGED_VALUE]] = _cut(value[:LOGGED_VALUE], secrets)
     return kept
