@@ -26,6 +26,7 @@ from worker.core.dispatcher import Fence
 from worker.core.metrics import Metrics
 from worker.core.redis_batch import Pipeliner
 from worker.fleet import Fleet
+from worker.fleet.memory_watch import ThreadCpu
 from worker.model.config import FleetSettings, RedisSettings
 from worker.model.subscriptions import RetryPolicy, Subscription
 from worker.ops.render import table
@@ -45,9 +46,13 @@ class SimulatedWorker:
         self.subscribe_failures: dict[str, str] = {}
         self.serving: set[str] = set()
         self.stopping = False
+        self.trial_threads = ThreadCpu()
 
-    def add(self, sub: Subscription, lease: Fence | None = None) -> None:
+    def add(self, sub: Subscription, lease: Fence | None = None, trial: bool = False) -> None:
         self.serving.add(sub.key)
+
+    def end_trial(self, key: str) -> None:
+        pass
 
     async def remove(self, key: str, grace: float | None = None, unsubscribe: bool = False) -> None:
         self.serving.discard(key)

@@ -102,6 +102,12 @@ def fleet() -> dict[str, Any]:
         panel(14, "Subscriptions quarantined (a message of theirs killed their workers: subs resume)", [(
             f'sum by (project, subscription) (pushworker_subscription_state{{{f}, state="Quarantined"}}) or vector(0)',
             "{{project}}/{{subscription}}")], 12, 48),
+        panel(15, "Containment: trials by outcome (a worker died with its memory alarm raised)", [(
+            f"sum by (outcome) (increase(pushworker_trials_total{{{f}}}[{R}]))", "{{outcome}}")], 0, 56),
+        panel(16, "Containment: wait for a trial p50 / p99 (suspects are not served meanwhile)", [
+            (f"histogram_quantile(0.5, sum by (le) (rate(pushworker_trial_wait_seconds_bucket{{{f}}}[{R}])))", "p50"),
+            (f"histogram_quantile(0.99, sum by (le) (rate(pushworker_trial_wait_seconds_bucket{{{f}}}[{R}])))", "p99"),
+        ], 12, 56, "s"),
     ], [JOB_VAR])
 
 

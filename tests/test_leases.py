@@ -75,26 +75,108 @@ def test_subscriptions_of_one_slot_are_assigned_as_before_slots_existed():
     assert unit_parts("p-x/s001") == ("p-x/s001", 0) and unit_parts(unit("p-x/s001", 3)) == ("p-x/s001", 3)
 
 
-def test_suspects_are_tried_one_at_a_time_each_for_its_time_from_when_it_serves():
-    """fleet/quarantine.Trials with a hand-driven clock: one suspect on trial at a time, in order; the
-    trial's time runs from when its dispatcher serves; a subscribe that never goes through ends the
-    trial after STALLED_TRIALS periods (at least STALLED_SECONDS), so the others do not wait for it."""
+def test_suspects_are_tried_at_most_so_many_at_once_each_for_its_time_from_when_it_serves():
+    """fleet/quarantine.Trials with a hand-driven clock: at most `at_once` on trial together, the
+    longest waiting first; a trial's time runs from when its dispatcher serves; a subscribe that never
+    goes through ends its trial after STALLED_TRIALS periods (at least STALLED_SECONDS), so the others
+    do not wait for it; the wait for a trial is measured."""
     from worker.fleet.quarantine import STALLED_SECONDS, Trials
 
-    trials = Trials(seconds=5.0)
-    for name in ("b", "a", "c"):
-        trials.suspect(name, "w-dead")
-    assert all(trials.holds_back(n) for n in "abc") and trials.next() == "a"
-    trials.begin("a", now=100.0)
-    assert trials.next() == "" and not trials.holds_back("a") and trials.suspected("a")
-    assert not trials.over(104.0)  # not serving yet: its time has not begun
-    trials.serving(104.0)
-    trials.serving(106.0)  # the first time it is seen serving counts
-    assert not trials.over(108.9) and trials.over(109.0)
-    assert trials.end() == "a" and not trials.suspected("a") and trials.next() == "b"
-    trials.begin("b", now=200.0)
-    assert not trials.over(200.0 + STALLED_SECONDS - 0.1) and trials.over(200.0 + STALLED_SECONDS)
-    trials.end()
+    trials = Trials(seconds=5.0, at_once=2)
+    for at, name in ((1.0, "b"), (2.0, "a"), (3.0, "c")):
+        trials.suspect(name, at)
+    assert all(trials.holds_back(n) for n in "abc") and trials.next() == ["b", "a"]
+    assert trials.begin("b", now=100.0) == 99.0 and trials.begin("a", now=100.0) == 98.0
+    assert trials.next() == [] and not trials.holds_back("a") and trials.suspected("a") and trials.on("a")
+    assert trials.over(104.0) == []  # not serving yet: their time has not begun
+    trials.serving("a", 104.0)
+    trials.serving("a", 106.0)  # the first time it is seen serving counts
+    assert trials.over(108.9) == [] and trials.over(109.0) == [("a", True)]
+    trials.end("a")
+    assert not trials.suspected("a") and trials.next() == ["c"]
+    assert trials.over(100.0 + STALLED_SECONDS - 0.1) == [] and trials.over(100.0 + STALLED_SECONDS) == [("b", False)]
+    trials.end("b")
     trials.begin("c", now=300.0)
     trials.drop("c")  # handed over mid-trial
-    assert trials.current == "" and trials.next() == ""
+    assert not trials.on_trial and trials.next() == []
+
+
+def test_the_next_holder_serves_at_once_unless_the_dead_worker_left_memory_evidence():
+    """fleet/quarantine.verdict: a death without memory evidence starts no trial; evidence naming
+    nobody makes suspects of all; evidence naming one subscription leaves the others served at once
+    and quarantines that one if it was on trial; 1.1.0's records (trial and memory marks, no
+    evidence key) and a resumed quarantine keep their meaning."""
+    from worker.fleet.quarantine import QUARANTINE, SERVE, SUSPECT, Evidence, Taken, verdict
+
+    plain = Taken("i-dead", "w-dead")
+    on_trial = Taken("i-dead", "w-dead", previous_on_trial=True)
+    assert verdict("p/a", plain, None) == SERVE  # kill -9, a lost node, a crash
+    assert verdict("p/a", on_trial, None) == SERVE
+    assert verdict("p/a", plain, Evidence("")) == SUSPECT  # the alarm named nobody
+    assert verdict("p/a", plain, Evidence("p/b")) == SERVE  # the alarm named another one
+    assert verdict("p/b", on_trial, Evidence("p/b")) == QUARANTINE
+    assert verdict("p/b", plain, Evidence("p/b")) == SUSPECT  # named, yet not on trial there: tried first
+    assert verdict("p/a", on_trial, Evidence("p/b")) == SERVE  # on trial beside the culprit: not laid at its door
+    assert verdict("p/a", Taken("i-old", "w-old", True, True), None) == QUARANTINE  # 1.1.0's marks
+    assert verdict("p/a", Taken("quarantined", "w"), None) == SUSPECT  # resumed: on trial first
+    assert verdict("p/a", Taken("i-dead", "w", previous_suspect=True), None) == SUSPECT  # handed over untried
+    assert Evidence.parse(None) is None and Evidence.parse(b"garbage") == Evidence("")
+    assert Evidence.parse(Evidence("p/b").dump("w")) == Evidence("p/b")
+
+
+def test_the_alarm_names_a_trial_only_when_its_client_thread_burned_the_most_cpu():
+    """memory_watch.ThreadCpu.busiest: the inflating thread is the one that burned the most CPU, the
+    event loop's aside; a trial client's names its subscription, anyone else's names none, and so
+    does a thread that burned too little to be inflating anything."""
+    import threading
+
+    from worker.fleet.memory_watch import INFLATING_CPU_NS, ThreadCpu
+
+    cpu = ThreadCpu(read=lambda: {1: 0})
+    main = threading.main_thread().native_id
+    cpu.register(11, "p/trial-a")
+    cpu.register(12, "p/trial-b")
+    cpu.register(main, "p/never")  # the event loop's thread is nobody's trial
+    big = INFLATING_CPU_NS * 4
+    assert cpu.busiest({11: 0, 12: 0, 20: 0}, {11: big, 12: 1_000, 20: 10, main: big * 9}) == "p/trial-a"
+    assert cpu.busiest({11: 0, 12: 0, 20: 0}, {11: 1_000, 12: 2_000, 20: big}) == ""  # the shared client's thread
+    assert cpu.busiest({11: 0}, {11: INFLATING_CPU_NS // 2}) == ""  # too little to be inflating
+    assert cpu.busiest({}, {12: big}) == "p/trial-b"  # a thread new since the reading before
+    cpu.forget("p/trial-b")
+    assert cpu.busiest({}, {12: big}) == ""
+    assert ThreadCpu(read=lambda: {}).available is False
+
+
+async def test_the_memory_watch_raises_the_alarm_once_past_the_limit_and_clears_it_below():
+    """memory_watch.MemoryWatch, always on: one alarm when memory passes 75% of the limit (naming what
+    ThreadCpu names), none more while it stays high, a clear once it is back below 60%."""
+    import asyncio
+
+    from worker.fleet.memory_watch import INFLATING_CPU_NS, MemoryWatch, ThreadCpu
+
+    readings = iter([10, 80, 90, 70, 50, 50])
+    inflating = []  # the thread burns CPU once memory climbs
+
+    def memory() -> int:
+        value = next(readings, 50)
+        if value >= 80:
+            inflating.append(True)
+        return value
+
+    cpu = ThreadCpu(read=lambda: {7: INFLATING_CPU_NS * 2 if inflating else 0})
+    cpu.register(7, "p/on-trial")
+    cpu.available = True
+    events: list[str] = []
+    done = asyncio.Event()
+
+    def on_clear() -> None:
+        events.append("clear")
+        done.set()
+
+    watch = MemoryWatch(100, asyncio.get_running_loop(), lambda named: events.append(f"alarm {named}"), on_clear,
+                        cpu, read=memory)
+    try:
+        await asyncio.wait_for(done.wait(), 10)
+    finally:
+        watch.close()
+    assert events == ["alarm p/on-trial", "clear"]

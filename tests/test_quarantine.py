@@ -1,8 +1,14 @@
-"""A message that kills its worker is contained (#58): each worker a 1 GiB "pod" (a cgroup v1 memory
-limit, nested, entered before exec; an OOM kill there is real), restarted as a kubelet would. A
-1.5 GiB zstd bomb on one of 50 subscriptions costs at most two worker deaths; that subscription is
-Quarantined (with why and since), every other one is served again and delivers, none is quarantined
-by mistake; `subs resume` tries it again."""
+"""A message that kills its worker is contained, and only such a death costs a trial: each worker a
+1 GiB "pod" (a cgroup v1 memory limit, nested, entered before exec; an OOM kill there is real),
+restarted as a kubelet would.
+
+- A 1.5 GiB zstd bomb on one of 400 subscriptions (200 a worker) costs at most two deaths; that
+  subscription is Quarantined (with why and since), every other one of the dead worker's delivers
+  again within 60 s of the death, none is quarantined by mistake; `subs resume` tries it again.
+- A bomb on a subscription that is not on trial, landing beside another project's trial, quarantines
+  the bomb's subscription and not the one on trial.
+- A kill -9 (no memory evidence) starts no trial: the dead worker's subscriptions deliver again
+  within the lease + 10 s."""
 
 from __future__ import annotations
 
@@ -27,13 +33,14 @@ from tests.support.builders import push_sub
 from tests.support.endpoints import Endpoint
 from tests.support.helpers import cli, env, eventually
 from tests.support.pulsar_client import Client
-from worker.core.keys import fleet_key
+from worker.core.keys import fleet_key, holder_key
 
 MEMORY = Path("/sys/fs/cgroup/memory")
 POD_BYTES = 1 << 30
 FLEET = "contain"
-SUBSCRIPTIONS = 50
+SUBSCRIPTIONS = 400  # 200 a worker
 POISONED = 17
+HEALTHY_BACK_SECONDS = 60.0  # a memory death's healthy subscriptions deliver again within this
 
 
 @contextlib.contextmanager
@@ -70,6 +77,7 @@ class Kubelet:
         self.config, self.logs, self.cgroups = config, logs, cgroups
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.deaths: list[tuple[str, int]] = []
+        self.died_at: list[float] = []  # monotonic, as seen by `watch` (polled every 0.2 s)
 
     def start(self, i: int) -> None:
         wrapper = ["sh", "-c", f'echo $$ > {self.cgroups[i]}/cgroup.procs && exec "$@"', "sh",
@@ -83,6 +91,7 @@ class Kubelet:
         for i, proc in list(self.procs.items()):
             if proc.poll() is not None:
                 self.deaths.append((f"pod-{i}", proc.returncode))
+                self.died_at.append(time.monotonic())
                 self.start(i)
 
     def oom_kills(self) -> int:
@@ -98,6 +107,35 @@ class Kubelet:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def write_config(tmp_path: Path, broker_url: str, redis_url: str, subscriptions: list[dict[str, object]],
+                 **fleet: object) -> Path:
+    """A worker config with the fleet's defaults but a short lease (2 s: the tests wait less for a
+    dead worker's leases to lapse), logging JSON."""
+    config = tmp_path / "worker.yaml"
+    config.write_text(yaml.safe_dump({
+        "pulsar": {"service_url": broker_url}, "redis": {"url": redis_url}, "http": {"port": 0},
+        "destinations": {"allow_private": True}, "log": {"format": "json", "level": "info"},
+        "fleet": {"name": FLEET, "lease_seconds": 2, "heartbeat_seconds": 0.5, **fleet},
+        "subscriptions": subscriptions}))
+    return config
+
+
+def first_delivered(endpoint: Endpoint, marker: str, count: int) -> dict[int, float]:
+    """When `<marker>-<i>` first reached the endpoint (monotonic), by i."""
+    wanted = {f"{marker}-{i}".encode(): i for i in range(count)}
+    out: dict[int, float] = {}
+    for r in list(endpoint.requests):
+        i = wanted.get(r.body_payload)
+        if i is not None and i not in out:
+            out[i] = r.at
+    return out
+
+
+def log_lines(path: Path, event: str) -> list[dict[str, object]]:
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+    return [line for line in lines if line.get("event") == event]
 
 
 @pytest.fixture
@@ -125,17 +163,12 @@ async def test_a_bomb_costs_at_most_two_deaths_and_quarantines_its_subscription_
     client = Client(broker.url)
     topics = [f"persistent://p-test/main/q{i}-{uuid.uuid4().hex[:8]}" for i in range(SUBSCRIPTIONS)]
     names = [f"s{i:02d}" for i in range(SUBSCRIPTIONS)]
-    config = tmp_path / "worker.yaml"
-    config.write_text(yaml.safe_dump({
-        "pulsar": {"service_url": broker.url}, "redis": {"url": redis_url}, "http": {"port": 0},
-        "destinations": {"allow_private": True}, "log": {"format": "json", "level": "info"},
-        "fleet": {"name": FLEET, "lease_seconds": 2, "heartbeat_seconds": 0.5, "trial_seconds": 2},
-        "subscriptions": [push_sub(name, topic, endpoint.url) for name, topic in zip(names, topics, strict=True)]}))
+    config = write_config(tmp_path, broker.url, redis_url, [push_sub(name, topic, endpoint.url)
+                                                            for name, topic in zip(names, topics, strict=True)])
     store = redis.Redis.from_url(redis_url)
 
     def delivered(marker: str) -> set[int]:
-        payloads = {r.body_payload for r in endpoint.requests}
-        return {i for i in range(SUBSCRIPTIONS) if f"{marker}-{i}".encode() in payloads}
+        return set(first_delivered(endpoint, marker, SUBSCRIPTIONS))
 
     with pods(2) as cgroups:
         kubelet = Kubelet(config, tmp_path, cgroups)
@@ -144,7 +177,7 @@ async def test_a_bomb_costs_at_most_two_deaths_and_quarantines_its_subscription_
                 kubelet.start(i)
             for i, topic in enumerate(topics):
                 client.publish(topic, [f"before-{i}".encode()])
-            await eventually(lambda: len(delivered("before")) == SUBSCRIPTIONS, timeout=60,
+            await eventually(lambda: len(delivered("before")) == SUBSCRIPTIONS, timeout=120,
                              what="every subscription delivering")
             for i in range(len(cgroups)):  # the pod's limit, found through /proc/self/cgroup in a nested cgroup
                 started = [json.loads(line) for line in (tmp_path / f"w{i}.log").read_text().splitlines()
@@ -169,6 +202,12 @@ async def test_a_bomb_costs_at_most_two_deaths_and_quarantines_its_subscription_
             kubelet.watch()
             assert 1 <= len(kubelet.deaths) <= 2, kubelet.deaths
             assert kubelet.oom_kills() == len(kubelet.deaths), (kubelet.oom_kills(), kubelet.deaths)
+            # The dead worker's 199 healthy subscriptions came back within a minute of its death, not
+            # one trial after another.
+            back = first_delivered(endpoint, "after", SUBSCRIPTIONS)
+            late = {i: round(at - kubelet.died_at[0], 1) for i, at in back.items()
+                    if at - kubelet.died_at[0] > HEALTHY_BACK_SECONDS}
+            assert not late, late
             quarantined = {k.decode() for k in store.hkeys(fleet_key(FLEET, "quarantined"))}
             assert quarantined == {f"p-test/{names[POISONED]}"}  # none by mistake
 
@@ -204,3 +243,119 @@ async def test_a_bomb_costs_at_most_two_deaths_and_quarantines_its_subscription_
             store.close()
             client.close()
 
+
+
+@pytest.mark.apache_pulsar
+@pytest.mark.slow
+@pytest.mark.alone  # a 1 GiB cgroup filled to its OOM kill
+@pytest.mark.timeout(300)
+async def test_a_bomb_beside_another_projects_trial_quarantines_the_bomb_and_not_the_trial(
+        unguarded_broker, redis_url, endpoint: Endpoint, tmp_path: Path):
+    """One worker serves p-a's subscription on trial (resumed after a quarantine: tried first) and
+    p-b's, not on trial. A bomb on p-b's inflates on the shared client: the alarm names no trial, so
+    p-a's is not quarantined; the next holder tries both, each on a client of its own, and the bomb
+    is named there: p-b's alone is quarantined, after two deaths."""
+    why = cgroups_available(MEMORY, "memory.limit_in_bytes")
+    if why:
+        pytest.skip(why)
+    broker = unguarded_broker
+    client = Client(broker.url)
+    trial_topic, bomb_topic = (f"persistent://{tenant}/main/{uuid.uuid4().hex[:8]}" for tenant in ("p-a", "p-b"))
+    subs = [push_sub("on-trial", trial_topic, endpoint.url),
+            push_sub("bombed", bomb_topic, endpoint.url)]
+    # On trial for long: it is still on trial when the bomb lands beside it.
+    config = write_config(tmp_path, broker.url, redis_url, subs, trial_seconds=60)
+    store = redis.Redis.from_url(redis_url)
+    # What `subs resume` of a quarantined subscription leaves: the next holder tries it first.
+    store.hset(holder_key("p-a/on-trial"), mapping={"instance": "quarantined", "worker": "w-gone", "trial": "0"})
+    quarantined_key = fleet_key(FLEET, "quarantined")
+
+    def payloads() -> set[bytes]:
+        return {r.body_payload for r in endpoint.requests}
+
+    with pods(1) as cgroups:
+        kubelet = Kubelet(config, tmp_path, cgroups)
+        try:
+            kubelet.start(0)
+            client.publish(trial_topic, [b"trial-1"])
+            client.publish(bomb_topic, [b"bombed-1"])
+            await eventually(lambda: {b"trial-1", b"bombed-1"} <= payloads(), timeout=60, what="both delivering")
+            assert [line["subscription"] for line in log_lines(tmp_path / "w0.log", "on trial: its last holder died "
+                    "with its memory alarm raised; served on a client of its own for a while")] == ["p-a/on-trial"]
+
+            producer = client.client.create_producer(bomb_topic, batching_enabled=False,
+                                                     compression_type=pulsar.CompressionType.ZSTD)
+            producer.send(bytes(3 << 29))  # 1.5 GiB of zeros: a few KiB on the wire
+            producer.close()
+            client.publish(trial_topic, [b"trial-2"])
+
+            def contained() -> bool:
+                kubelet.watch()
+                return bool(store.hexists(quarantined_key, "p-b/bombed")) and b"trial-2" in payloads()
+            await eventually(contained, timeout=180, interval=0.2, what="the bomb's subscription quarantined, "
+                                                                      "the one on trial delivering")
+            kubelet.watch()
+            assert len(kubelet.deaths) == 2 and kubelet.oom_kills() == 2, (kubelet.deaths, kubelet.oom_kills())
+            assert {k.decode() for k in store.hkeys(quarantined_key)} == {"p-b/bombed"}  # not p-a's
+            client.publish(trial_topic, [b"trial-3"])
+            await eventually(lambda: b"trial-3" in payloads(), timeout=60, what="p-a's still delivering")
+            assert {k.decode() for k in store.hkeys(quarantined_key)} == {"p-b/bombed"}
+        finally:
+            kubelet.stop()
+            store.close()
+            client.close()
+
+
+@pytest.mark.apache_pulsar
+@pytest.mark.slow
+@pytest.mark.alone  # cgroups
+@pytest.mark.timeout(300)
+async def test_a_kill_9_starts_no_trial_and_the_dead_workers_subscriptions_deliver_within_the_lease_and_10_s(
+        broker, redis_url, endpoint: Endpoint, tmp_path: Path):
+    """Two workers (1 GiB pods: the memory watch runs) share 40 subscriptions at the fleet's defaults
+    (a 10 s lease); one is killed with SIGKILL, with no memory pressure. No trial: every subscription
+    it held delivers a message published after the kill within the lease + 10 s."""
+    why = cgroups_available(MEMORY, "memory.limit_in_bytes")
+    if why:
+        pytest.skip(why)
+    count = 40
+    client = Client(broker.url)
+    topics = [f"persistent://p-test/main/k{i}-{uuid.uuid4().hex[:8]}" for i in range(count)]
+    names = [f"k{i:02d}" for i in range(count)]
+    config = tmp_path / "worker.yaml"
+    config.write_text(yaml.safe_dump({
+        "pulsar": {"service_url": broker.url}, "redis": {"url": redis_url}, "http": {"port": 0},
+        "destinations": {"allow_private": True}, "log": {"format": "json", "level": "info"},
+        "fleet": {"name": f"kill-{uuid.uuid4().hex[:6]}"},  # the defaults: lease 10 s, trials 5 s
+        "subscriptions": [push_sub(n, t, endpoint.url) for n, t in zip(names, topics, strict=True)]}))
+    lease_seconds = 10.0
+
+    with pods(2) as cgroups:
+        kubelet = Kubelet(config, tmp_path, cgroups)
+        try:
+            for i in range(2):
+                kubelet.start(i)
+            for i, topic in enumerate(topics):
+                client.publish(topic, [f"before-{i}".encode()])
+            await eventually(lambda: len(first_delivered(endpoint, "before", count)) == count, timeout=90,
+                             what="every subscription delivering")
+            held = {line["subscription"] for line in log_lines(tmp_path / "w0.log", "subscription acquired")}
+            assert held and len(held) < count, held  # pod-0 holds a share, not all
+            kubelet.procs[0].kill()
+            killed_at = time.monotonic()
+            for i, topic in enumerate(topics):
+                client.publish(topic, [f"after-{i}".encode()])
+            await eventually(lambda: len(first_delivered(endpoint, "after", count)) == count, timeout=120,
+                             what="every subscription delivering after the kill")
+            back = first_delivered(endpoint, "after", count)
+            late = {names[i]: round(at - killed_at, 1) for i, at in back.items()
+                    if at - killed_at > lease_seconds + 10}
+            assert not late, late
+            kubelet.watch()
+            for i in range(2):  # no trial anywhere: a kill -9 leaves no memory evidence
+                log = tmp_path / f"w{i}.log"
+                assert not [line for line in log_lines(log, "subscription acquired") if line.get("suspect")], i
+                assert "on trial" not in log.read_text(), i
+        finally:
+            kubelet.stop()
+            client.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from tests.support.endpoints import Endpoint
 from tests.support.fleet_harness import FleetHarness, WorkerProcess, fleet_sub
 from tests.support.helpers import eventually
 from tests.support.pulsar_client import Client
-from worker.core.keys import layout_key
+from worker.core.keys import fleet_key, layout_key
 from worker.fleet.layout import LAYOUT
 
 
@@ -151,6 +152,7 @@ async def test_a_rollout_and_its_rollback_under_a_steady_stream_lose_nothing_and
         await eventually(lambda: set(published) <= set(acked()), timeout=90, what="every message acked")
         assert c.proc.poll() is None and d.proc.poll() is None
         layout = fleet.redis.get(layout_key())
+        quarantined = fleet.redis.hkeys(fleet_key("test", "quarantined"))  # the harness's fleet
     finally:
         stop_publishing.set()
         if publisher is not None:
@@ -164,3 +166,65 @@ async def test_a_rollout_and_its_rollback_under_a_steady_stream_lose_nothing_and
     assert went_back == {}, "attempt numbers went back (or repeated) across the handovers"
     assert sum(len(seen) > 1 for seen in numbers.values()) >= len(published) // 4  # the retries happened
     assert layout == str(LAYOUT).encode()  # written by this release's first worker, kept by the previous one
+    assert quarantined == [], "quarantined by mistake while the holder records changed hands"
+
+
+@pytest.mark.broker_independent
+async def test_holder_records_mean_the_same_to_the_previous_release_and_this_one(previous_release: Path,
+                                                                               redis_url: str):
+    """1.1.0's workers take any unreleased lease for a suspect and quarantine one whose record says
+    trial and memory; this release writes those marks only for the subscription its alarm names, and
+    a `suspect` mark 1.1.0 ignores. Each release's ACQUIRE, run by the real scripts on a real Redis,
+    reads the other's records so that a mixed fleet quarantines the named one and nothing else."""
+    import importlib.util
+
+    import redis as redis_sync
+
+    from worker.core import keys
+    from worker.fleet import quarantine as new
+
+    spec = importlib.util.spec_from_file_location("previous_quarantine",
+                                                  previous_release / "worker" / "fleet" / "quarantine.py")
+    assert spec is not None and spec.loader is not None
+    old = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = old  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(old)
+    finally:
+        del sys.modules[spec.name]
+    store = redis_sync.Redis.from_url(redis_url)
+    lease, holder = keys.lease_key("p-roll/compat"), keys.holder_key("p-roll/compat")
+
+    def take(script: str, instance: str) -> list[object]:
+        store.delete(lease)  # the holder died: its lease lapsed, its record stays
+        return store.eval(script, 2, lease, holder, f"w-{instance}", 10_000, instance, 60_000)
+
+    try:
+        # This release on trial, its alarm naming the subscription, dies: 1.1.0 quarantines it.
+        take(new.ACQUIRE_HOLDING, "new-1")
+        store.eval(new.MARK, 1, holder, "new-1", "trial", "1")
+        store.eval(new.MARK, 1, holder, "new-1", "memory", "1")
+        assert old.Taken.parse(take(old.ACQUIRE_HOLDING, "old-1")).killed_on_trial
+        # 1.1.0 on trial with its alarm up dies: this release quarantines it.
+        store.eval(old.MARK, 1, holder, "old-1", "trial", "1")
+        store.eval(old.MARK, 1, holder, "old-1", "memory", "1")
+        taken = new.Taken.parse(take(new.ACQUIRE_HOLDING, "new-2"))
+        assert new.verdict("p-roll/compat", taken, None) == new.QUARANTINE
+        # This release on trial beside the named one (not named) dies: 1.1.0 tries it, never quarantines it.
+        store.eval(new.MARK, 1, holder, "new-2", "trial", "1")
+        taken_old = old.Taken.parse(take(old.ACQUIRE_HOLDING, "old-2"))
+        assert taken_old.unreleased_by("old-2") and not taken_old.killed_on_trial
+        # 1.1.0 dies off trial with no evidence (none of its own kind): this release serves at once.
+        taken = new.Taken.parse(take(new.ACQUIRE_HOLDING, "new-3"))
+        assert new.verdict("p-roll/compat", taken, None) == new.SERVE
+        # This release hands a suspect over before its trial: 1.1.0 tries it; this release too.
+        assert store.eval(new.RELEASE_HOLDING, 2, lease, holder, "w-new-3", "new-3", "1") == 1
+        assert old.Taken.parse(take(old.ACQUIRE_HOLDING, "old-3")).unreleased_by("old-3")
+        assert store.eval(old.RELEASE_HOLDING, 2, lease, holder, "w-old-3", "old-3", "1") == 1
+        taken = new.Taken.parse(take(new.ACQUIRE_HOLDING, "new-4"))
+        assert new.verdict("p-roll/compat", taken, None) == new.SERVE  # 1.1.0's release marks no suspect
+        assert store.eval(new.RELEASE_HOLDING, 2, lease, holder, "w-new-4", "new-4", "1") == 1
+        assert new.verdict("p-roll/compat", new.Taken.parse(take(new.ACQUIRE_HOLDING, "new-5")), None) == new.SUSPECT
+    finally:
+        store.delete(lease, holder)
+        store.close()

@@ -64,6 +64,15 @@ class Metrics:
         self.redis_round_trips = Counter("pushworker_redis_round_trips", "Pipelined round trips to Redis",
                                          registry=r)
         self.redis_commands = Counter("pushworker_redis_commands", "Commands sent to Redis", registry=r)
+        self.trials = Counter("pushworker_trials", "Trials of suspects (subscriptions whose worker died with its "
+                              "memory alarm raised) by outcome: passed, stalled (never subscribed), ended (let go "
+                              "before the end), killed (its worker died on it: counted by the next holder, which "
+                              "quarantines it)", ("outcome",), registry=r)
+        for outcome in ("passed", "stalled", "ended", "killed"):  # series from the start, for rate()
+            self.trials.labels(outcome)
+        self.trial_wait_seconds = Histogram("pushworker_trial_wait_seconds", "How long a suspect waited for its "
+                                            "trial (it is not served meanwhile)",
+                                            buckets=(0.1, 1, 5, 10, 30, 60, 120, 300, 600, 1800), registry=r)
         self.redis_errors = Counter("pushworker_redis_errors", "Redis calls that failed (and were retried)",
                                     registry=r)
         self.task_failures = Counter("pushworker_task_failures", "Background tasks that failed unexpectedly "

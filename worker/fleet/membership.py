@@ -24,7 +24,15 @@ from worker.fleet import seek
 from worker.fleet.containment import Containment
 from worker.fleet.leases import Lease, assign, unit_parts, units
 from worker.fleet.published import ConfigDefinitions
-from worker.fleet.quarantine import ACQUIRE_HOLDING, HOLDER_TTL_LEASES, RELEASE_HOLDING, RENEW_HOLDING, Taken
+from worker.fleet.quarantine import (
+    ACQUIRE_HOLDING,
+    HOLDER_TTL_LEASES,
+    QUARANTINE,
+    RELEASE_HOLDING,
+    RENEW_HOLDING,
+    SUSPECT,
+    Taken,
+)
 from worker.fleet.registry import Admit, Registry, clear_state
 from worker.fleet.registry_follower import RegistryFollower
 from worker.fleet.spread import Spreading, share
@@ -119,7 +127,8 @@ class Fleet:
         # Two processes with one PUSH_WORKER_ID (a constant where the pod name belongs) are one member
         # to the fleet: both serve everything that id owns, and no scaling spreads it.
         self.instance = uuid.uuid4().hex
-        self.containment = Containment(client, self.registry, worker, settings.trial_seconds, self.instance, self.log)
+        self.containment = Containment(client, self.registry, worker, settings.trial_seconds, settings.trials_at_once,
+                                       self.instance, settings.name, self.holder_ttl_ms, self.log)
         self.instance_key = keys.fleet_key(settings.name, f"instance:{worker.worker_id}")
         self._foreign_mark_at = -float("inf")
         self._twin_seen_at = 0.0
@@ -370,7 +379,7 @@ class Fleet:
             key, sub = unit_parts(name)[0], self._share(name)
             if key not in serving:  # new, or a start that failed: try again
                 if not self.containment.holds_back(name):  # a suspect waits for its trial
-                    self.worker.add(sub, lease=self.leases[name])
+                    self.worker.add(sub, lease=self.leases[name], trial=self.containment.on_trial(name))
                 continue
             dispatcher = self.worker.dispatchers.get(key)
             if dispatcher is None or dispatcher.sub is sub or dispatcher.sub == sub:
@@ -395,20 +404,20 @@ class Fleet:
             return  # the previous holder still holds it: it releases on handover, or it expires
         taken = Taken.parse(reply)
         contained = self.containment.on and taken.unreleased_by(self.instance)
-        if contained and taken.killed_on_trial:
+        verdict = await self.containment.verdict(name, taken) if contained else ""
+        if verdict == QUARANTINE:
             await self.containment.quarantine(name, taken, self.me)
             self.paused.add(key)
             return
         lease = Lease(self.settings.lease_seconds, margin=min(2.0, self.settings.lease_seconds / 4))
         lease.renewed(sent_at)
         self.leases[name] = lease
-        if contained:  # its holder died with it: started when its turn for a trial comes
-            self.containment.suspect(name, taken.previous_worker)
+        if verdict == SUSPECT:  # its holder died with its memory alarm raised: started when its trial comes
+            self.containment.suspect(name)
         else:
             self.worker.add(self._share(name), lease=lease)
         self.log.info("subscription acquired", subscription=key, **({"slot": slot} if slot else {}),
-                      **({"suspect": True, "died": taken.previous_worker,
-                          "died_on_trial": taken.previous_on_trial} if contained else {}))
+                      **({"died": taken.previous_worker, "suspect": verdict == SUSPECT} if contained else {}))
         self._start_seek(name)  # a seek asked for while nobody held it (slot 0's holder seeks)
 
     def _start_hand_over(self, name: str) -> None:

@@ -2,31 +2,29 @@
 client inflates before the worker sees it, or anything else that takes the process down).
 
 A worker cannot see such a message coming: it dies inside the client. What the fleet can see is how a
-lease ends. Each lease has a holder record (`keys.holder_key`: the holding process's instance, and
-whether the subscription is on trial there), written when the lease is taken and deleted when it is
-released. A lease taken over with the previous holder's record still there was not released: that
-holder died (an OOM kill, kill -9, a crash) or was cut off. Its subscriptions are *suspects*.
+lease ends, and what the dead worker said before it died. Each lease has a holder record
+(`keys.holder_key`: the holding process's instance, whether the subscription is on trial there, and
+whether the memory alarm named it), written when the lease is taken and deleted when it is released.
+A lease taken over with the previous holder's record still there was not released: that holder died
+(an OOM kill, kill -9, a crash) or was cut off. Whether that death is laid at its subscriptions' door
+depends on the *memory evidence* it left (`Evidence`; `memory_watch.py`): a worker whose memory
+passes the alarm says so in a record of its own, naming the subscription on trial that inflates, if
+one does. No evidence (kill -9, a lost node, a liveness kill, a crash): the next holder serves at once.
 
-The next holder starts its suspects one at a time, each alone on trial for `fleet.trial_seconds`
-(its record says `trial`), while everything else it serves starts at once. While one is on trial, a
-thread watches the process's memory; past MEMORY_ALARM of the container's limit the record says
-`memory` too (an OOM kill is under way: a few KiB that inflate to GiBs take a second or less). A
-subscription whose holder died on trial there with its memory running out is the one that killed it:
-the worker that takes its lease next quarantines it (state Quarantined: paused, with why and since; no
-consumer) instead of serving it. So a poison message costs at most two deaths: the one that made its
-subscription a suspect, and the one on trial. A death on trial without the memory alarm (kill -9, a
-lost node, a crash of the worker's own) leaves the subscription a suspect, never quarantined; without
-a memory limit nothing is quarantined. `subs resume` tries it again. A quarantine whose holder turns
-out alive (its lease lapsed while Redis was out of its reach) is lifted by that holder.
+With evidence that names none of them, the dead worker's subscriptions are *suspects*: the next holder
+puts each on trial for `fleet.trial_seconds`, `fleet.trials_at_once` at a time, each on a Pulsar client
+of its own, so that what inflates is named by its thread. A subscription whose holder died on trial
+with the alarm naming it is the one that killed it: the worker that takes its lease next quarantines
+it (state Quarantined: paused, with why and since; no consumer) instead of serving it. So a poison
+message costs at most two deaths: the one that made its subscription a suspect, and the one on trial.
+Evidence that names one subscription leaves the dead worker's others served at once. `subs resume`
+tries a quarantined one again (alone on trial first). A quarantine whose holder turns out alive (its
+lease lapsed while Redis was out of its reach) is lifted by that holder.
 """
 
 from __future__ import annotations
 
-import asyncio
-import os
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,20 +43,17 @@ HOLDER_TTL_LEASES = 6
 STALLED_TRIALS = 3
 STALLED_SECONDS = 30.0
 
-MEMORY_ALARM = 0.75  # of the container's memory limit: past it, while on trial, an OOM kill is coming
-MEMORY_POLL_SECONDS = 0.01  # how often the process's memory is read while a subscription is on trial
-
 # Take the lease (KEYS[1]) as ARGV[1] for ARGV[2] ms and record this holder (KEYS[2]: ARGV[3] its
 # instance; kept ARGV[4] ms). Returns {1, previous instance, previous worker, previous trial flag,
-# previous memory alarm} when taken; {0} when someone holds it; {-1} for a lease without an expiry
-# (garbage: it gets one, and lapses like a dead owner's). A holder record of the wrong type is garbage:
-# no previous holder.
+# previous memory alarm, previous suspect flag} when taken; {0} when someone holds it; {-1} for a
+# lease without an expiry (garbage: it gets one, and lapses like a dead owner's). A holder record
+# of the wrong type is garbage: no previous holder.
 ACQUIRE_HOLDING = """
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   if redis.call('PTTL', KEYS[1]) == -1 then redis.call('PEXPIRE', KEYS[1], ARGV[2]); return {-1} end
   return {0}
 end
-local previous = redis.pcall('HMGET', KEYS[2], 'instance', 'worker', 'trial', 'memory')
+local previous = redis.pcall('HMGET', KEYS[2], 'instance', 'worker', 'trial', 'memory', 'suspect')
 if previous.err then
   redis.call('DEL', KEYS[2])
   previous = {}
@@ -66,7 +61,7 @@ end
 redis.call('DEL', KEYS[2])
 redis.call('HSET', KEYS[2], 'instance', ARGV[3], 'worker', ARGV[1], 'trial', '0')
 redis.call('PEXPIRE', KEYS[2], ARGV[4])
-return {1, previous[1] or '', previous[2] or '', previous[3] or '', previous[4] or ''}
+return {1, previous[1] or '', previous[2] or '', previous[3] or '', previous[4] or '', previous[5] or ''}
 """
 # Renew leases (KEYS: a lease and its holder record per operation) held as ARGV[1] for ARGV[2] ms,
 # and the holder records of this instance (ARGV[3]) for ARGV[4] ms; 1 renewed, 0 not ours (any more).
@@ -84,13 +79,14 @@ return out
 """, width=1)
 # Release the lease (KEYS[1]) held as ARGV[1], and the holder record (KEYS[2]) if it is this instance's
 # (ARGV[2]): a clean hand-over leaves nothing that makes the next holder suspicious. ARGV[3] '1': the
-# subscription is still a suspect here (its trial not over): the record stays, off trial, so that the
-# next holder tries it too.
+# subscription is still a suspect here (its trial not over): the record stays, off trial and marked
+# `suspect`, so that the next holder tries it too (1.1.0's workers take any record left for a suspect).
 RELEASE_HOLDING = """
 if redis.pcall('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
 if redis.pcall('HGET', KEYS[2], 'instance') == ARGV[2] then
-  if ARGV[3] == '1' then redis.call('HSET', KEYS[2], 'trial', '0', 'memory', '0') else redis.call('DEL', KEYS[2]) end
+  if ARGV[3] == '1' then redis.call('HSET', KEYS[2], 'trial', '0', 'memory', '0', 'suspect', '1')
+  else redis.call('DEL', KEYS[2]) end
 end
 return 1
 """
@@ -106,9 +102,10 @@ redis.call('PEXPIRE', KEYS[2], ARGV[2])
 return 1
 """
 QUARANTINED_HOLDER_TTL_MS = 30 * 24 * 3600 * 1000  # a resume within a month tries it alone first
+QUARANTINED_INSTANCE = "quarantined"  # the instance QUARANTINE_HOLDER records: no process is
 
-# Set a field (ARGV[2]: `trial`, `memory`) of the holder record (KEYS[1]) to ARGV[3] while the record is
-# this instance's (ARGV[1]).
+# Set a field (ARGV[2]: `trial`, `memory`: the alarm named it) of the holder record (KEYS[1]) to
+# ARGV[3] while the record is this instance's (ARGV[1]).
 MARK = """
 if redis.pcall('HGET', KEYS[1], 'instance') ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
@@ -123,22 +120,62 @@ class Taken:
     previous_instance: str = ""
     previous_worker: str = ""
     previous_on_trial: bool = False
-    previous_out_of_memory: bool = False  # its memory alarm went off while it was on trial
+    previous_out_of_memory: bool = False  # the memory alarm named it while it was on trial there
+    previous_suspect: bool = False  # handed over before its trial was over
 
     @classmethod
     def parse(cls, reply: list[Any]) -> Taken:
-        _, instance, worker, trial, memory = (safe_text(part) if isinstance(part, bytes) else str(part)
-                                              for part in reply)
-        return cls(instance, worker, trial == "1", memory == "1")
-
-    @property
-    def killed_on_trial(self) -> bool:
-        """The previous holder died on trial with this subscription, its memory running out."""
-        return self.previous_on_trial and self.previous_out_of_memory
+        _, instance, worker, trial, memory, *rest = (safe_text(part) if isinstance(part, bytes) else str(part)
+                                                     for part in reply)
+        return cls(instance, worker, trial == "1", memory == "1", rest[:1] == ["1"])
 
     def unreleased_by(self, instance: str) -> bool:
         """Whether another process held the lease and never released it."""
         return bool(self.previous_instance) and self.previous_instance != instance
+
+    @property
+    def quarantined_before(self) -> bool:
+        """Resumed after a quarantine (the record `QUARANTINE_HOLDER` leaves): tried alone first."""
+        return self.previous_instance == QUARANTINED_INSTANCE
+
+
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    """What a worker said of its memory before it died (`keys.fleet_key(fleet, "memory:<instance>")`):
+    the alarm went off, naming the unit on trial whose client inflated ('' when it was none of them)."""
+
+    named: str = ""
+
+    @classmethod
+    def parse(cls, raw: Any) -> Evidence | None:
+        if raw is None:
+            return None
+        try:
+            value = orjson.loads(raw)
+        except (TypeError, ValueError):
+            return cls()  # garbage: the alarm went off, nothing named (the safe reading)
+        named = value.get("named") if isinstance(value, dict) else None
+        return cls(named if isinstance(named, str) else "")
+
+    def dump(self, worker: str) -> bytes:
+        return orjson.dumps({"named": self.named, "worker": worker, "at_ms": int(time.time() * 1000)})
+
+
+SERVE, SUSPECT, QUARANTINE = "serve", "suspect", "quarantine"
+
+
+def verdict(name: str, taken: Taken, evidence: Evidence | None) -> str:
+    """What the next holder of unit `name` does, taken over from a holder that never released it:
+    QUARANTINE (its holder died on trial with the alarm naming it), SUSPECT (on trial first), or
+    SERVE (at once: no memory evidence, or evidence naming another subscription)."""
+    named = evidence is not None and evidence.named == name
+    if taken.previous_on_trial and (taken.previous_out_of_memory or named):
+        return QUARANTINE
+    if taken.quarantined_before or taken.previous_suspect or named:
+        return SUSPECT
+    if evidence is None or evidence.named:
+        return SERVE
+    return SUSPECT  # the alarm went off and named nobody: any of its subscriptions may be the one
 
 
 def record(reason: str, instance: str, worker: str) -> bytes:
@@ -164,101 +201,64 @@ def describe(record: dict[str, Any]) -> str:
 
 
 @dataclass
+class Trial:
+    began_at: float  # monotonic time its trial began (its start was asked for)
+    started_at: float = 0.0  # monotonic time its dispatcher was first seen serving; 0: not yet
+
+
+@dataclass
 class Trials:
-    """This worker's suspects: the units (subscription slots) whose lease it took from a holder that
-    never released it, waiting to be started one at a time; and the one on trial now."""
+    """This worker's suspects: the units (subscription slots) waiting for a trial, in the order they
+    came, and those on trial now, at most `at_once` together."""
 
     seconds: float
-    waiting: dict[str, str] = field(default_factory=dict)  # unit -> the worker that held it before
-    current: str = ""
-    began_at: float = 0.0  # monotonic time the current one's trial began (its start was asked for)
-    started_at: float = 0.0  # monotonic time the current one's dispatcher was first seen serving; 0: not yet
+    at_once: int = 1
+    waiting: dict[str, float] = field(default_factory=dict)  # unit -> monotonic time it became a suspect
+    on_trial: dict[str, Trial] = field(default_factory=dict)
 
-    def suspect(self, name: str, previous_worker: str) -> None:
-        self.waiting[name] = previous_worker
+    def suspect(self, name: str, now: float) -> None:
+        self.waiting.setdefault(name, now)
 
     def holds_back(self, name: str) -> bool:
         """Whether `name` waits for its trial (it is not started yet)."""
         return name in self.waiting
 
-    def next(self) -> str:
-        """The suspect to start now, or "" while one is on trial."""
-        if self.current or not self.waiting:
-            return ""
-        return min(self.waiting)
+    def next(self) -> list[str]:
+        """The suspects to put on trial now (the longest waiting first)."""
+        free = self.at_once - len(self.on_trial)
+        return sorted(self.waiting, key=lambda n: (self.waiting[n], n))[:max(0, free)]
 
-    def begin(self, name: str, now: float) -> None:
-        self.waiting.pop(name, None)
-        self.current, self.began_at, self.started_at = name, now, 0.0
+    def begin(self, name: str, now: float) -> float:
+        """On trial from `now`; returns how long it waited for it."""
+        waited = now - self.waiting.pop(name, now)
+        self.on_trial[name] = Trial(now)
+        return waited
 
-    def serving(self, now: float) -> None:
-        """The current one's dispatcher is serving: its trial time runs from now."""
-        if self.current and not self.started_at:
-            self.started_at = now
+    def serving(self, name: str, now: float) -> None:
+        """Its dispatcher is serving: its trial time runs from now."""
+        trial = self.on_trial.get(name)
+        if trial is not None and not trial.started_at:
+            trial.started_at = now
 
-    def over(self, now: float) -> bool:
-        """The current trial's time is up; or its subscribe has not gone through in STALLED_TRIALS
-        trial periods (the broker refuses it: nothing can reach a consumer that does not exist, and
+    def over(self, now: float) -> list[tuple[str, bool]]:
+        """The trials whose time is up, each with whether it served (False: its subscribe did not go
+        through in STALLED_TRIALS trial periods, at least STALLED_SECONDS; the broker refuses it, and
         the other suspects must not wait for it)."""
-        if not self.current:
-            return False
-        if self.started_at:
-            return now - self.started_at >= self.seconds
-        return now - self.began_at >= max(STALLED_SECONDS, STALLED_TRIALS * self.seconds)
+        stalled_after = max(STALLED_SECONDS, STALLED_TRIALS * self.seconds)
+        return [(name, bool(t.started_at)) for name, t in sorted(self.on_trial.items())
+                if (now - t.started_at >= self.seconds if t.started_at else now - t.began_at >= stalled_after)]
 
-    def end(self) -> str:
-        name, self.current, self.began_at, self.started_at = self.current, "", 0.0, 0.0
-        return name
+    def end(self, name: str) -> None:
+        self.on_trial.pop(name, None)
+
+    def on(self, name: str) -> bool:
+        return name in self.on_trial
 
     def suspected(self, name: str) -> bool:
         """Whether `name` is a suspect here still: waiting, or on trial."""
-        return name in self.waiting or name == self.current
+        return name in self.waiting or name in self.on_trial
 
     def drop(self, name: str) -> None:
         """`name` is no longer held here (handed over, lost, deleted)."""
         self.waiting.pop(name, None)
-        if self.current == name:
-            self.end()
-
-
-def _resident_bytes() -> int:
-    with open("/proc/self/statm", "rb") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class MemoryAlarm:
-    """A thread that, while armed (a subscription on trial), reads the process's resident memory every
-    MEMORY_POLL_SECONDS and calls `on_alarm` on the event loop once it passes MEMORY_ALARM of `limit`.
-    Disarmed it sleeps: nothing is read. A thread, not a task: while the client inflates a bomb the
-    event loop may be slow, and the alarm must go out before the OOM kill."""
-
-    def __init__(self, limit: int, loop: asyncio.AbstractEventLoop, on_alarm: Callable[[], None],
-                 read: Callable[[], int] = _resident_bytes) -> None:
-        self.threshold = int(limit * MEMORY_ALARM)
-        self._loop, self._on_alarm, self._read = loop, on_alarm, read
-        self._armed = threading.Event()
-        self._closed = False
-        self._thread = threading.Thread(target=self._watch, name="memory alarm", daemon=True)
-        self._thread.start()
-
-    def arm(self) -> None:
-        self._armed.set()
-
-    def disarm(self) -> None:
-        self._armed.clear()
-
-    def close(self) -> None:
-        self._closed = True
-        self._armed.set()  # wakes the thread, which ends
-
-    def _watch(self) -> None:
-        while True:
-            self._armed.wait()
-            if self._closed:
-                return
-            if self._read() >= self.threshold:
-                self._armed.clear()  # once per arming
-                if not self._closed:
-                    self._loop.call_soon_threadsafe(self._on_alarm)
-                continue
-            time.sleep(MEMORY_POLL_SECONDS)
+        self.on_trial.pop(name, None)

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from worker.core.dispatcher import Fence
 from worker.core.metrics import Metrics
+from worker.fleet.memory_watch import ThreadCpu
 from worker.fleet.seek import SeekTarget
 from worker.model.subscriptions import Subscription
 from worker.runtime.supervisor import Supervisor
@@ -65,7 +66,13 @@ class ServingWorker(Protocol):
     @property
     def serving(self) -> set[str]: ...
 
-    def add(self, sub: Subscription, lease: Fence | None = None) -> None: ...
+    def add(self, sub: Subscription, lease: Fence | None = None, trial: bool = False) -> None:
+        """Serve `sub`; `trial`: through a Pulsar client of its own, until `end_trial`."""
+        ...
+
+    def end_trial(self, key: str) -> None: ...
+
+    trial_threads: ThreadCpu  # the trial clients' threads, for the memory alarm to name
 
     async def remove(self, key: str, grace: float | None = None, unsubscribe: bool = False) -> None: ...
 

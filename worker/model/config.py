@@ -156,9 +156,12 @@ class FleetSettings:
                                                             "worker (the HPA's per-replica target)")
     spread_quiet_seconds: float = setting(300.0, 0.0, 86_400.0, help="...and one fewer after its backlog stayed "
                                                                      "below what one fewer is for this long")
-    trial_seconds: float = setting(5.0, 0.0, 600.0, help="a subscription whose holder died with it is served "
-                                   "alone on trial for this long by the next holder (one at a time); a worker "
-                                   "that dies then quarantines it (0: no trials, no quarantine)")
+    trial_seconds: float = setting(5.0, 0.0, 600.0, help="a subscription whose holder died with its memory "
+                                   "alarm raised is served on trial, on a Pulsar client of its own, for this "
+                                   "long by the next holder; a death on trial that the alarm lays at its door "
+                                   "quarantines it (0: no trials, no quarantine)")
+    trials_at_once: int = setting(32, 1, 1000, help="suspects on trial at once on one worker, each on a Pulsar "
+                                                    "client of its own")
 
 
 # Payload bytes of the messages one subscription holds at once (taken from the broker, not settled):

@@ -126,7 +126,8 @@ class Worker:
         self.delivery, self.memory, self.dead_letters = delivery_context(
             s, self.pulsar, pipeliner, self.metrics, self.secrets, self.worker_id, self.supervisor, self.tokens,
             self.log, self._cleanup)
-        self.served = Serving(s, self.delivery, self.pulsar, pulsar_large, self.redis,
+        self.served = Serving(s, self.delivery, self.pulsar, pulsar_large,
+                              functools.partial(pulsar_adapter.make_client, s.pulsar, self.pulsar_url), self.redis,
                               LargestMessages(pipeliner, s.redis.attempts_ttl_seconds), session,
                               # A payload no request could carry is dead-lettered before its request is built.
                               functools.partial(pulsar_adapter.to_envelope,

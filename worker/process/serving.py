@@ -1,10 +1,12 @@
 """The subscriptions a worker serves: one dispatcher each, started (subscribing until the broker
-answers), replaced (a seek, a smaller prefetch for large messages) and stopped here. It is what the
+answers; a suspect on trial through a Pulsar client of its own), replaced (a seek, a smaller
+prefetch for large messages, the end of a trial) and stopped here. It is what the
 fleet asks things of (`fleet.worker_protocol.ServingWorker`)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +20,7 @@ from worker.core.budgets import LARGE_MESSAGE_BYTES, prefetch_bytes, prefetch_fo
 from worker.core.dispatcher import CLOSE_TIMEOUT, DeliveryContext, Dispatcher, Fence, Stats
 from worker.core.messages import Envelope
 from worker.fleet import leases, seek
+from worker.fleet.memory_watch import ThreadCpu, io_thread_id
 from worker.fleet.seek import SeekTarget
 from worker.model.config import Settings
 from worker.model.subscriptions import State, Subscription
@@ -35,8 +38,8 @@ class Serving:
     """The table of served subscriptions. `on_served` is told each time a dispatcher starts."""
 
     def __init__(self, settings: Settings, delivery: DeliveryContext, pulsar: Any, pulsar_large: Any,
-                 redis: AsyncClient, largest: LargestMessages, session: aiohttp.ClientSession,
-                 to_envelope: Callable[[Any], Envelope], stop: asyncio.Event,
+                 new_client: Callable[[], Any], redis: AsyncClient, largest: LargestMessages,
+                 session: aiohttp.ClientSession, to_envelope: Callable[[Any], Envelope], stop: asyncio.Event,
                  on_served: Callable[[], None]) -> None:
         self.settings = settings
         self.delivery = delivery
@@ -45,6 +48,7 @@ class Serving:
         self.supervisor = delivery.supervisor
         self.pulsar = pulsar
         self.pulsar_large = pulsar_large  # a client of its own for subscriptions of large messages
+        self.new_client = new_client  # a client of a trial's own
         self.redis = redis
         self.largest = largest
         self.session = session
@@ -55,6 +59,7 @@ class Serving:
         self.dispatchers: dict[str, Dispatcher] = {}
         self._starting: dict[str, asyncio.Task[None]] = {}
         self._starting_subs: dict[str, Subscription] = {}
+        self._starting_leases: dict[str, Fence | None] = {}
         # Why a subscription's subscribe keeps failing (the broker's answer), for `subs list`: without
         # it a subscription the broker refuses (a missing namespace, a busy exclusive subscription)
         # showed only "Starting", for good.
@@ -65,6 +70,11 @@ class Serving:
         self._largest: dict[str, int] = {}  # the largest message seen per subscription, if large
         self._on_large: set[str] = set()  # subscribed through `pulsar_large`
         self._carried_stats: dict[str, Stats] = {}  # a dispatcher's counters, to its replacement
+        # Suspects on trial, each subscribed through a Pulsar client of its own whose I/O thread
+        # (registered in `trial_threads`) the memory alarm can name (`fleet/memory_watch.py`).
+        self._trial_clients: dict[str, Any] = {}
+        self._on_trial: set[str] = set()
+        self.trial_threads = ThreadCpu()
         self._draining: set[Dispatcher] = set()  # stopped serving, their requests under way finishing
         self._prefetch_budget = prefetch_bytes(settings.max_held_bytes_per_subscription)  # bytes, per subscription
         self._orphans: set[asyncio.Future[None]] = set()
@@ -90,13 +100,17 @@ class Serving:
 
     # -- start -------------------------------------------------------------------------------
 
-    def add(self, sub: Subscription, lease: Fence | None = None) -> None:
-        """Start serving a subscription (subscribing retries until the broker answers)."""
+    def add(self, sub: Subscription, lease: Fence | None = None, trial: bool = False) -> None:
+        """Start serving a subscription (subscribing retries until the broker answers); `trial`: through
+        a Pulsar client of its own, until `end_trial`."""
         if sub.key in self.dispatchers or sub.key in self._starting or sub.key in self._resubscribing or self.stopping:
             return
+        if trial:
+            self._on_trial.add(sub.key)
         task = asyncio.create_task(self._subscribe_and_run(sub, lease), name=f"subscribe {sub.key}")
         self._starting[sub.key] = task
         self._starting_subs[sub.key] = sub
+        self._starting_leases[sub.key] = lease
         task.add_done_callback(functools.partial(self._forget_start, sub.key))
         task.add_done_callback(log_task_failure(self.supervisor, "subscribe"))  # the fleet tries again
 
@@ -131,7 +145,8 @@ class Serving:
         delay = 0.5
         while True:
             large = self._largest.get(sub.key, 0) >= LARGE_MESSAGE_BYTES
-            client = self.pulsar_large if large else self.pulsar
+            client = await self._trial_client(sub) if sub.key in self._on_trial else \
+                self.pulsar_large if large else self.pulsar
             subscribing = asyncio.ensure_future(pulsar_adapter.subscribe(client, sub, self.worker_id,
                                                                          receiver_queue_size=prefetch))
             try:
@@ -157,6 +172,52 @@ class Serving:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
 
+    async def _trial_client(self, sub: Subscription) -> Any:
+        """The client of `sub`'s trial, made on its first subscribe, its I/O thread registered under
+        its key (a worker serves one slot of a subscription at most)."""
+        client = self._trial_clients.get(sub.key)
+        if client is None:
+            client = self._trial_clients[sub.key] = self.new_client()
+            tid = await io_thread_id(client, sub.topic, timeout=self.settings.pulsar.operation_timeout_seconds)
+            self.trial_threads.register(tid, sub.key)
+        return client
+
+    def end_trial(self, key: str) -> None:
+        """`key`'s trial is over: served through the shared client from now on (its consumer
+        replaced as for large messages: requests under way finish, the rest is redelivered in order)."""
+        if key not in self._on_trial:
+            return
+        self._spawn(self._move_off_trial(key), f"end trial {key}", "end trial")
+
+    async def _move_off_trial(self, key: str) -> None:
+        dispatcher = self.dispatchers.get(key)
+        starting = self._starting_subs.get(key)
+        if (dispatcher is None and starting is None) or key in self._resubscribing:
+            await self._close_trial_client(key)  # stopped meanwhile, or a seek replaces the consumer anyway
+            return
+        # A subscribe that never went through (a stalled trial) is started again, through the shared client.
+        sub, lease = (dispatcher.sub, dispatcher.lease) if dispatcher is not None else \
+            (starting, self._starting_leases.get(key))
+        self._resubscribing.add(key)
+        try:
+            await self._stop_serving(key)
+        finally:
+            await self._close_trial_client(key)
+            if key in self._resubscribing:  # else stopped meanwhile (handed over, deleted, lease lost)
+                self._resubscribing.discard(key)
+                if dispatcher is not None:
+                    self._carried_stats[key] = dispatcher.stats
+                assert sub is not None
+                self.add(sub, lease)
+
+    async def _close_trial_client(self, key: str) -> None:
+        self._on_trial.discard(key)
+        self.trial_threads.forget(key)
+        client = self._trial_clients.pop(key, None)
+        if client is not None:
+            with contextlib.suppress(Exception):  # closing a client of one consumer: nothing to lose
+                await asyncio.wait_for(client.close(), timeout=5.0)
+
     async def started(self, key: str) -> Dispatcher | None:
         """The subscription's dispatcher, once a subscribe under way has ended (None if it failed)."""
         starting = self._starting.get(key)
@@ -173,6 +234,7 @@ class Serving:
         """A subscribe ended, served or given up (moved, paused, deleted): its failures are forgotten,
         and so is its Starting state unless a dispatcher now reports its own."""
         sub = self._starting_subs.pop(key, None)
+        self._starting_leases.pop(key, None)
         if self.subscribe_failures.pop(key, None) is not None and sub is not None and key not in self.dispatchers:
             self.metrics.set_state(sub.tenant, sub.name, None)
 
@@ -289,7 +351,10 @@ class Serving:
         self._largest.pop(key, None)  # Redis remembers it for whoever serves it next
         self._on_large.discard(key)
         self._carried_stats.pop(key, None)
-        await self._stop_serving(key, grace, unsubscribe)
+        try:
+            await self._stop_serving(key, grace, unsubscribe)
+        finally:
+            await self._close_trial_client(key)
 
     async def _stop_serving(self, key: str, grace: float | None = None, unsubscribe: bool = False) -> None:
         starting = self._starting.pop(key, None)
