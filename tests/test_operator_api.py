@@ -15,13 +15,14 @@ from urllib.parse import urlencode
 import aiohttp
 import pytest
 import structlog
+import yaml
 from aiohttp import web
 from openapi_spec_validator import validate
 
 from tests.support.admin import ApiClient, admin_settings, new_issuer, write_jwks
 from tests.support.builders import TEST_DEFAULTS
 from tests.support.endpoints import Endpoint, Received
-from tests.support.helpers import eventually
+from tests.support.helpers import cli, eventually
 from tests.support.pulsar_client import Client
 from worker.api.routes import openapi_document
 from worker.model.config import FleetSettings
@@ -563,3 +564,159 @@ async def test_an_operator_reads_a_payload_back_from_the_broker_and_replays_a_de
     assert status == 409 and "still being delivered" in refused["error"]["message"], refused
     status, _ = await alice.call("POST", f"{base}/999999:0:-1:-1/replay")
     assert status == 404
+
+
+async def test_a_replay_refuses_what_is_not_settled_goes_one_at_a_time_and_never_numbers_back(
+        fleet, endpoint: Endpoint, client: Client, redis_url: str):
+    """What broke from outside (#72), each refused: a replay of a message never attempted (paused,
+    then published) was sent once and settled as dropped, lost; a replay beside its first attempt
+    sent two requests numbered 1; six concurrent replays sent numbers that went back. Now anything not
+    settled is 409, one replay of a message at a time (the others 409), and the numbers only go up;
+    a failed replay says so in the history, and the message keeps every attempt it had."""
+    w, _, clients, _, _, _ = fleet
+    alice = clients["alice"]
+    topic = f"persistent://p-a/main/replays-{uuid.uuid4().hex[:8]}"
+    release = asyncio.Event()
+    failing = {b"fails"}
+
+    async def answer(rec: Received) -> web.Response:
+        if rec.body_payload == b"slow":
+            await release.wait()  # its first attempt stays under way until the test lets it end
+        if rec.body_payload in failing:
+            return web.Response(status=503)
+        return web.Response(status=204)
+
+    endpoint.behaviour = answer
+    status, _ = await alice.call("POST", "/v1/projects/p-a/subscriptions", definition("replays", topic, endpoint.url))
+    assert status == 201
+    await eventually(lambda: "p-a/replays" in w.dispatchers, what="the worker serves it")
+    base = "/v1/projects/p-a/subscriptions/replays"
+
+    # Never attempted: paused, published, replayed while the endpoint fails, resumed.
+    assert (await alice.call("POST", f"{base}/pause", {"wait_seconds": 10}))[0] == 200
+    [fresh] = client.publish(topic, [b"fails"])
+    status, refused = await alice.call("POST", f"{base}/messages/{fresh}/replay")
+    assert status == 409 and "no settled delivery" in refused["error"]["message"], refused
+    assert not endpoint.requests  # nothing was sent
+    assert (await alice.call("POST", f"{base}/resume", {"wait_seconds": 10}))[0] == 200
+    await eventually(lambda: len([r for r in endpoint.requests if r.body_payload == b"fails"]) == TEST_DEFAULTS[
+        "max_deliver"], timeout=30, what="every attempt of the message, none spent by the refused replay")
+
+    # Its first attempt under way.
+    [slow] = client.publish(topic, [b"slow"])
+    await eventually(lambda: any(r.body_payload == b"slow" for r in endpoint.requests), what="its first attempt")
+    status, refused = await alice.call("POST", f"{base}/messages/{slow}/replay")
+    assert status == 409 and "still being delivered" in refused["error"]["message"], refused
+    release.set()
+    await eventually(lambda: w.dispatchers["p-a/replays"].stats.acked >= 1, what="the slow one acked")
+    assert [r.headers["Pubsub-Delivery-Attempt"] for r in endpoint.requests if r.body_payload == b"slow"] == ["1"]
+
+    # Six at once on a delivered message: one goes, five are refused, numbers only go up.
+    answers = await asyncio.gather(*(alice.call("POST", f"{base}/messages/{slow}/replay") for _ in range(6)))
+    assert sorted(status for status, _ in answers) == [200, 409, 409, 409, 409, 409], answers
+    assert [r.headers["Pubsub-Delivery-Attempt"] for r in endpoint.requests if r.body_payload == b"slow"] == ["1", "2"]
+    status, again = await alice.call("POST", f"{base}/messages/{slow}/replay")
+    assert status == 200 and again["attempt"] == 3
+    assert [r.headers["Pubsub-Delivery-Attempt"] for r in endpoint.requests if r.body_payload == b"slow"] == \
+        ["1", "2", "3"]
+
+    # A failed replay: settled as it was, said as a failed replay in the history (not a drop).
+    failing.add(b"slow")
+    status, failed = await alice.call("POST", f"{base}/messages/{slow}/replay")
+    assert status == 200 and failed == {"subscription": "p-a/replays", "message_id": slow, "attempt": 4,
+                                        "result": "failed"}
+    _, shown = await alice.call("GET", f"{base}/messages/{slow}")
+    assert shown["history"][-1]["event"] == "replay-failed" and shown["attempts_in_progress"] is None
+    assert not [e for e in shown["history"] if e.get("event") == "dropped"]
+    _, kept = await alice.call("GET", f"{base}/messages/{fresh}")  # the one replayed before any attempt
+    assert [e.get("attempt") for e in kept["history"]] == [1, 2, 3, 3] and kept["history"][-1]["event"] == "dropped"
+
+    status, _ = await alice.call("POST", f"{base}/messages/not-an-id/replay")
+    assert status == 404
+
+
+async def test_a_dead_letter_is_redriven_not_replayed_and_the_dry_run_agrees_with_the_redrive(
+        fleet, endpoint: Endpoint, client: Client, tmp_path: Path):
+    """A replayed dead letter stayed a dead letter (a later redrive delivered it again). A replay of a
+    dead letter is 409, saying to redrive it; the redrive of it delivers it once, and a dry run then
+    finds nothing more. `dlq redrive --dry-run --message-id` counts that one letter, and an id no dead
+    letter has exits 3 in one line (it counted every letter, exit 0)."""
+    w, _, clients, _, secrets, _ = fleet
+    alice = clients["alice"]
+    topic = f"persistent://p-a/main/dead-{uuid.uuid4().hex[:8]}"
+    healthy = False
+    endpoint.behaviour = lambda rec: web.Response(status=204 if healthy else 503)
+    status, _ = await alice.call("POST", "/v1/projects/p-a/subscriptions", definition(
+        "deadly", topic, endpoint.url, dead_letter={"topic": topic + "-dlq"}))
+    assert status == 201
+    await eventually(lambda: "p-a/deadly" in w.dispatchers, what="the worker serves it")
+    ids = client.publish(topic, [b"one", b"two"])
+    await eventually(lambda: w.dispatchers["p-a/deadly"].stats.dead_lettered == 2, timeout=30,
+                     what="both dead-lettered")
+    base = "/v1/projects/p-a/subscriptions/deadly"
+    status, refused = await alice.call("POST", f"{base}/messages/{ids[0]}/replay")
+    assert status == 409 and "a dead letter: redrive it" in refused["error"]["message"], refused
+
+    config = tmp_path / "cli.yaml"
+    config.write_text(yaml.safe_dump({"redis": {"url": w.redis_url}, "pulsar": {"service_url": w.pulsar_url},
+                                      "fleet": {"name": w.settings.fleet.name}, "secrets": {"dir": str(secrets)},
+                                      "destinations": {"allow_private": True}}))  # as the worker's
+    code, out, err = await cli("dlq", "redrive", "p-a/deadly", "--dry-run", "--message-id", ids[0],
+                               "--config", str(config))
+    assert code == 0 and "would take 1 dead letter(s)" in out, (out, err)
+    code, out, err = await cli("dlq", "redrive", "p-a/deadly", "--dry-run", "--message-id", "999999:0:-1:-1",
+                               "--config", str(config))
+    assert code == 3 and out == "" and len(err.splitlines()) == 1 and "no dead letter 999999:0:-1:-1" in err, err
+
+    healthy = True
+    before = len(endpoint.requests)
+    status, done = await alice.call("POST", f"{base}/redrive", {"message_id": ids[0]})
+    assert status == 200 and done["redriven"] == 1, done
+    code, out, err = await cli("dlq", "redrive", "p-a/deadly", "--dry-run", "--config", str(config))
+    assert code == 0 and "would take 1 dead letter(s)" in out, (out, err)  # the other one only
+    status, done = await alice.call("POST", f"{base}/redrive", {})
+    assert status == 200 and done["redriven"] == 1, done
+    delivered = [r.body_payload for r in endpoint.requests[before:] if r.acked]
+    assert sorted(delivered) == [b"one", b"two"]  # each once
+
+
+async def test_a_running_admin_refuses_every_write_once_redis_holds_a_newer_layout(
+        fleet, endpoint: Endpoint, client: Client, redis_url: str):
+    """The admin process read the layout once and kept it: after Redis came to hold a newer
+    release's layout, pause and delete still wrote, and so did create, PATCH and redrive. Each is now
+    refused (409, the one line), and nothing changes."""
+    import redis as redis_sync
+
+    from worker.core.keys import layout_key
+    from worker.fleet.layout import LAYOUT
+
+    w, _, clients, _, _, _ = fleet
+    alice = clients["alice"]
+    topic = f"persistent://p-a/main/layout-{uuid.uuid4().hex[:8]}"
+    endpoint.behaviour = lambda rec: web.Response(status=204)
+    status, _ = await alice.call("POST", "/v1/projects/p-a/subscriptions", definition(
+        "kept", topic, endpoint.url, dead_letter={"topic": topic + "-dlq"}))
+    assert status == 201  # a write before: the admin has read the layout
+    [delivered] = client.publish(topic, [b"once"])
+    await eventually(lambda: any(r.acked for r in endpoint.requests), what="delivered")
+    store = redis_sync.Redis.from_url(redis_url)
+    try:
+        store.set(layout_key(), LAYOUT + 1)
+        before = {key: store.dump(key) for key in store.keys("*") if not key.startswith(b"pw:{fleet/")}
+        base = "/v1/projects/p-a/subscriptions"
+        for method, path, body in (
+                ("POST", f"{base}/kept/pause", {"wait_seconds": 0}),
+                ("DELETE", f"{base}/kept", None),
+                ("POST", base, definition("new", topic, endpoint.url)),
+                ("PATCH", f"{base}/kept", {"max_deliver": 9}),
+                ("POST", f"{base}/kept/redrive", {}),
+                ("POST", f"{base}/kept/messages/{delivered}/replay", None)):
+            status, refused = await alice.call(method, path, body)
+            assert status == 409 and f"redis holds layout {LAYOUT + 1}" in refused["error"]["message"], \
+                (method, path, status, refused)
+        after = {key: store.dump(key) for key in store.keys("*") if not key.startswith(b"pw:{fleet/")}
+        assert after == before  # the subscription's keys as they were (the fleet's own heartbeat aside)
+        assert store.hexists(f"pw:{{fleet/{w.settings.fleet.name}}}:registry", "p-a/kept")
+    finally:
+        store.set(layout_key(), LAYOUT)
+        store.close()

@@ -4,6 +4,7 @@ layout a release refuses when it is newer than its own, and config keys under a 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import subprocess
@@ -16,8 +17,8 @@ import yaml
 
 from devtools import releases
 from tests.support.builders import push_sub
-from tests.support.helpers import code_path
-from worker.core.keys import layout_key
+from tests.support.helpers import code_path, eventually
+from worker.core.keys import fleet_key, layout_key
 from worker.fleet.layout import LAYOUT
 from worker.model import deprecations
 from worker.model.config import parse_settings
@@ -111,26 +112,69 @@ def test_check_prints_a_warning_line_for_each_deprecated_key(tmp_path):
                            "use fleet.lease_seconds\n")
 
 
-def test_a_release_refuses_a_newer_redis_layout_with_one_line_and_writes_nothing(tmp_path, redis_url):
+@pytest.mark.parametrize("recorded", [str(LAYOUT + 1), "\u00b2", "\u0663", "0", "1x"])
+def test_a_release_refuses_a_newer_redis_layout_with_one_line_and_writes_nothing(tmp_path, redis_url, recorded):
     """Redis marked with a layout above this release's (as a later release that changed it would
-    mark it): the worker does not start and `subs apply` writes nothing, each with one line."""
+    mark it), or with anything but a plain decimal number (a superscript two and an Arabic-Indic three
+    are digits to Python, 0 is no layout): the worker does not start, and `subs apply` and `dlq
+    redrive` write nothing, each with one line."""
     client = redis.Redis.from_url(redis_url)
     try:
-        client.set(layout_key(), LAYOUT + 1)
+        client.set(layout_key(), recorded.encode())
         config = tmp_path / "worker.yaml"
         config.write_text(yaml.safe_dump({"redis": {"url": redis_url}, "pulsar": {"service_url": "pulsar://127.0.0.1:1"},
                                           "state_dir": str(tmp_path / "state"),
-                                          "http": {"host": "127.0.0.1", "port": 0}}))
+                                          "http": {"host": "127.0.0.1", "port": 0},
+                                          "subscriptions": [push_sub("dead", "persistent://p-one/main/d",
+                                                                     "https://example.com/push",
+                                                                     dead_letter={"topic": "persistent://p-one/main/dl"})]
+                                          }))
         subs = tmp_path / "subs.yaml"
         subs.write_text(yaml.safe_dump({"subscriptions": [
             push_sub("s", "persistent://p-one/main/t", "https://example.com/push")]}))
-        said = f"redis holds layout {LAYOUT + 1}, written by a later release; this release reads layout {LAYOUT}"
-        for argv in (["run", "--config", str(config)], ["subs", "apply", "-f", str(subs), "--config", str(config)]):
+        said = (f"redis holds layout {LAYOUT + 1}, written by a later release; this release reads layout {LAYOUT}"
+                if recorded == str(LAYOUT + 1) else "not a layout number")
+        for argv in (["run", "--config", str(config)], ["subs", "apply", "-f", str(subs), "--config", str(config)],
+                     ["dlq", "redrive", "dead", "--config", str(config)]):
             done = push_worker(*argv, cwd=tmp_path)
             assert done.returncode == 1, (argv, done.stderr)
             refusal = [line for line in done.stderr.splitlines() if "layout" in line]
-            assert len(refusal) == 1 and said in refusal[0] and "Traceback" not in done.stderr, done.stderr
+            assert len(refusal) == 1 and said in refusal[0] and "Traceback" not in done.stderr, (argv, done.stderr)
         assert client.keys("*") == [layout_key().encode()]  # nothing else written
-        assert client.get(layout_key()) == str(LAYOUT + 1).encode()
+        assert client.get(layout_key()) == recorded.encode()
     finally:
+        client.close()
+
+
+async def test_a_running_worker_stops_at_once_when_a_newer_layout_appears(tmp_path, redis_url, broker):
+    """A layout is read every fleet round, not only at start: a worker running when Redis comes to
+    hold a newer release's layout stops within a round or two, with exit code 1 and one line, as it
+    would refuse to start."""
+    client = redis.Redis.from_url(redis_url)
+    config = tmp_path / "worker.yaml"
+    fleet = f"layout-{os.getpid()}"
+    config.write_text(yaml.safe_dump({"redis": {"url": redis_url}, "pulsar": {"service_url": broker.url},
+                                      "http": {"host": "127.0.0.1", "port": 0}, "log": {"format": "json"},
+                                      "fleet": {"name": fleet, "heartbeat_seconds": 0.2, "lease_seconds": 2}}))
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as out:  # a file, not a pipe: a pipe nobody reads fills and stops the worker
+        proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "run", "--config", str(config)], cwd=tmp_path,
+                                stdout=subprocess.DEVNULL, stderr=out, env={**os.environ, **code_path()})
+    try:
+        members = fleet_key(fleet, "members")
+        await eventually(lambda: client.zcard(members) == 1, timeout=60, what="the worker in its fleet")
+        client.set(layout_key(), LAYOUT + 1)
+        code = await asyncio.to_thread(proc.wait, 30)
+        stderr = log.read_text()
+        assert code == 1, stderr
+        said = [line for line in stderr.splitlines() if line.startswith("push-worker: ")]
+        assert said == [f"push-worker: redis holds layout {LAYOUT + 1}, written by a later release; this release "
+                        f"reads layout {LAYOUT} only and changed nothing: run a release that reads layout "
+                        f"{LAYOUT + 1} (docs/upgrading.md#rollback)"], stderr
+        assert "Traceback" not in stderr
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        client.set(layout_key(), LAYOUT)
         client.close()

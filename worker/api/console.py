@@ -279,8 +279,12 @@ class Console:
             answer = entry.get("answer")
             if isinstance(answer, str):
                 entry["answer"] = answer[:ANSWER_SHOWN]
-        return self._page(request, "message.html", project=project, name=name, message=data,
-                          can_act=request[PRINCIPAL].grants.acts_on(project))
+        page = self._page(request, "message.html", project=project, name=name, message=data,
+                          can_act=request[PRINCIPAL].grants.acts_on(project),
+                          notice=request.cookies.get(NOTICE_COOKIE, ""))
+        if NOTICE_COOKIE in request.cookies:
+            page.del_cookie(NOTICE_COOKIE, path="/console")  # shown once
+        return page
 
     async def payload(self, request: web.Request) -> web.Response:
         """The download link of a message page: the payload's bytes (as the API gives them)."""
@@ -420,7 +424,10 @@ class Console:
             outcome = await perform(self.ops, project, name, action, body)
         # The outcome goes to the next page in a short-lived cookie, never in the URL: a link of
         # someone else's cannot make the console show an official-looking notice.
-        response = redirect(f"/console/projects/{quote(project, safe='')}/subscriptions/{quote(name, safe='')}")
+        # Back where it acted: a message's page after its replay or redrive, else the subscription's.
+        here = f"/console/projects/{quote(project, safe='')}/subscriptions/{quote(name, safe='')}"
+        message_id = body.get("message_id") if action in ("replay", "redrive") else None
+        response = redirect(f"{here}/messages/{quote(message_id, safe='')}" if message_id else here)
         response.set_cookie(NOTICE_COOKIE, _notice(action, outcome), max_age=60, path="/console", httponly=True,
                             samesite="Strict", secure=self.secure_cookie)
         return response

@@ -160,13 +160,17 @@ class Operations:
     async def replay(self, project: str, name: str, message_id: str) -> dict[str, Any]:
         """One more request for a settled message (ops/replay.py), numbered after its last attempt."""
         key = await self.existing(project, name)
+        replay.message_id_of(message_id)  # a malformed id is a 404, before anything is held
         await self.admin.writable()
-        try:
-            history = (await self.admin.show(message_id, key)).data["history"]
-        except NotFound:
-            history = []  # its records are gone (older than the history's TTL): it counts from 1
+
+        async def history() -> tuple[list[dict[str, Any]], int | None]:
+            try:
+                data = (await self.admin.show(message_id, key)).data
+            except NotFound:
+                return [], None  # never attempted, or its records are gone (older than the history's TTL)
+            return data["history"], data["attempts_in_progress"]
         return await replay.replay(self.settings, self.pulsar, self.admin.client, await self.admin.definition(key),
-                                   message_id, history)
+                                   message_id, history, self._broker())
 
     async def log(self, project: str, name: str, query: LogQuery, headers: bool) -> dict[str, Any]:
         """A page of the delivery log's search, newest first; `headers`: both ways, and the answers
@@ -214,6 +218,7 @@ class Operations:
 
     async def _apply(self, project: str, definition: dict[str, Any]) -> None:
         await self.check(project, definition)
+        await self.admin.writable()
         await self.admin.registry.apply_all([definition])
         self.shared_reads.clear()
 

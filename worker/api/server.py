@@ -21,10 +21,11 @@ from worker.api.limits import MAX_CONNECTIONS, CallerLimits, CappedRunner, TooMa
 from worker.api.metrics import AdminMetrics
 from worker.api.operations import Conflict, Operations
 from worker.api.routes import PRINCIPAL, Api, Forbidden, Handler, audit
+from worker.fleet.layout import LayoutTooNew
 from worker.model.admin_settings import AdminSettings
 from worker.model.config import Settings
 from worker.ops.explain import explain
-from worker.ops.replay import StillDelivering
+from worker.ops.replay import DeadLetter, StillDelivering
 from worker.runtime import logs
 from worker.runtime.errors import ConfigError, NotFound, StartupError
 from worker.runtime.http_server import listen
@@ -42,8 +43,9 @@ SECURITY_HEADERS = {
 
 def answer_for(error: BaseException) -> tuple[int, str]:
     """The status and the one line a caller gets for `error`."""
+    # ConfigError: a bad definition, argument or body
     for kind, status in ((Unauthorized, 401), (Forbidden, 403), (NotFound, 404), (Conflict, 409),
-                         (StillDelivering, 409), (ConfigError, 400)):  # ConfigError: a bad definition, argument or body
+                         (StillDelivering, 409), (DeadLetter, 409), (LayoutTooNew, 409), (ConfigError, 400)):
         if isinstance(error, kind):
             return status, " ".join(str(error).split())[:300]
     text = explain(error)[1]  # Redis or the broker failing: what failed and what to check

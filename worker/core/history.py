@@ -41,6 +41,12 @@ def attempt_entry(attempt: int, outcome: Outcome, worker_id: str, ordering_key: 
     return entry
 
 
+# An operator's replay (ops/replay.py) delivers as this worker id; its one attempt failing settles the
+# message as REPLAY_FAILED, not as dropped: the history tells a failed replay from a drop.
+REPLAY_DELIVERER = "replay"
+REPLAY_FAILED = "replay-failed"
+
+
 def event_entry(event: str, worker_id: str, **fields: Any) -> dict[str, Any]:
     """Something that happened to the message other than an attempt (dead-lettered, discarded, ...)."""
     return {"at_ms": int(time.time() * 1000), "event": event, "worker": worker_id, **fields}

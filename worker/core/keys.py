@@ -18,6 +18,12 @@ def message_key(subscription_key: str, message_id: str) -> str:
     return f"{PREFIX}:{tag(subscription_key)}:m:{message_id}"
 
 
+def replay_key(subscription_key: str, message_id: str) -> str:
+    """An operator's replay of one message under way (a string: the replay's token, expiring): one at
+    a time."""
+    return f"{PREFIX}:{tag(subscription_key)}:replay:{message_id}"
+
+
 def history_key(subscription_key: str, message_id: str) -> str:
     """Attempt history of one message in one subscription: a capped list of JSON entries."""
     return f"{PREFIX}:{tag(subscription_key)}:h:{message_id}"

@@ -15,7 +15,7 @@ from typing import Any
 from worker.core.attempts import AttemptRecord
 from worker.core.context import ConsumerLike, Shared
 from worker.core.fencing import Fencing
-from worker.core.history import event_entry
+from worker.core.history import REPLAY_DELIVERER, REPLAY_FAILED, event_entry
 from worker.core.messages import Envelope, dead_letter_properties
 from worker.model.subscriptions import Subscription
 
@@ -136,6 +136,9 @@ class Settlement:
             # attempt and status too: `push-worker history` shows the settled summary (this entry) in columns
             history = [*history, event_entry("dead-lettered", self._worker_id, topic=topic,
                                              attempt=attempts, status=last_status)]
+        elif self._worker_id == REPLAY_DELIVERER:  # an operator's replay that failed: settled as it was
+            shared.failure_log.warning("replay failed", **about)
+            history = [*history, event_entry(REPLAY_FAILED, self._worker_id, attempt=attempts, status=last_status)]
         else:
             shared.stats.dropped += 1
             shared.m.dropped.inc()

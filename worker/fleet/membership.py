@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis.exceptions import ResponseError
@@ -20,7 +20,7 @@ from redis.exceptions import ResponseError
 from worker.broker.consumer import consumer_type
 from worker.core import keys
 from worker.core.redis_batch import Pipeliner
-from worker.fleet import seek
+from worker.fleet import layout, seek
 from worker.fleet.containment import Containment
 from worker.fleet.leases import Lease, assign, unit_parts, units
 from worker.fleet.published import ConfigDefinitions
@@ -75,10 +75,13 @@ class Fleet:
     """Runs the ownership loop of one worker."""
 
     def __init__(self, worker: ServingWorker, client: AsyncClient, settings: FleetSettings,
-                 static: tuple[Subscription, ...], admit: Admit | None = None) -> None:
+                 static: tuple[Subscription, ...], admit: Admit | None = None,
+                 refuse_layout: Callable[[str], None] | None = None) -> None:
         self.worker = worker
         self.client = client
         self.settings = settings
+        # Redis holds a newer release's layout (read every round): stop before writing anything more.
+        self.refuse_layout = refuse_layout
         self.log = logs.get(worker=worker.worker_id, fleet=settings.name)
         self._wake = asyncio.Event()
         self.static = {s.key: s for s in static}
@@ -251,6 +254,7 @@ class Fleet:
             self.batch.submit("EVAL", _HEARTBEAT, 2, self.members_key, self.instance_key, self.me,
                               self.member_ttl_ms, self.instance),
             self.batch.submit("GET", self.registry.version_key),
+            self.batch.submit("GET", keys.layout_key()),
             *(self._renewal(key) for key in held),
             return_exceptions=True)
         for result in results:
@@ -258,6 +262,7 @@ class Fleet:
                 raise result  # the connection failed: the whole round did
         if isinstance(results[0], BaseException):
             raise results[0]
+        self._check_layout(results[2])
         *members, dropped, previous = results[0]
         self._note_instance(safe_text(previous))
         if dropped:
@@ -268,7 +273,7 @@ class Fleet:
         if isinstance(version, Exception):
             self._ignore("registry version", str(version))
             version = object()  # unreadable: read the registry every round until it is repaired
-        await self._lose(self._renewed(held, results[2:], sent_at))
+        await self._lose(self._renewed(held, results[3:], sent_at))
         if version != self._registry_version:
             await self._read_registry()
             self._registry_version = version
@@ -279,6 +284,16 @@ class Fleet:
         await self.spreading.settle(first_slots, self.subscriptions, len(self.members), self.backlogs)
         await self._resume_breakers()
         await self.published.publish_if_due()
+
+    def _check_layout(self, raw: Any) -> None:
+        if isinstance(raw, BaseException):
+            return  # unreadable this round (a key of the wrong type is a bug of someone's): read next round
+        try:
+            layout.check(raw)
+        except layout.LayoutTooNew as e:
+            if self.refuse_layout is None:
+                raise
+            self.refuse_layout(str(e))
 
     async def _resume_breakers(self) -> None:
         """`subs resume` closes an open breaker: it writes when (`keys.resumed_key`) and wakes the

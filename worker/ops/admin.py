@@ -198,13 +198,16 @@ class Admin:
                                  admit_for(target.settings) if target.configured else None,
                                  target.settings.fleet.max_subscriptions_per_project if target.configured else None)
         self.lease_seconds = target.settings.fleet.lease_seconds
-        self._layout_read = False
+        self._layout_claimed = False
 
     async def writable(self) -> None:
-        """Before a command writes: Redis holds no layout newer than this release's (fleet/layout.py)."""
-        if not self._layout_read:
+        """Before each write: Redis holds no layout newer than this release's (fleet/layout.py), read
+        each time (a running admin process must not keep what it read at its first write)."""
+        if not self._layout_claimed:
             await layout.claim(self.client)
-            self._layout_read = True
+            self._layout_claimed = True
+        else:
+            await layout.writable(self.client)
 
     async def existing(self, name: str) -> str:
         """The key of a subscription in the registry, the given config, or served by a worker (a

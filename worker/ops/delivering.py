@@ -41,12 +41,13 @@ class OperatorDelivery:
 
 
 @asynccontextmanager
-async def operator_delivery(settings: Settings, pulsar: PulsarSettings, redis: AsyncClient,
-                            worker_id: str) -> AsyncIterator[OperatorDelivery]:
-    """A delivery context like a worker's (`worker_id` names the deliverer in the attempt log)."""
+async def operator_delivery(settings: Settings, pulsar: PulsarSettings, redis: AsyncClient, worker_id: str,
+                            shared: pulsar_async.Client | None = None) -> AsyncIterator[OperatorDelivery]:
+    """A delivery context like a worker's (`worker_id` names the deliverer in the attempt log), on the
+    caller's Pulsar client (`shared`, kept open: the admin process's one) or one of its own."""
     secrets = secret_store(settings)
     pipeliner = Pipeliner(redis)
-    client = pulsar_adapter.make_client(pulsar, pulsar.service_url or "", operator=True)
+    client = shared or pulsar_adapter.make_client(pulsar, pulsar.service_url or "", operator=True)
     deliverer = Deliverer(settings.destinations)
     ctx = DeliveryContext(deliverer, AttemptStore(pipeliner, settings.redis), DeadLetterPublisher(client), Metrics(),
                           secrets, worker_id=worker_id, tokens=Tokens(secrets, settings.oidc),
@@ -55,6 +56,7 @@ async def operator_delivery(settings: Settings, pulsar: PulsarSettings, redis: A
         yield OperatorDelivery(ctx, client)
     finally:
         await ctx.dead_letters.close()
-        await asyncio.wait_for(client.close(), timeout=5.0)
+        if shared is None:
+            await asyncio.wait_for(client.close(), timeout=5.0)
         await pipeliner.close()
         await deliverer.close()

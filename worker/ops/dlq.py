@@ -219,16 +219,21 @@ class DeadLetters:
             raise NotFound(f"{name}: no dead letters: the subscription has no dead_letter.topic")
         return sub
 
-    @asynccontextmanager
-    async def _client_for_read(self) -> AsyncIterator[pulsar_async.Client]:
-        if not self.shared:
-            async with pulsar_adapter.open_client(self.pulsar_settings) as client:
-                yield client
-            return
-        if self._client is None:
+    def _shared_client(self) -> pulsar_async.Client | None:
+        """The one client of a shared DeadLetters (made on first use); None for a command's own."""
+        if self.shared and self._client is None:
             self._client = pulsar_adapter.make_client(self.pulsar_settings, self.pulsar_settings.service_url or "",
                                                       operator=True)
-        yield self._client
+        return self._client
+
+    @asynccontextmanager
+    async def _client_for_read(self) -> AsyncIterator[pulsar_async.Client]:
+        client = self._shared_client()
+        if client is not None:
+            yield client
+            return
+        async with pulsar_adapter.open_client(self.pulsar_settings) as client:
+            yield client
 
     @asynccontextmanager
     async def _cursor(self, sub: Subscription, queue: int = 1000) -> AsyncIterator[pulsar_async.Consumer]:
@@ -339,13 +344,29 @@ class DeadLetters:
         return Output({**out, "history": history.data["history"] if history else []},
                       "\n".join(lines) + ("\n\nattempts:\n" + history.text if history else ""))
 
-    async def dry_run(self, admin: Admin, name: str, limit: int | None, selection: Selection) -> Output:
-        """What a redrive with the same selection would take; nothing moves."""
+    async def dry_run(self, admin: Admin, name: str, limit: int | None, selection: Selection,
+                      message_id: str | None = None) -> Output:
+        """What a redrive with the same selection (and `message_id`: that one dead letter) would take;
+        nothing moves. An id no dead letter has is NotFound, as the redrive says."""
         sub = await self.subscription(admin, name)
-        peek = await self._scan(sub, limit or DRY_RUN_LIMIT, selection, lambda _: False)
-        result = {"subscription": sub.key, "would_redrive": peek.count, **selection.describe(),
-                  "unreturned": peek.unreturned}
-        return Output(result, f"{sub.key}: a redrive would take {peek.count} dead letter(s); nothing was moved"
+        if message_id is None:
+            peek = await self._scan(sub, limit or DRY_RUN_LIMIT, selection, lambda _: False)
+            count = peek.count
+        else:
+            found: list[bool] = []
+
+            def wanted(message: pulsar.Message) -> bool:
+                if named(message, message_id):
+                    found.append(True)
+                return bool(found)
+            peek = await self._scan(sub, DRY_RUN_LIMIT, selection, wanted)
+            if not found:
+                raise NotFound(f"no dead letter {message_id} for {sub.key} (by its own id or its original id)"
+                               + _unreturned_line(peek.unreturned).replace("\n", "; "))
+            count = 1
+        result = {"subscription": sub.key, "would_redrive": count, **selection.describe(),
+                  "unreturned": peek.unreturned, **({"message_id": message_id} if message_id else {})}
+        return Output(result, f"{sub.key}: a redrive would take {count} dead letter(s); nothing was moved"
                               + _unreturned_line(peek.unreturned))
 
     async def redrive(self, admin: Admin, name: str, rate: float, limit: int | None, concurrency: int,
@@ -354,12 +375,14 @@ class DeadLetters:
         sub = await self.subscription(admin, name)
         # A request that cannot be signed would fail every redriven message (and dead-letter it again).
         check_credentials(self.target.settings, sub, "dlq redrive")
+        await admin.writable()
         # Redelivery ignores the original ordering (the messages failed out of order already).
         sub = dataclasses.replace(sub, type="shared", max_ack_pending=concurrency)
         settings = self.target.settings
         dispatcher: Dispatcher | None = None
         started = time.monotonic()
-        async with operator_delivery(settings, self.pulsar_settings, admin.client, "dlq-redrive") as delivery:
+        async with operator_delivery(settings, self.pulsar_settings, admin.client, "dlq-redrive",
+                                     self._shared_client()) as delivery:
             try:
                 assert sub.dead_letter_topic is not None
                 consumer = await subscribe_cursor(delivery.client, sub.dead_letter_topic, max(concurrency, 10),
@@ -411,7 +434,7 @@ async def run(target: Target, action: str, name: str, **options: Any) -> Output:
         if action == "show":
             return await dlq.show(admin, name, options["message_id"], options["limit"])
         if options.get("dry_run"):
-            return await dlq.dry_run(admin, name, options.get("max_messages"), selection)
+            return await dlq.dry_run(admin, name, options.get("max_messages"), selection, options.get("message_id"))
         return await dlq.redrive(admin, name, options["rate"], options.get("max_messages"),
                                  options["concurrency"], stderr_progress, options.get("message_id"), selection)
     finally:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pulsar
@@ -19,6 +21,7 @@ from pulsar import asyncio as pulsar_async
 from worker.broker import consumer as pulsar_adapter
 from worker.core import keys
 from worker.core.dispatcher import Dispatcher
+from worker.core.history import REPLAY_DELIVERER, REPLAY_FAILED
 from worker.model.config import PulsarSettings, Settings
 from worker.model.subscriptions import Subscription
 from worker.ops.delivering import check_credentials, operator_delivery
@@ -27,11 +30,40 @@ from worker.state.redis_client import AsyncClient
 
 READ_SECONDS = 10.0
 PREVIEW_BYTES = 64 * 1024  # of a payload, shown in a page; the rest is downloaded
-SETTLED_EVENTS = ("ack", "dead-lettered", "discarded", "dropped")
+SETTLED_EVENTS = ("ack", "dead-lettered", "discarded", "dropped", REPLAY_FAILED)
+# Release a replay's hold (KEYS[1]) if it is still this replay's (ARGV[1]).
+RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 
 class StillDelivering(PushWorkerError):
-    """The message is not settled yet: a replay would race the worker delivering it."""
+    """The message is not settled, or a replay of it is under way: a replay would race that delivery."""
+
+
+class DeadLetter(PushWorkerError):
+    """The message is a dead letter: a redrive delivers it and settles its dead-letter copy; a replay
+    would leave that copy for a later redrive to deliver again."""
+
+
+def replayable(message_id: str, history: list[dict[str, Any]], pending: int | None) -> int:
+    """The last attempt number of a message that may be replayed now; StillDelivering when it is not
+    settled (never attempted, an attempt under way, retrying), DeadLetter when it is a dead letter."""
+    number, settled = last_attempt(history)
+    if pending is not None:
+        raise StillDelivering(f"{message_id}: still being delivered ({pending} attempt(s) so far): replay it once "
+                              "it is settled")
+    if not history:
+        raise StillDelivering(f"{message_id}: no settled delivery on record (never attempted yet, or its history "
+                              "expired): a replay sends only a settled message")
+    if not settled:
+        raise StillDelivering(f"{message_id}: still being delivered (attempt {number} so far): replay it once it is "
+                              "settled")
+    if history[-1].get("event") == "dead-lettered":
+        raise DeadLetter(f"{message_id}: a dead letter: redrive it (dlq redrive NAME --message-id ID, or Redrive in "
+                         "the console), which also settles its dead-letter copy")
+    return number
 
 
 def message_id_of(text: str) -> pulsar.MessageId:
@@ -123,30 +155,40 @@ class OneMessage:
         return None
 
 
+History = Callable[[], Awaitable[tuple[list[dict[str, Any]], int | None]]]
+
+
 async def replay(settings: Settings, pulsar_settings: PulsarSettings, redis: AsyncClient, sub: Subscription,
-                 message_id: str, history: list[dict[str, Any]]) -> dict[str, Any]:
+                 message_id: str, history: History, client: pulsar_async.Client | None = None) -> dict[str, Any]:
     """One more request for a settled message, numbered after its last attempt (its record is set
-    to that number first, so the dispatcher counts on from it); not retried, never dead-lettered."""
+    to that number first, so the dispatcher counts on from it); not retried, never dead-lettered.
+    One replay of a message at a time (a hold in Redis, taken before its history is read), so attempt
+    numbers only go up whatever runs at once. `history` reads the message's (entries, attempts
+    pending); `client`: the caller's Pulsar client (the admin process shares one)."""
     check_credentials(settings, sub, "replay")
-    number, settled = last_attempt(history)
-    if history and not settled:
-        raise StillDelivering(f"{message_id}: still being delivered (attempt {number} so far): replay it once it "
-                              "is settled")
-    # One attempt and no dead letter: a replay that fails says so and leaves the message settled.
-    once = dataclasses.replace(sub, max_deliver=number + 1, dead_letter_topic=None, type="shared")
-    record = keys.message_key(sub.key, message_id)
-    async with operator_delivery(settings, pulsar_settings, redis, "replay") as delivery:
-        message = await read(delivery.client, sub.topic, message_id)
-        await redis.delete(record)
-        if number:
-            await redis.hset(record, "n", number)
-        source = OneMessage(message)
-        dispatcher = Dispatcher(once, source, pulsar_adapter.to_envelope, delivery.ctx)
-        dispatcher.start()
-        try:
-            await asyncio.wait_for(source.settled.wait(), sub.ack_deadline_seconds + READ_SECONDS)
-        finally:
-            await dispatcher.stop(grace=settings.shutdown_grace_seconds)
+    hold, token = keys.replay_key(sub.key, message_id), uuid.uuid4().hex
+    hold_ms = int((sub.ack_deadline_seconds + 2 * READ_SECONDS + settings.shutdown_grace_seconds) * 1000)
+    if not await redis.set(hold, token, nx=True, px=hold_ms):
+        raise StillDelivering(f"{message_id}: a replay of it is under way: one at a time")
+    try:
+        async with operator_delivery(settings, pulsar_settings, redis, REPLAY_DELIVERER, client) as delivery:
+            message = await read(delivery.client, sub.topic, message_id)  # an id the topic does not hold: 404
+            number = replayable(message_id, *await history())
+            # One attempt and no dead letter: a replay that fails says so (REPLAY_FAILED), leaving it settled.
+            once = dataclasses.replace(sub, max_deliver=number + 1, dead_letter_topic=None, type="shared")
+            record = keys.message_key(sub.key, message_id)
+            await redis.delete(record)
+            if number:
+                await redis.hset(record, "n", number)
+            source = OneMessage(message)
+            dispatcher = Dispatcher(once, source, pulsar_adapter.to_envelope, delivery.ctx)
+            dispatcher.start()
+            try:
+                await asyncio.wait_for(source.settled.wait(), sub.ack_deadline_seconds + READ_SECONDS)
+            finally:
+                await dispatcher.stop(grace=settings.shutdown_grace_seconds)
+    finally:
+        await redis.eval(RELEASE, 1, hold, token)
     delivered = dispatcher.stats.acked == 1
     return {"subscription": sub.key, "message_id": message_id, "attempt": number + 1,
             "result": "delivered" if delivered else "failed"}

@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import os
 import socket
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -141,7 +143,7 @@ class Worker:
         await redis_start.require_version(self.redis, self.log)
         await layout.claim(self.redis)  # before anything is written: a newer layout ends the start here
         await redis_start.warn_if_evicting(self.redis, self.log)
-        self.fleet = Fleet(self.served, self.redis, s.fleet, s.subscriptions, admit_for(s))
+        self.fleet = Fleet(self.served, self.redis, s.fleet, s.subscriptions, admit_for(s), self._refuse_layout)
         await self.fleet.start()
         self.metrics.backlog_source.set(1 if reader.enabled else 0)
         if reader.enabled:
@@ -195,6 +197,16 @@ class Worker:
                 self.log.warning(f"waiting for the broker at {strip_userinfo(self.pulsar_url)}", reason=why)
                 said_at = loop.time()
             await wait_event(self._stop, 0.5)
+
+    def _refuse_layout(self, why: str) -> None:
+        """A newer release's layout appeared in Redis while this worker ran: it stops at once, as it
+        would refuse to start, writing nothing more (no release, no drain: its leases lapse, and its
+        unsettled messages go back to the broker with its connection)."""
+        self.log.error("stopping: " + why)
+        sys.stderr.write(f"push-worker: {why}\n")
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(1)
 
     def _cleanup(self, step: str, close: Callable[[], Awaitable[Any]], limit: float) -> None:
         self._stack.push_async_callback(self._step, step, close, limit)
