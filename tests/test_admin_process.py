@@ -11,10 +11,13 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
+from aiohttp import web
 
 from tests.support.admin import PRINCIPALS, admin_settings
 from tests.support.helpers import env, eventually, http_get, spawn_worker, stop_worker
@@ -101,3 +104,72 @@ async def test_an_embedded_worker_starts_the_admin_process_beside_it_and_takes_i
         if proc.poll() is None:
             stop_worker(proc, 30)
     assert os.path.exists(log)
+
+
+def _footprint(pid: int) -> tuple[int, int, int]:
+    """Threads, open descriptors and resident bytes of a process."""
+    proc = Path(f"/proc/{pid}")
+    resident = int((proc / "statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return len(os.listdir(proc / "task")), len(os.listdir(proc / "fd")), resident
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+async def test_a_thousand_replays_redrives_and_payload_reads_leave_the_admin_process_as_it_was(
+        start_worker, broker, redis_url, endpoint, client, tmp_path):
+    """Every replay and redrive made a Pulsar client the admin process never gave back (60 replays:
+    23 -> 83 threads, 115 -> 475 descriptors). One client serves them all now: after 1,000
+    operations its threads, descriptors and memory are where they were after the first 50."""
+    from tests.support.admin import ApiClient
+    from tests.test_operator_api import definition
+    from worker.model.config import FleetSettings
+
+    fleet = "bounded-" + uuid.uuid4().hex[:8]
+    secrets = tmp_path / "secrets"
+    (secrets / "p-a").mkdir(parents=True)
+    (secrets / "p-a" / "push-token").write_text("p-a-bearer-" + uuid.uuid4().hex)
+    w = await start_worker(secrets_dir=secrets, fleet=FleetSettings(name=fleet, lease_seconds=3,
+                                                                    heartbeat_seconds=0.5))
+    admin_port, http_port = free_port(), free_port()
+    section, tokens = _admin_section(tmp_path / "tokens", admin_port)
+    config = tmp_path / "worker.yaml"
+    config.write_text(yaml.safe_dump({"pulsar": {"service_url": w.pulsar_url}, "redis": {"url": redis_url},
+                                      "http": {"port": http_port}, "admin": section, "log": {"format": "json"},
+                                      "fleet": {"name": fleet}, "secrets": {"dir": str(secrets)},
+                                      "destinations": {"allow_private": True}}))
+    endpoint.behaviour = lambda rec: web.Response(status=204)
+    with open(tmp_path / "admin.log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "admin", "--config", str(config)],
+                                stdout=log, stderr=log, env=env())
+    try:
+        await eventually(lambda: http_get(f"http://127.0.0.1:{http_port}/readyz")[0] == 200, timeout=30,
+                         what="the admin process ready")
+        alice = ApiClient(f"http://127.0.0.1:{admin_port}", tokens["alice"])
+        topic = f"persistent://p-a/main/bounded-{uuid.uuid4().hex[:8]}"
+        status, _ = await alice.call("POST", "/v1/projects/p-a/subscriptions", definition(
+            "bounded", topic, endpoint.url, dead_letter={"topic": topic + "-dlq"}))
+        assert status == 201
+        [delivered] = client.publish(topic, [b"replayed"])
+        await eventually(lambda: any(r.acked for r in endpoint.requests), timeout=30, what="delivered")
+        base = "/v1/projects/p-a/subscriptions/bounded"
+
+        async def operate(i: int) -> None:
+            if i % 100 == 1:  # a redrive waits for its cursor to run dry (2 s): a few of them
+                status, _ = await alice.call("POST", f"{base}/redrive", {})  # no dead letters: a read, no move
+            elif i % 2:
+                status, _ = await alice.call("POST", f"{base}/messages/{delivered}/replay")
+            else:
+                status, _, _ = await alice.raw(f"{base}/messages/{delivered}/payload")
+            assert status == 200, (i, status)
+
+        for i in range(50):
+            await operate(i)
+        before = _footprint(proc.pid)
+        for i in range(50, 1050):
+            await operate(i)
+        after = _footprint(proc.pid)
+        assert after[0] <= before[0] + 2, (before, after)  # threads
+        assert after[1] <= before[1] + 10, (before, after)  # descriptors
+        assert after[2] <= before[2] + (40 << 20), (before, after)  # resident memory
+    finally:
+        assert stop_worker(proc, 15) == 0

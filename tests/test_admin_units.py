@@ -185,3 +185,56 @@ def test_the_logged_headers_keep_no_credential_and_stay_bounded():
     assert token not in str(kept) and "[redacted]" in kept["x-echo"] and "[redacted]" in kept["x-b64"]
     assert kept["server"] == "nginx" and len(kept) == LOGGED_HEADERS
     assert max(len(v) for v in kept.values()) <= LOGGED_VALUE
+    # A header whose name carries the credential (an endpoint echoing it as a name) is cut like a value.
+    named = received_headers({f"x-{token}": "1", "x-fine": "2"}, request)
+    assert token not in str(named) and set(named) == {"x-[redacted]", "x-fine"}, named
+
+
+def test_a_viewer_reads_a_push_url_without_its_query_values():
+    """A credential in a push URL's query string (`?token=`, as Google Pub/Sub's docs suggest) was
+    shown to the project's viewers: they read the URL with every query value hidden."""
+    from worker.api.operations import for_viewer, without_query_values
+
+    assert without_query_values("https://h.example/p?token=s3cret&mode=a&flag") == \
+        "https://h.example/p?token=[redacted]&mode=[redacted]&flag"
+    assert without_query_values("https://h.example/p") == "https://h.example/p"
+    sub = {"name": "s", "definition": {"deliver": {"mode": "push", "push": {"url": "https://h.example/?token=s3cret"}}}}
+    shown = for_viewer(sub)
+    assert "s3cret" not in str(shown) and "s3cret" in str(sub)  # the operator's copy is untouched
+
+
+def test_a_definition_nested_900_deep_is_a_clear_error_not_a_crash():
+    """The console's YAML field nested 900 deep answered 500: it is a ConfigError (400) now."""
+    import pytest
+
+    from worker.api.console import definition_of
+    from worker.runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="nested too deep"):
+        definition_of({"name": "n", "topic": "persistent://p-a/main/t", "url": "https://e.example/",
+                       "more": "a: " + "[" * 900 + "]" * 900})
+
+
+def test_a_callers_log_searches_read_within_its_share_one_at_a_time():
+    """limits.SearchBudget with a hand-driven clock: a search gets at most what is left of the
+    caller's bucket; a second search of the caller's while one runs is refused, and so is one with
+    too little left; another caller has a bucket of its own; the bucket refills with time."""
+    import pytest
+
+    from worker.api.limits import SearchBudget, TooMany
+
+    now = [0.0]
+    budget = SearchBudget(rate=1000, burst=6000, clock=lambda: now[0])
+    with budget.take("token:v", 5000, 500) as share:
+        assert share == 5000
+        with pytest.raises(TooMany, match="under way"), budget.take("token:v", 5000, 500):
+            pass
+        with budget.take("jwt:v", 5000, 500) as theirs:  # the JWT's v is another caller
+            assert theirs == 5000
+    with budget.take("token:v", 5000, 500) as share:
+        assert share == 1000  # what was left
+    with pytest.raises(TooMany, match="budget"), budget.take("token:v", 5000, 500):
+        pass
+    now[0] += 2.0
+    with budget.take("token:v", 5000, 500) as share:
+        assert share == 2000

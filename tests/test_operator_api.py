@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import os
+import urllib.parse
 import uuid
 from pathlib import Path
 from typing import Any
@@ -366,6 +368,48 @@ async def test_a_caller_past_its_rate_or_concurrency_gets_429_and_others_are_ser
         assert (await me(clients["alice"].token or ""))[0] == 200  # another caller is served meanwhile
 
 
+async def test_a_jwt_and_a_static_token_of_one_subject_are_two_callers_and_limited_requests_are_audited(fleet):
+    """A JWT whose subject equals a static token's shared its rate limit and its audit identity: now
+    they are two callers (the JWT's flood leaves the token's alice served), every audit line says
+    which kind of credential spoke, and the flood's 429s are audited, one line a second with a count."""
+    _, base, clients, issuer, _, _ = fleet
+    impostor = issuer.token("alice", ["viewer:p-b"])  # the issuer's "alice" is not the token's alice
+    async with aiohttp.ClientSession() as session:
+        async def me(token: str) -> int:
+            async with session.get(base + "/v1/me", headers={"Authorization": f"Bearer {token}"}) as answer:
+                await answer.read()
+                return answer.status
+
+        with structlog.testing.capture_logs() as logged:
+            answers = await asyncio.gather(*(me(impostor) for _ in range(150)))
+            assert 429 in answers
+            assert await me(clients["alice"].token or "") == 200  # the static token's alice is not limited
+            await me(impostor)
+    refused = [line for line in logged if line.get("event") == "audit" and "429" in str(line.get("result"))]
+    assert refused and all(line["via"] == "jwt" and line["subject"] == "alice" for line in refused), refused
+    assert len(refused) == 1 and refused[0]["refusals"] == 1, refused  # the rest of the second's are counted
+
+
+def test_limited_requests_are_audited_a_line_a_second_per_caller_with_how_many_it_stands_for():
+    """routes.LimitedAudit with a hand-driven clock."""
+    from worker.api.auth import Principal
+    from worker.api.routes import LimitedAudit
+    from worker.model.admin_settings import Grants
+
+    now = [100.0]
+    audit = LimitedAudit(clock=lambda: now[0])
+    token, jwt = Principal("alice", Grants(), "t"), Principal("alice", Grants(), "j", via="jwt")
+    with structlog.testing.capture_logs() as logged:
+        for _ in range(5):
+            audit.limited(jwt, "rate", "GET /v1/me")
+        audit.limited(token, "rate", "GET /v1/me")  # another caller: a line of its own
+        now[0] += 1.0
+        audit.limited(jwt, "concurrency", "GET /v1/me")
+    assert [(line["via"], line["refusals"], line["result"]) for line in logged] == [
+        ("jwt", 1, "refused: 429 (rate)"), ("token", 1, "refused: 429 (rate)"),
+        ("jwt", 5, "refused: 429 (concurrency)")]
+
+
 async def test_slow_and_surplus_connections_are_closed_not_kept(fleet):
     """250 slowloris connections were held over 40 s (#61): a request head must come within 10 s, and
     past 256 connections the listener answers 503 at once."""
@@ -387,6 +431,34 @@ async def test_slow_and_surplus_connections_are_closed_not_kept(fleet):
         slow_writer.close()
         for _, w in held:
             w.close()
+
+
+async def test_a_body_that_trickles_in_is_cut_off_within_the_bound_of_a_head(fleet):
+    """A request body sent a byte at a time held its connection for as long as the sender liked (150 s
+    and counting), even without a token: the body must come within the head's bound (10 s), or the
+    listener answers 408 and closes the connection."""
+    _, base, _, _, _, _ = fleet
+    port = int(base.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/projects/p-a/subscriptions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 1000\r\n\r\n{")
+    await writer.drain()
+    started = asyncio.get_running_loop().time()
+
+    async def trickle() -> None:
+        while True:
+            await asyncio.sleep(1)  # a byte a second: the sender's pace, not a synchronisation
+            writer.write(b" ")
+            await writer.drain()
+    sender = asyncio.create_task(trickle())
+    try:
+        answer = await asyncio.wait_for(reader.read(), 20)
+        assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+        assert asyncio.get_running_loop().time() - started <= 12
+    finally:
+        sender.cancel()
+        await asyncio.gather(sender, return_exceptions=True)
+        writer.close()
 
 
 async def test_config_file_subscriptions_answer_409_and_are_no_oracle_for_another_project(
@@ -720,3 +792,122 @@ async def test_a_running_admin_refuses_every_write_once_redis_holds_a_newer_layo
     finally:
         store.set(layout_key(), LAYOUT)
         store.close()
+
+
+
+async def test_malformed_ids_cursors_and_bodies_answer_400_or_404_never_500_or_503(
+        fleet, endpoint: Endpoint, client: Client):
+    """Malformed message ids and log cursors answered 500 or a false 503 ("Redis is not answering"),
+    and YAML nested 900 deep a 500: each is a 400 or a 404 now, in one line."""
+    w, base, clients, _, _, _ = fleet
+    alice = clients["alice"]
+    topic = f"persistent://p-a/main/bad-{uuid.uuid4().hex[:8]}"
+    endpoint.behaviour = lambda rec: web.Response(status=204)
+    status, _ = await alice.call("POST", "/v1/projects/p-a/subscriptions", definition(
+        "bad", topic, endpoint.url, dead_letter={"topic": topic + "-dlq"}))
+    assert status == 201
+    await eventually(lambda: "p-a/bad" in w.dispatchers, what="the worker serves it")
+    sub = "/v1/projects/p-a/subscriptions/bad"
+    ids = ["\u00b2:0:-1:-1", "\u0663:1:-1:-1", "99999999999999999999999:0:-1:-1", "1:2:3", "1:2:-1:-1:5", "-5:0:-1:-1",
+           "1:99999999999999999999:-1:-1", "x" * 300]
+    for message_id in ids:
+        quoted = urllib.parse.quote(message_id, safe="")
+        for method, path, body in (("GET", f"{sub}/messages/{quoted}", None),
+                                   ("POST", f"{sub}/messages/{quoted}/replay", None),
+                                   ("GET", f"{sub}/dead-letters/{quoted}", None),
+                                   ("POST", f"{sub}/discard", {"message_id": message_id, "wait_seconds": 0}),
+                                   ("POST", f"{sub}/redrive", {"message_id": message_id})):
+            status, answer = await alice.call(method, path, body)
+            assert status in (400, 404), (method, path, status, answer)
+        status, _, _ = await alice.raw(f"{sub}/messages/{quoted}/payload")
+        assert status in (400, 404), (message_id, status)
+        status, answer = await alice.call("GET", f"{sub}/log?message_id={quoted}")  # a filter: matches nothing
+        assert status in (200, 400), (message_id, status, answer)
+    for cursor in ("\u0663-0", "99999999999999999999-0", "1-99999999999999999999", "18446744073709551616-0", "a-b"):
+        status, answer = await alice.call("GET", f"{sub}/log?cursor={urllib.parse.quote(cursor)}")
+        assert status == 400 and "cursor" in answer["error"]["message"], (cursor, status, answer)
+    deep = "a: " + "[" * 900 + "]" * 900
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session, session.post(
+            base + "/v1/projects/p-a/subscriptions", data=deep.encode(),
+            headers={"Authorization": f"Bearer {alice.token}", "Content-Type": "application/yaml"}) as answer:
+        assert answer.status == 400, await answer.text()
+    nested: Any = []
+    for _ in range(900):
+        nested = [nested]
+    status, answer = await alice.call("POST", "/v1/projects/p-a/subscriptions", {"name": "deep", "more": nested})
+    assert status == 400, answer
+
+
+async def test_the_edit_review_refuses_what_the_save_would_refuse(start_worker, redis_url: str, endpoint: Endpoint):
+    """The console's review (Operations.check, editing) accepted a changed topic or type, which the
+    save then refused: the review runs the save's checks against what is stored, writing nothing."""
+    from worker.api.operations import Operations
+    from worker.runtime.errors import ConfigError
+
+    w = await start_worker(fleet=FleetSettings(name="review-" + uuid.uuid4().hex[:8]))
+    ops = Operations(w.settings, w.redis_url, w.pulsar_url)
+    try:
+        topic = f"persistent://p-a/main/review-{uuid.uuid4().hex[:8]}"
+        await ops.create("p-a", definition("edited", topic, endpoint.url))
+        await ops.check("p-a", definition("edited", topic, endpoint.url, max_deliver=7), editing="edited")  # fine
+        for changed in (definition("edited", topic + "-other", endpoint.url),
+                        definition("edited", topic, endpoint.url, type="failover")):
+            with pytest.raises(ConfigError, match="immutable"):
+                await ops.check("p-a", changed, editing="edited")
+            with pytest.raises(ConfigError, match="immutable"):
+                await ops.replace("p-a", "edited", changed)
+    finally:
+        await ops.close()
+
+
+async def test_sixteen_concurrent_downloads_of_a_large_payload_all_get_it(fleet, endpoint: Endpoint, client: Client):
+    """16 concurrent downloads of one 4 MiB payload gave one false 404 (16 readers at once, one timed
+    out): a message is read back once for everyone asking at that moment, and a slow read is never
+    said as a message that does not exist."""
+    _, _, clients, _, _, _ = fleet
+    alice, victor = clients["alice"], clients["victor"]  # 8 each: a caller's concurrency cap
+    topic = f"persistent://p-a/main/big-{uuid.uuid4().hex[:8]}"
+    status, _ = await alice.call("POST", "/v1/projects/p-a/subscriptions", definition("big", topic, endpoint.url))
+    assert status == 201
+    assert (await alice.call("POST", "/v1/projects/p-a/subscriptions/big/pause", {"wait_seconds": 10}))[0] == 200
+    payload = os.urandom(4 << 20)
+    [message_id] = client.publish(topic, [payload])  # kept by the broker, read back from it
+    path = f"/v1/projects/p-a/subscriptions/big/messages/{message_id}/payload"
+    answers = await asyncio.gather(*(caller.raw(path) for caller in [alice, victor] * 8))
+    assert [status for status, _, _ in answers] == [200] * 16
+    assert all(data == payload for _, data, _ in answers)
+
+
+async def test_a_callers_log_searches_read_no_more_than_its_share(fleet, endpoint: Endpoint, redis_url: str):
+    """A search that matched nothing read 5,000 entries, and one viewer's searches took the admin
+    process's core: a caller's searches now read at most its share (10,000 entries, then 10,000 a
+    second), one at a time; past it, 429 with Retry-After, or a page that says where to go on."""
+    import redis as redis_sync
+
+    from worker.api.limits import SEARCH_BURST, SEARCH_RATE
+    from worker.core.keys import log_key
+
+    _, _, clients, _, _, _ = fleet
+    alice, victor = clients["alice"], clients["victor"]
+    topic = f"persistent://p-a/main/searched-{uuid.uuid4().hex[:8]}"
+    status, _ = await alice.call("POST", "/v1/projects/p-a/subscriptions", definition("searched", topic, endpoint.url))
+    assert status == 201
+    store = redis_sync.Redis.from_url(redis_url)
+    try:
+        pipe = store.pipeline(transaction=False)
+        for i in range(12_000):  # the log of 12,000 acked attempts
+            pipe.xadd(log_key("p-a/searched"), {"message_id": f"1:{i}:-1:-1", "attempt": "1", "result": "ack",
+                                                "status": "204", "worker": "w"})
+        pipe.execute()
+    finally:
+        store.close()
+    path = "/v1/projects/p-a/subscriptions/searched/log?status=5xx"  # matches nothing
+    started = asyncio.get_running_loop().time()
+    answers = [await victor.call("GET", path) for _ in range(4)]
+    elapsed = asyncio.get_running_loop().time() - started
+    scanned = sum(body["scanned"] for status, body in answers if status == 200)
+    assert scanned <= SEARCH_BURST + SEARCH_RATE * elapsed, (scanned, elapsed)
+    assert all(body["next_cursor"] for status, body in answers if status == 200)  # where to go on
+    assert any(status == 429 or body["scanned"] < 5000 for status, body in answers), answers
+    status, body = await alice.call("GET", path)  # another caller has a share of its own
+    assert status == 200 and body["scanned"] == 5000

@@ -44,6 +44,12 @@ class Principal:
     grants: Grants
     token: str  # kept for the console's CSRF value; never logged
     expires_at: float | None = None  # a JWT's exp (epoch seconds): the console's session ends with it
+    via: str = "token"  # "token" (admin.tokens) or "jwt": two namespaces of subjects, never one
+
+    @property
+    def caller(self) -> str:
+        """Who the limits count: a static token's subject and a JWT's with the same name are two callers."""
+        return f"{self.via}:{self.subject}"
 
 
 class StaticTokens:
@@ -170,4 +176,4 @@ class Authenticator:
         subject = claims["sub"]
         if not isinstance(subject, str) or not subject.strip() or not subject.isprintable() or len(subject) > 256:
             raise Unauthorized("JWT whose sub is not a name (empty, unprintable or over 256 characters)")
-        return Principal(subject, grants, token, expires_at=float(claims["exp"]))
+        return Principal(subject, grants, token, expires_at=float(claims["exp"]), via="jwt")

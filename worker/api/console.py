@@ -30,7 +30,7 @@ from aiohttp import web
 
 from worker.api.auth import Authenticator, Principal, Unauthorized
 from worker.api.charts import charts
-from worker.api.operations import Operations
+from worker.api.operations import Operations, for_viewer
 from worker.api.routes import (
     PRINCIPAL,
     FailedLogins,
@@ -245,6 +245,8 @@ class Console:
         project = self._project(request)
         name = request.match_info["name"]
         sub = await self.ops.subscription(project, name)
+        if not request[PRINCIPAL].grants.acts_on(project):
+            sub = for_viewer(sub)
         retrying = await self.ops.messages(project, name, "retrying", 50)
         settled = await self.ops.recent(project, name, 20)
         dead: list[dict[str, Any]] | None
@@ -297,7 +299,8 @@ class Console:
         project = self._project(request)
         name = request.match_info["name"]
         query = log_query(request.query)
-        page = await self.ops.log(project, name, query, headers=request[PRINCIPAL].grants.acts_on(project))
+        page = await self.ops.log(project, name, query, headers=request[PRINCIPAL].grants.acts_on(project),
+                                  caller=request[PRINCIPAL].caller)
         form = {k: request.query.get(k, "") for k in SEARCH_FIELDS}
         more = {k: v for k, v in form.items() if v} | ({"cursor": page["next_cursor"]} if page["next_cursor"] else {})
         return self._page(request, "log.html", project=project, name=name, page=page, query=query, form=form,
@@ -496,7 +499,7 @@ def _yaml_of(text: str) -> Any:
         raise ConfigError("definition", "YAML", f"is over {MAX_DEFINITION_CHARS} characters")
     try:  # an alias repeats a node without its size showing: a few lines could stand for millions
         aliased = any(isinstance(event, yaml.AliasEvent) for event in yaml.parse(text))
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError):
         aliased = False  # parse_yaml says what is wrong
     if aliased:
         raise ConfigError("definition", "YAML", "anchors and aliases (*name) are not taken here: write it out")

@@ -1,11 +1,14 @@
 """What bounds the admin listener, so that no caller (or crowd of them) can take it over.
 
 - A connection must send a whole request head within `HEADER_SECONDS` and may stay idle between
-  requests as long (aiohttp's keep-alive timer runs from the connection's start): slow clients
-  hold no descriptor for long.
+  requests as long (aiohttp's keep-alive timer runs from the connection's start), and a request's
+  body must arrive within as long again (read before anything else: server.read_body_within):
+  slow clients hold no descriptor for long.
 - At most `MAX_CONNECTIONS` connections at once; one more is answered 503 and closed.
 - Each caller (a token's or JWT's subject) gets `CALLER_RATE` requests a second (bursts of
   `CALLER_BURST`) and `CALLER_CONCURRENCY` at once; past either, 429 with Retry-After.
+- Each caller's delivery-log searches read at most `SEARCH_RATE` entries a second, one search at a
+  time (`SearchBudget`): a search past its share answers what it found and where to go on.
 """
 
 from __future__ import annotations
@@ -82,6 +85,46 @@ class CallerLimits:
             del self.callers[name]
 
 
+SEARCH_RATE = 10_000  # delivery-log entries a caller's searches may read a second...
+SEARCH_BURST = 10_000  # ...and at once; one search reads at most delivery_log.SCAN_BUDGET of them
+
+
+class SearchBudget:
+    """What a caller's delivery-log searches may read: a bucket of entries per caller (a search that
+    matched nothing read 5,000, and one viewer's 8 at once took the admin process's core), and one
+    search of a caller's at a time. `take` gives a search its share of entries, or TooMany."""
+
+    def __init__(self, rate: float = SEARCH_RATE, burst: int = SEARCH_BURST,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.burst, self.clock = rate, burst, clock
+        self.callers: dict[str, _Caller] = {}
+
+    @contextmanager
+    def take(self, caller: str, most: int, least: int) -> Iterator[int]:
+        """A search's share: up to `most` entries, charged when it ends (all of it: what it read is
+        not known here, and a search reads its share unless it matched enough sooner); TooMany when
+        fewer than `least` are left, or a search of the caller's is under way."""
+        now = self.clock()
+        state = self.callers.get(caller)
+        if state is None:
+            if len(self.callers) >= _FORGET_AFTER:
+                self.callers = {n: c for n, c in self.callers.items() if c.in_flight}
+            state = self.callers[caller] = _Caller(tokens=float(self.burst), at=now)
+        state.tokens = min(float(self.burst), state.tokens + (now - state.at) * self.rate)
+        state.at = now
+        if state.in_flight:
+            raise TooMany("log search under way", 1.0)
+        if state.tokens < least:
+            raise TooMany("log search budget", (least - state.tokens) / self.rate)
+        share = int(min(most, state.tokens))
+        state.tokens -= share
+        state.in_flight += 1
+        try:
+            yield share
+        finally:
+            state.in_flight -= 1
+
+
 class _Busy(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -93,7 +136,9 @@ class CappedRunner(web.AppRunner):
     """An AppRunner whose sites accept at most `max_connections` connections at once."""
 
     def __init__(self, app: web.Application, max_connections: int, on_busy: Callable[[], None], **kwargs: Any) -> None:
-        super().__init__(app, keepalive_timeout=HEADER_SECONDS, **kwargs)
+        # A body left unread (a 408, a 413) is drained at most a second before the connection closes
+        # (aiohttp's default, 10 s, let a trickling sender hold it that much longer).
+        super().__init__(app, keepalive_timeout=HEADER_SECONDS, lingering_time=1.0, **kwargs)
         self.max_connections = max_connections
         self.on_busy = on_busy
 

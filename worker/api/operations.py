@@ -11,9 +11,11 @@ import asyncio
 import copy
 import dataclasses
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from pulsar import asyncio as pulsar_async
 
+from worker.api.limits import SearchBudget
 from worker.api.shared_reads import SharedReads
 from worker.broker import consumer as pulsar_adapter
 from worker.core.recent import OUTCOMES
@@ -57,6 +59,8 @@ class Operations:
         self.admin = Admin(target, "admin")
         self.dlq = DeadLetters(target, shared=True)
         self.shared_reads = SharedReads()
+        self.reads_under_way = SharedReads(ttl=0)  # messages read back: shared while read, never kept
+        self.searches = SearchBudget()
         self.pulsar = dataclasses.replace(settings.pulsar, service_url=pulsar_url)
         self.secrets_dir = str(settings.secrets_dir) if settings.secrets_dir else ""
         self.log_seconds = settings.redis.delivery_log_seconds
@@ -141,21 +145,30 @@ class Operations:
         # The payload is the project's own data: its viewers see it, as they see dead letters'
         # (docs/security.md); headers and answers, which may echo a credential, are for operators.
         try:
-            message = await replay.read(self._broker(), (await self.admin.definition(key)).topic, message_id)
+            read = await self._read_back(key, message_id)
         except PushWorkerError as e:
             out["payload"] = {"unavailable": str(e)}
         else:
-            out["payload"] = replay.payload_view(message.data() or b"")
-            out["attributes"] = dict(message.properties())
-            out["ordering_key"] = message.partition_key() or None
-            out["publish_time_ms"] = message.publish_timestamp()
+            out["payload"] = replay.payload_view(read["data"])
+            out.update({k: v for k, v in read.items() if k != "data"})
         return out
 
     async def payload(self, project: str, name: str, message_id: str) -> bytes:
         """The whole payload, read back from the broker."""
         key = await self.existing(project, name)
-        message = await replay.read(self._broker(), (await self.admin.definition(key)).topic, message_id)
-        return message.data() or b""
+        data: bytes = (await self._read_back(key, message_id))["data"]
+        return data
+
+    async def _read_back(self, key: str, message_id: str) -> dict[str, Any]:
+        """A message read back from the broker, once however many callers ask at the same moment (16
+        downloads of one 4 MiB payload made 16 readers, and one of them timed out)."""
+        async def load() -> dict[str, Any]:
+            message = await replay.read(self._broker(), (await self.admin.definition(key)).topic, message_id)
+            return {"data": message.data() or b"", "attributes": dict(message.properties()),
+                    "ordering_key": message.partition_key() or None,
+                    "publish_time_ms": message.publish_timestamp()}
+        read: dict[str, Any] = await self.reads_under_way.get(f"{key} {message_id}", load)
+        return read
 
     async def replay(self, project: str, name: str, message_id: str) -> dict[str, Any]:
         """One more request for a settled message (ops/replay.py), numbered after its last attempt."""
@@ -172,11 +185,12 @@ class Operations:
         return await replay.replay(self.settings, self.pulsar, self.admin.client, await self.admin.definition(key),
                                    message_id, history, self._broker())
 
-    async def log(self, project: str, name: str, query: LogQuery, headers: bool) -> dict[str, Any]:
+    async def log(self, project: str, name: str, query: LogQuery, headers: bool, caller: str) -> dict[str, Any]:
         """A page of the delivery log's search, newest first; `headers`: both ways, and the answers
-        (operators only, as `_answers`)."""
+        (operators only, as `_answers`); within `caller`'s share of reads (limits.SearchBudget)."""
         key = await self.existing(project, name)
-        page = await delivery_log.search(self.admin.client, key, query, self.log_seconds)
+        with self.searches.take(caller, delivery_log.SCAN_BUDGET, delivery_log.CHUNK) as share:
+            page = await delivery_log.search(self.admin.client, key, query, self.log_seconds, share)
         return {**page, "entries": _headers(page["entries"], headers), "kept_seconds": self.log_seconds}
 
     async def log_hours(self, project: str, name: str) -> dict[str, Any]:
@@ -235,6 +249,8 @@ class Operations:
             raise ConfigError(f"subscription {sub.name!r}", "topic", f"must be in project {project}'s tenant")
         self.admin.registry.check(definition)
         await self.admin.refuse_workers_own([definition])
+        if editing is not None:  # what the save refuses, the review refuses (an immutable field changed)
+            await self.admin.registry.check_change(definition)
 
     async def replace(self, project: str, name: str, definition: Any) -> dict[str, Any]:
         """The whole definition of a registry subscription replaced (the console's edit)."""
@@ -296,6 +312,29 @@ def _answers(history: list[dict[str, Any]], shown: bool) -> list[dict[str, Any]]
     if shown:
         return history
     return [{**e, "answer": ANSWER_HIDDEN} if "answer" in e else e for e in history]
+
+
+def without_query_values(url: str) -> str:
+    """A URL with its query's values hidden: a push URL may carry a credential there (`?token=`, as
+    Google Pub/Sub's docs suggest for verifying pushes), which a project's viewers must not read."""
+    parts = urlsplit(url)
+    if not parts.query:
+        return url
+    hidden = "&".join(f"{name}=[redacted]" if sep else name
+                      for name, sep, _ in (pair.partition("=") for pair in parts.query.split("&")))
+    return urlunsplit(parts._replace(query=hidden))
+
+
+def for_viewer(sub: dict[str, Any]) -> dict[str, Any]:
+    """A subscription's answer as a viewer reads it: its push URL's query values hidden."""
+    definition = sub.get("definition")
+    if not isinstance(definition, dict):
+        return sub
+    shown = copy.deepcopy(definition)
+    push = (shown.get("deliver") or {}).get("push")
+    if isinstance(push, dict) and isinstance(push.get("url"), str):
+        push["url"] = without_query_values(push["url"])
+    return {**sub, "definition": shown}
 
 
 def _headers(entries: list[dict[str, Any]], shown: bool) -> list[dict[str, Any]]:

@@ -21,7 +21,8 @@ import yaml
 from aiohttp import web
 
 from worker.api.auth import Principal
-from worker.api.operations import MESSAGE_STATES, NO_SUCH_PROJECT, Operations
+from worker.api.operations import MESSAGE_STATES, NO_SUCH_PROJECT, Operations, for_viewer
+from worker.core.messages import parse_message_id
 from worker.fleet.seek import SeekTarget
 from worker.ops.delivery_log import MAX_LIMIT as LOG_MAX_LIMIT
 from worker.ops.delivery_log import STATUS_CLASSES, LogQuery
@@ -52,8 +53,33 @@ def openapi_document() -> dict[str, Any]:
 
 def audit(principal: Principal, project: str, action: str, target: str, result: str) -> None:
     """One line per change (or attempted change), for whoever keeps the audit trail."""
-    logs.get("push-worker.audit").info("audit", subject=principal.subject, project=project, action=action,
-                                       target=target, result=result)
+    logs.get("push-worker.audit").info("audit", subject=principal.subject, via=principal.via, project=project,
+                                       action=action, target=target, result=result)
+
+
+class LimitedAudit:
+    """Requests refused for a caller's rate or concurrency (429), audited one line a second per caller
+    at most, with how many it stands for: a flood must not flood the log, nor go unseen."""
+
+    FORGET_AFTER = 1000  # callers remembered; past it the table starts over (a line more at worst)
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.callers: dict[str, tuple[float, int]] = {}  # caller -> (next line's time, refusals unsaid)
+
+    def limited(self, principal: Principal, limit: str, route: str) -> None:
+        now = self.clock()
+        next_at, unsaid = self.callers.get(principal.caller, (0.0, 0))
+        unsaid += 1
+        if now < next_at:
+            self.callers[principal.caller] = (next_at, unsaid)
+            return
+        if len(self.callers) >= self.FORGET_AFTER:
+            self.callers.clear()
+        self.callers[principal.caller] = (now + 1.0, 0)
+        logs.get("push-worker.audit").info("audit", subject=principal.subject, via=principal.via, project="-",
+                                           action=route, target="-", result=f"refused: 429 ({limit})",
+                                           refusals=unsaid)
 
 
 class FailedLogins:
@@ -107,15 +133,22 @@ def _int_of(query: Any, name: str, default: int, high: int = MAX_LIMIT) -> int:
     return int(text)
 
 
+def stream_id(text: str) -> bool:
+    """Whether `text` is a Redis stream entry id (`ms-seq`, each below 2^64, in ASCII digits):
+    anything else made Redis refuse the read, said as Redis not answering."""
+    match = re.fullmatch(r"([0-9]{1,20})-([0-9]{1,20})", text)
+    return match is not None and all(int(part) < 1 << 64 for part in match.groups())
+
+
 def _message_id(request: web.Request) -> str:
     value = request.match_info["message_id"]
-    if not 0 < len(value) <= MESSAGE_ID_MAX or not value.isprintable():
-        raise NotFound("no such message")
+    if parse_message_id(value) is None:
+        raise NotFound("no such message (ids look like ledger:entry:partition:batch)")
     return value
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
-    if not request.can_read_body:
+    if not request.body_exists:
         return {}
     if request.content_type != "application/json":
         raise UsageError("body", "Content-Type", "must be application/json")
@@ -187,7 +220,7 @@ def log_query(query: Any) -> LogQuery:
     if status and status not in STATUS_CLASSES and not (len(status) == 3 and status.isdigit()):
         raise UsageError("query", "status", f"must be one of {', '.join(STATUS_CLASSES)}, or a status like 503")
     cursor = text("cursor", 48)
-    if cursor and not re.fullmatch(r"\d{1,20}-\d{1,20}", cursor):
+    if cursor and not stream_id(cursor):
         raise UsageError("query", "cursor", "must be a next_cursor a search answered")
     return LogQuery(message_id=text("message_id", MESSAGE_ID_MAX), since_ms=moment("since"), until_ms=moment("until"),
                     status=status, min_attempt=_int_of(query, "min_attempt", 1, 1_000_000),
@@ -244,8 +277,9 @@ class Api:
         return json_response({"project": project, "subscriptions": await self.ops.subscriptions(project)})
 
     async def get(self, request: web.Request) -> web.Response:
-        _, project = project_seen(request)
-        return json_response(await self.ops.subscription(project, request.match_info["name"]))
+        principal, project = project_seen(request)
+        sub = await self.ops.subscription(project, request.match_info["name"])
+        return json_response(sub if principal.grants.acts_on(project) else for_viewer(sub))
 
     async def create(self, request: web.Request) -> web.Response:
         principal, project = project_seen(request)
@@ -306,7 +340,7 @@ class Api:
     async def log(self, request: web.Request) -> web.Response:
         principal, project = project_seen(request)
         return json_response(await self.ops.log(project, request.match_info["name"], log_query(request.query),
-                                                headers=principal.grants.acts_on(project)))
+                                                headers=principal.grants.acts_on(project), caller=principal.caller))
 
     async def log_hours(self, request: web.Request) -> web.Response:
         _, project = project_seen(request)
@@ -340,8 +374,8 @@ async def perform(ops: Operations, project: str, name: str, action: str, body: d
             raise UsageError("body", "to", "is required: earliest, latest, or an RFC 3339 time")
         return await ops.seek(project, name, seek_target(body["to"]))
     message_id = body.get("message_id") or None
-    if message_id is not None and (not isinstance(message_id, str) or len(message_id) > MESSAGE_ID_MAX):
-        raise UsageError("body", "message_id", "must be a message id")
+    if message_id is not None and (not isinstance(message_id, str) or parse_message_id(message_id) is None):
+        raise UsageError("body", "message_id", "must be a message id (ledger:entry:partition:batch)")
     if action == "replay":
         if message_id is None:
             raise UsageError("body", "message_id", "is required: the settled message to send again")

@@ -9,6 +9,7 @@ one line of JSON (or a page in the console) and never a traceback.
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from typing import Any
 
@@ -17,15 +18,15 @@ from aiohttp import web
 
 from worker.api.auth import Authenticator, Unauthorized
 from worker.api.console import Console
-from worker.api.limits import MAX_CONNECTIONS, CallerLimits, CappedRunner, TooMany
+from worker.api.limits import HEADER_SECONDS, MAX_CONNECTIONS, CallerLimits, CappedRunner, TooMany
 from worker.api.metrics import AdminMetrics
 from worker.api.operations import Conflict, Operations
-from worker.api.routes import PRINCIPAL, Api, Forbidden, Handler, audit
+from worker.api.routes import PRINCIPAL, Api, Forbidden, Handler, LimitedAudit, audit
 from worker.fleet.layout import LayoutTooNew
 from worker.model.admin_settings import AdminSettings
 from worker.model.config import Settings
 from worker.ops.explain import explain
-from worker.ops.replay import DeadLetter, StillDelivering
+from worker.ops.replay import DeadLetter, ReadTooSlow, StillDelivering
 from worker.runtime import logs
 from worker.runtime.errors import ConfigError, NotFound, StartupError
 from worker.runtime.http_server import listen
@@ -48,6 +49,8 @@ def answer_for(error: BaseException) -> tuple[int, str]:
                          (StillDelivering, 409), (DeadLetter, 409), (LayoutTooNew, 409), (ConfigError, 400)):
         if isinstance(error, kind):
             return status, " ".join(str(error).split())[:300]
+    if isinstance(error, ReadTooSlow):
+        return 503, str(error)
     text = explain(error)[1]  # Redis or the broker failing: what failed and what to check
     return (500, text) if text.startswith("unexpected error") else (503, text)
 
@@ -57,6 +60,21 @@ def unavailable(text: str) -> str:
     ports and URLs stay in the admin process's log)."""
     what = "Redis" if text.startswith("redis") else "the broker" if "broker" in text else "a service"
     return f"{what} is not answering: try again shortly (the admin process's log has the details)"
+
+
+class SlowBody(Exception):
+    """A request body that did not arrive within the bound a request head has."""
+
+
+async def read_body_within(request: web.Request, seconds: float) -> None:
+    """Read the whole body now, within `seconds` (held by aiohttp for the handler's json()/post()): a
+    body trickling in a byte at a time held its connection for as long as the sender liked."""
+    if not request.body_exists:
+        return
+    try:
+        await asyncio.wait_for(request.read(), seconds)
+    except TimeoutError:
+        raise SlowBody(f"the request body did not arrive within {seconds:g} s") from None
 
 
 def bearer(request: web.Request) -> str:
@@ -74,6 +92,7 @@ class AdminServer:
         self.log = logs.get()
         self._runner: web.AppRunner | None = None
         self.limits = CallerLimits()
+        self.limited_audit = LimitedAudit()
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -122,9 +141,15 @@ class AdminServer:
     @web.middleware
     async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
+            await read_body_within(request, HEADER_SECONDS)
             response = await self._authenticated(request, handler)
+        except SlowBody as e:
+            response = self._error(request, 408, str(e))
+            response.force_close()  # the connection goes with it: a slow sender holds nothing
         except TooMany as e:
             self.metrics.limited.labels(e.limit).inc()
+            if PRINCIPAL in request:
+                self.limited_audit.limited(request[PRINCIPAL], e.limit, f"{request.method} {request.path}"[:200])
             response = self._error(request, 429, str(e))
             response.headers["Retry-After"] = str(e.retry_after)
         except web.HTTPRedirection as e:  # the console's redirects (after a form, to the login page)
@@ -183,14 +208,15 @@ class AdminServer:
                 raise web.HTTPFound("/console/login") from None
         else:
             request[PRINCIPAL] = await self.auth.principal(bearer(request))
-        with self.limits.admit(request[PRINCIPAL].subject):
+        with self.limits.admit(request[PRINCIPAL].caller):
             return await handler(request)
 
     def _error(self, request: web.Request, status: int, text: str) -> web.StreamResponse:
         if request.path.startswith("/console"):
             return Console.error_page(status, text)
         codes = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "not_allowed",
-                 409: "conflict", 413: "too_large", 429: "too_many_requests", 500: "internal", 503: "unavailable"}
+                 408: "timeout", 409: "conflict", 413: "too_large", 429: "too_many_requests", 500: "internal",
+                 503: "unavailable"}
         headers: dict[str, Any] = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
         response = web.json_response({"error": {"code": codes.get(status, "error"), "message": text}},
                                      status=status)

@@ -40,8 +40,8 @@ class SharedReads:
     def _settle(self, key: str, future: asyncio.Future[Any]) -> None:
         if self._pending.get(key) is future:
             del self._pending[key]
-        if future.cancelled() or future.exception() is not None:
-            return  # a failure is no answer: the next caller reads again
+        if future.cancelled() or future.exception() is not None or self.ttl <= 0:
+            return  # a failure is no answer (the next caller reads again); ttl 0 shares only reads under way
         if len(self._done) >= MAX_KEPT:
             now = self.clock()
             self._done = {k: v for k, v in self._done.items() if now - v[0] < self.ttl}

@@ -61,6 +61,22 @@ class PushRequest:
     omitted_attributes: int = 0
 
 
+# `ledger:entry:partition:batch` in ASCII digits, each in the client's range (str.isdigit takes '²').
+_MESSAGE_ID = re.compile(r"(0|[1-9][0-9]{0,18}):(0|[1-9][0-9]{0,18}):(-1|0|[1-9][0-9]{0,9}):(-1|0|[1-9][0-9]{0,9})")
+_LIMITS = (1 << 63, 1 << 63, 1 << 31, 1 << 31)
+
+
+def parse_message_id(text: str) -> tuple[int, int, int, int] | None:
+    """(ledger, entry, partition, batch) of an id `format_message_id` writes; None for anything else."""
+    match = _MESSAGE_ID.fullmatch(text)
+    if match is None:
+        return None
+    ledger, entry, partition, batch = (int(part) for part in match.groups())
+    if any(value >= limit for value, limit in zip((ledger, entry, partition, batch), _LIMITS, strict=True)):
+        return None
+    return ledger, entry, partition, batch
+
+
 def format_message_id(mid: Any) -> str:
     """A Pulsar MessageId as `ledgerId:entryId:partition:batchIndex`, the id endpoints see; stable
     across redeliveries."""

@@ -96,5 +96,5 @@ def received_headers(answer: dict[str, str], request: dict[str, str]) -> dict[st
     for name, value in answer.items():
         if len(kept) >= LOGGED_HEADERS:
             break
-        kept[name[:LOGGED_VALUE]] = _cut(value[:LOGGED_VALUE], secrets)
+        kept[_cut(name[:LOGGED_VALUE], secrets)] = _cut(value[:LOGGED_VALUE], secrets)  # a name may echo one too
     return kept

@@ -214,6 +214,15 @@ class Registry:
         [result] = await self.apply_all([data])
         return result
 
+    async def check_change(self, data: Any) -> str:
+        """What `apply_all` would make of one definition over what is stored (created, updated or
+        unchanged), refusing what it would refuse (an immutable field changed, an Expired one); writes
+        nothing: the console's review says what its save will."""
+        sub = self.check(data)
+        if sub.key in {safe_text(k) for k in await self.client.smembers(self.expired_key)}:
+            raise ConfigError(f"subscription {sub.name!r}", "state", "is Expired: only deletion is allowed")
+        return _change(sub, await self.client.hget(self.hash, sub.key), data)
+
     async def apply_all(self, definitions: list[Any]) -> list[tuple[Subscription, str]]:
         """Create or edit subscriptions, all or nothing: every definition is validated, and checked
         against what is stored (immutable fields), before one atomic write of all of them."""

@@ -504,6 +504,8 @@ def parse_yaml(text: str, where: str, name: str) -> Any:
         at = f" at line {mark.line + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None)
         raise ConfigError(where, name, f"is not valid YAML{at}" + (f" ({problem})" if problem else "")) from None
+    except RecursionError:  # PyYAML's composer recurses per level: 900 nested brackets exhaust the stack
+        raise ConfigError(where, name, "is nested too deep") from None
 
 
 class _StrictLoader(yaml.SafeLoader):

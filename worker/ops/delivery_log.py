@@ -92,15 +92,17 @@ def floor_ms(log_seconds: int, now_ms: int | None = None) -> int:
 
 
 async def search(client: AsyncClient, subscription_key: str, query: LogQuery,
-                 log_seconds: int) -> dict[str, Any]:
-    """Matching entries, newest first, and where the next page starts (None: nothing older)."""
+                 log_seconds: int, budget: int = SCAN_BUDGET) -> dict[str, Any]:
+    """Matching entries, newest first, and where the next page starts (None: nothing older), having
+    read at most `budget` entries (the caller's share, at most SCAN_BUDGET)."""
+    budget = min(budget, SCAN_BUDGET)
     key = keys.log_key(subscription_key)
     oldest = max(query.since_ms or 0, floor_ms(log_seconds))
     end: str = f"({query.cursor}" if query.cursor else (str(query.until_ms) if query.until_ms is not None else "+")
     found: list[dict[str, Any]] = []
     scanned, last, more = 0, "", True
-    while more and scanned < SCAN_BUDGET and len(found) < query.limit:
-        want = min(CHUNK, SCAN_BUDGET - scanned)
+    while more and scanned < budget and len(found) < query.limit:
+        want = min(CHUNK, budget - scanned)
         chunk = await client.xrevrange(key, max=end, min=str(oldest), count=want) or []
         more = len(chunk) == want
         for i, (entry_id, raw) in enumerate(chunk):

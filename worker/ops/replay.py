@@ -22,6 +22,7 @@ from worker.broker import consumer as pulsar_adapter
 from worker.core import keys
 from worker.core.dispatcher import Dispatcher
 from worker.core.history import REPLAY_DELIVERER, REPLAY_FAILED
+from worker.core.messages import parse_message_id
 from worker.model.config import PulsarSettings, Settings
 from worker.model.subscriptions import Subscription
 from worker.ops.delivering import check_credentials, operator_delivery
@@ -68,11 +69,16 @@ def replayable(message_id: str, history: list[dict[str, Any]], pending: int | No
 
 def message_id_of(text: str) -> pulsar.MessageId:
     """`ledger:entry:partition:batch`, the form the fleet shows, as the client's id."""
-    parts = text.split(":")
-    if len(parts) != 4 or not all(p.lstrip("-").isdigit() for p in parts):
-        raise NotFound(f"{text}: not a message id (they look like ledger:entry:partition:batch)")
-    ledger, entry, partition, batch = (int(p) for p in parts)
+    parsed = parse_message_id(text)
+    if parsed is None:
+        raise NotFound(f"{text[:80]}: not a message id (they look like ledger:entry:partition:batch)")
+    ledger, entry, partition, batch = parsed
     return pulsar.MessageId(partition, ledger, entry, batch)
+
+
+class ReadTooSlow(PushWorkerError):
+    """The broker holds the message but did not hand it over in time (a busy broker, large messages
+    read at once): said as such (503), never as a message that does not exist."""
 
 
 async def read(client: pulsar_async.Client, topic: str, message_id: str) -> pulsar.Message:
@@ -82,9 +88,14 @@ async def read(client: pulsar_async.Client, topic: str, message_id: str) -> puls
     source = f"{topic}-partition-{partition}" if partition >= 0 else topic
     reader = await client.create_reader(source, wanted, start_message_id_inclusive=True, receiver_queue_size=1)
     try:
-        message = await asyncio.wait_for(reader.read_next(), READ_SECONDS)
-    except TimeoutError:
-        raise NotFound(f"{message_id}: not in {topic} any more (its retention passed) or never was") from None
+        try:
+            message = await asyncio.wait_for(reader.read_next(), READ_SECONDS)
+        except TimeoutError:
+            # Nothing at or after the id: gone (or never was). Something there: the broker was slow.
+            if await asyncio.wait_for(reader.has_message_available(), READ_SECONDS):
+                raise ReadTooSlow(f"{message_id}: the broker did not hand it back within {READ_SECONDS:g} s: "
+                                  "try again") from None
+            raise NotFound(f"{message_id}: not in {topic} any more (its retention passed) or never was") from None
     finally:
         await asyncio.wait_for(reader.close(), 5.0)
     if pulsar_adapter.message_id_of(message) != message_id:
