@@ -891,6 +891,9 @@ def _wrapped_body(payload: bytes) -> bytes:
     return build_request(sub, env, 1).body
 
 
+OPERATOR_ROUNDS = 5  # issue #61: the operators' target is the median of at least five rounds
+
+
 class Run:
     """One `make bench`: each case compared with references measured just before and just after it
     (this machine's speed drifts by tens of percent from minute to minute: shared cores)."""
@@ -1014,6 +1017,23 @@ class Run:
             # Issue #59: the misbehaving project keeps at least 80% of its throughput before the scheduler.
             self.guard(Figure(f"neighbours_noisy_attempts_per_s_{noisy.guarded}", f"the attempts a second of "
                               f"{n.misbehaviour}", n.noisy_rate, lower_is_better=False))
+
+    def operators(self, rows: list[Neighbours], rounds: int = OPERATOR_ROUNDS) -> None:
+        """Issue #61's target, decided as (a): the well-behaved project's p99 beside the operator crowd at
+        most 1.2 x its p99 beside the reference (a process burning the admin pod's CPU share on the same
+        core) + 2 ms, as the median of `rounds` rounds (the table's and rounds - 1 more pairs)."""
+        names = [next(name for name in NOISY_PROJECTS if name.startswith(prefix)) for prefix in ("reference",
+                                                                                               "operators")]
+        pairs = [tuple(next(n for n in rows if n.misbehaviour == name) for name in names)]
+        rude = self.bench.misbehaving_endpoint()
+        for _ in range(rounds - 1):
+            pairs.append(tuple(self.bench._beside(name, 200.0, 10.0, rude, NOISY_PROJECTS[name]) for name in names))
+        margins = [crowd.during_p99_ms / (1.2 * reference.during_p99_ms + 2.0) for reference, crowd in pairs]
+        print("operators: p99 beside the crowd / (1.2 x p99 beside the reference + 2 ms), each round: "
+              + ", ".join(f"{reference.during_p99_ms:.1f} -> {crowd.during_p99_ms:.1f} ms ({m:.2f})"
+                          for (reference, crowd), m in zip(pairs, margins, strict=True)))
+        self.target(f"the well-behaved project's p99 beside the operator crowd x (1.2 x beside the reference + "
+                    f"2 ms), median of {rounds} rounds", statistics.median(margins), 1.0)
 
     def concurrency(self) -> None:
         b = self.bench
@@ -1163,10 +1183,7 @@ async def run_bench(messages: int = 20000, concurrency: int = 64, sections: tupl
                                  "x alone p99", "lost", "peak RSS MiB", "worker", "its attempts/s"],
                                 right=("p50 ms", "p99 ms", "alone p99 ms", "bare consumer p99 ms", "x alone p99",
                                        "lost", "peak RSS MiB", "its attempts/s")))
-                    reference, operators = (next(n for n in rows if n.misbehaviour.startswith(prefix))
-                                            for prefix in ("reference", "operators"))
-                    print(f"operators' p99 x the reference's (a process of the same CPU limit on the same core): "
-                          f"{operators.during_p99_ms / reference.during_p99_ms:.2f}")
+                    run.operators(rows)
                     for n in rows:
                         noisy = NOISY_PROJECTS[n.misbehaviour]
                         if noisy.guarded:
