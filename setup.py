@@ -10,6 +10,7 @@ lands in the checkout). Everything else is declared in pyproject.toml.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,20 @@ def built_commit() -> str:
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
+def built_since_release() -> int | None:
+    """PUSH_WORKER_SINCE_RELEASE (the image's build), else the commits since the version's release as
+    the checkout's git and CHANGELOG.md's record say (worker/runtime/release.py)."""
+    given = os.environ.get("PUSH_WORKER_SINCE_RELEASE", "").strip()
+    if given:
+        return int(given) if given.isdigit() else None
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from worker.runtime.release import commits_since
+
+    text = Path("pyproject.toml").read_text()
+    found = re.search(r'^version = "([^"]+)"', text, re.M)
+    return commits_since(found[1], Path(__file__).resolve().parent) if found else None
+
+
 class RecordCommit(build_py):
     def run(self) -> None:
         super().run()
@@ -60,7 +75,8 @@ class RecordCommit(build_py):
             return
         recorded = Path(self.build_lib) / "worker" / "runtime" / "COMMIT"
         recorded.parent.mkdir(parents=True, exist_ok=True)
-        recorded.write_text(built_commit() + "\n")
+        since = built_since_release()
+        recorded.write_text(built_commit() + "\n" + (f"since {since}\n" if since is not None else ""))
 
 
 setup(ext_modules=core_extensions(), cmdclass={"build_py": RecordCommit})

@@ -15,8 +15,11 @@ import os
 import subprocess
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
 from typing import Any
+
+from worker.runtime.release import commits_since
 
 ROOT = Path(__file__).resolve().parent.parent
 DEBIAN_BASE = "localhost/push-worker-base:bookworm"
@@ -62,8 +65,10 @@ class Buildah:
         return DEBIAN_BASE
 
     def build(self, tag: str, commit: str, base: str = "pinned") -> None:
-        """deploy/Dockerfile as `tag`, recording `commit` (`push-worker --version`)."""
-        args = ["--build-arg", f"COMMIT={commit}"]
+        """deploy/Dockerfile as `tag`, recording `commit` and how far past its release it is (`push-worker
+        --version`)."""
+        since = commits_since(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"], ROOT)
+        args = ["--build-arg", f"COMMIT={commit}", "--build-arg", f"SINCE_RELEASE={'' if since is None else since}"]
         if base == "debian":
             args += ["--build-arg", f"PYTHON_IMAGE={self.debian_base()}",
                      "--build-arg", "BUILD_PACKAGES=python3.11-dev"]

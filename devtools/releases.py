@@ -133,8 +133,14 @@ def build_release(version: str, text: str, base: str, allow_dirty: bool) -> int:
     made.append(dist / f"push-worker-{version}.oci.tar")
     buildah.save(tag, made[-1])
     print("\n".join(str(path.relative_to(ROOT)) for path in made))
-    print(f"release {version} built from {commit[:12]}. Tag it (git tag -a v{version} -m 'push-worker {version}'), "
-          f"and record it in CHANGELOG.md with the next commit:\n[{version}]: {commit}")
+    if allow_dirty:
+        print(f"{version} built from uncommitted changes: not a release, not tagged")
+        return 0
+    tagged = _git("tag", "-a", f"v{version}", "-m", f"push-worker {version}", commit)
+    if tagged.returncode != 0:
+        raise ReleaseError(f"tagging v{version}: {tagged.stderr.strip()}")
+    print(f"release {version} built from {commit[:12]} and tagged v{version} (push the tag with the commit); "
+          f"record it in CHANGELOG.md with the next commit:\n[{version}]: {commit}")
     return 0
 
 

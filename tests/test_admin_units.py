@@ -226,15 +226,20 @@ def test_a_callers_log_searches_read_within_its_share_one_at_a_time():
     now = [0.0]
     budget = SearchBudget(rate=1000, burst=6000, clock=lambda: now[0])
     with budget.take("token:v", 5000, 500) as share:
-        assert share == 5000
+        assert share.entries == 5000
+        share.read = 5000
         with pytest.raises(TooMany, match="under way"), budget.take("token:v", 5000, 500):
             pass
         with budget.take("jwt:v", 5000, 500) as theirs:  # the JWT's v is another caller
-            assert theirs == 5000
+            assert theirs.entries == 5000
     with budget.take("token:v", 5000, 500) as share:
-        assert share == 1000  # what was left
+        assert share.entries == 1000  # what was left
+        share.read = 200  # a search that found enough sooner: the rest goes back
+    with budget.take("token:v", 5000, 500) as share:
+        assert share.entries == 800
+        share.read = 800
     with pytest.raises(TooMany, match="budget"), budget.take("token:v", 5000, 500):
         pass
     now[0] += 2.0
     with budget.take("token:v", 5000, 500) as share:
-        assert share == 2000
+        assert share.entries == 2000

@@ -203,6 +203,7 @@ def test_the_image_builds_and_runs_version_and_check_on_the_deployed_config(tmp_
     last step fails otherwise). In a container of it, as its non-root user: `push-worker --version`
     names this commit, and `check` accepts the config deploy/base ships."""
     from devtools.image import Buildah, head_commit
+    from worker.runtime.release import commits_since
 
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     assert "--require-hashes --no-deps -r deploy/requirements.txt" in dockerfile
@@ -213,7 +214,9 @@ def test_the_image_builds_and_runs_version_and_check_on_the_deployed_config(tmp_
     try:
         buildah.build("localhost/push-worker:test", commit, base="debian")
         version = buildah.run("localhost/push-worker:test", "push-worker", "--version")
-        assert version.stdout == f"push-worker {releases.project_version()} (commit {commit[:12]})\n", version
+        since = commits_since(releases.project_version(), ROOT)
+        described = releases.project_version() + (f"+{since}.g{commit[:7]}" if since else "")
+        assert version.stdout == f"push-worker {described} (commit {commit[:12]})\n", version
         checked = buildah.run("localhost/push-worker:test", "push-worker", "check", "--config",
                               "/etc/push-worker/worker.yaml", mounts={DEPLOY / "base" / "worker.yaml":
                                                                       "/etc/push-worker/worker.yaml"})

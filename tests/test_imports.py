@@ -108,3 +108,40 @@ def test_design_md_draws_the_layers_the_test_keeps():
     section = text.split("## Packages", 1)[1].split("\n## ", 1)[0]
     drawn = [line.split("**")[1].rstrip("/") for line in section.splitlines() if line.startswith("- **")]
     assert tuple(drawn) == LAYERS
+
+
+def test_every_package_the_product_imports_is_declared_in_pyproject():
+    """`worker/api/console.py` imported markupsafe, which pyproject.toml did not declare (it came as
+    jinja2's dependency). Every third-party module the shipped package imports must belong to a
+    distribution pyproject.toml names: in `dependencies`, or in an extra for code that runs only
+    with it (the embedded broker and Redis)."""
+    import importlib.metadata
+    import re
+    import sys
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = [*project["dependencies"], *(r for extra in project["optional-dependencies"].values()
+                                                for r in extra)]
+
+    def normal(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    declared = {normal(re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0]) for r in requirements}
+    owners = importlib.metadata.packages_distributions()
+    undeclared: dict[str, str] = {}
+    for name, path in _modules("worker").items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                tops = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                tops = [node.module.split(".")[0]]
+            else:
+                continue
+            for top in tops:
+                if top in sys.stdlib_module_names or top in ("worker", "__future__", "_typeshed"):  # _typeshed: stubs
+                    continue
+                distributions = {normal(d) for d in owners.get(top, [top])}
+                if not distributions & declared:
+                    undeclared[top] = name
+    assert undeclared == {}, f"imported, not declared in pyproject.toml: {undeclared}"

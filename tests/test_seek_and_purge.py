@@ -26,17 +26,21 @@ from worker.model.subscriptions import Subscription
 async def test_queue_history_discard_and_purge(start_worker, endpoint: Endpoint, client: Client, topic,
                                                redis_url, broker, tmp_path):
     mode = {"fail": {b"retry-me"}, "all_fail": False}
+    # The slow message stays in flight until the test has looked at it (a fixed 3 s delay raced the
+    # CLI processes the checks start, and lost on a busy machine).
+    release_slow = asyncio.Event()
 
     async def behave(rec):
         if rec.body_payload == b"slow":
-            await asyncio.sleep(3)
+            await release_slow.wait()
         failing = mode["all_fail"] or rec.body_payload in mode["fail"]
         return web.Response(status=500 if failing else 204)
 
     endpoint.behaviour = behave
     config, settings = worker_yaml(tmp_path, broker.url, redis_url, push_sub(
         "ops-cli", topic, endpoint.url, max_deliver=-1, dead_letter={"topic": topic + "-dlq"},
-        retry={"min_backoff_seconds": 0.3, "max_backoff_seconds": 0.3}))
+        retry={"min_backoff_seconds": 0.3, "max_backoff_seconds": 0.3},
+        ack_deadline_seconds=120))  # the slow one's attempt lasts until the test releases it
     [sub] = settings.subscriptions
     w = await start_worker(sub)
     [ok, retry_me, slow] = client.publish(topic, [b"ok", b"retry-me", b"slow"])
@@ -50,6 +54,7 @@ async def test_queue_history_discard_and_purge(start_worker, endpoint: Endpoint,
     assert retrying["message_id"] == retry_me and retrying["last_status"] == "500" and retrying["attempts"] >= 2
     code, out, _ = await cli("queue", sub.name, "--state", "inflight", *args)
     assert [m["message_id"] for m in json.loads(out)["messages"]] == [slow]
+    release_slow.set()
     code, out, _ = await cli("queue", sub.name, "--state", "dead", *args)
     assert code == 0 and json.loads(out)["messages"] == []
 

@@ -89,6 +89,12 @@ SEARCH_RATE = 10_000  # delivery-log entries a caller's searches may read a seco
 SEARCH_BURST = 10_000  # ...and at once; one search reads at most delivery_log.SCAN_BUDGET of them
 
 
+@dataclass
+class SearchShare:
+    entries: int  # what the search may read
+    read: int = 0  # what it read (the rest goes back to the caller's bucket)
+
+
 class SearchBudget:
     """What a caller's delivery-log searches may read: a bucket of entries per caller (a search that
     matched nothing read 5,000, and one viewer's 8 at once took the admin process's core), and one
@@ -100,10 +106,10 @@ class SearchBudget:
         self.callers: dict[str, _Caller] = {}
 
     @contextmanager
-    def take(self, caller: str, most: int, least: int) -> Iterator[int]:
-        """A search's share: up to `most` entries, charged when it ends (all of it: what it read is
-        not known here, and a search reads its share unless it matched enough sooner); TooMany when
-        fewer than `least` are left, or a search of the caller's is under way."""
+    def take(self, caller: str, most: int, least: int) -> Iterator[SearchShare]:
+        """A search's share: up to `most` entries, taken now; what it did not read (`share.read`, set
+        by the search) goes back when it ends. TooMany when fewer than `least` are left, or a search
+        of the caller's is under way."""
         now = self.clock()
         state = self.callers.get(caller)
         if state is None:
@@ -116,12 +122,13 @@ class SearchBudget:
             raise TooMany("log search under way", 1.0)
         if state.tokens < least:
             raise TooMany("log search budget", (least - state.tokens) / self.rate)
-        share = int(min(most, state.tokens))
-        state.tokens -= share
+        share = SearchShare(int(min(most, state.tokens)))
+        state.tokens -= share.entries
         state.in_flight += 1
         try:
             yield share
         finally:
+            state.tokens += max(0, share.entries - share.read)
             state.in_flight -= 1
 
 

@@ -190,7 +190,8 @@ class Operations:
         (operators only, as `_answers`); within `caller`'s share of reads (limits.SearchBudget)."""
         key = await self.existing(project, name)
         with self.searches.take(caller, delivery_log.SCAN_BUDGET, delivery_log.CHUNK) as share:
-            page = await delivery_log.search(self.admin.client, key, query, self.log_seconds, share)
+            page = await delivery_log.search(self.admin.client, key, query, self.log_seconds, share.entries)
+            share.read = page["scanned"]
         return {**page, "entries": _headers(page["entries"], headers), "kept_seconds": self.log_seconds}
 
     async def log_hours(self, project: str, name: str) -> dict[str, Any]:
