@@ -81,7 +81,7 @@ def test_the_development_tools_are_not_push_worker_commands_and_say_usage_errors
     (["dlq", "redrive", "orders", "--rate", "0"], "--rate: must be above 0"),
     (["no-such-command"], "invalid choice"),
     # a negative wait went through to Redis; a broken URL given as an argument was said as configuration
-    (["discard", "1:2:-1:-1", "-s", "orders", "--wait", "-5"], "--wait: must be 0 or more seconds"),
+    (["discard", "orders", "1:2:-1:-1", "--wait", "-5"], "--wait: must be 0 or more seconds"),
     (["subs", "pause", "orders", "--wait", "nan"], "--wait: must be a finite number"),
     # an infinite number was taken: a soak that never ends, a redrive without pacing
     (["dlq", "redrive", "orders", "--rate", "inf"], "--rate: must be a finite number"),
@@ -102,8 +102,8 @@ def test_usage_errors_are_one_line_exit_2_and_say_argument(args, says):
 
 
 @pytest.mark.parametrize("args", [
-    ["subs", "list"], ["show", "1:2:-1:-1", "-s", "orders"], ["history", "orders"], ["queue", "orders", "--state",
-    "retrying"], ["discard", "1:2:-1:-1", "-s", "orders"], ["dlq", "list", "orders"],
+    ["subs", "list"], ["show", "orders", "1:2:-1:-1"], ["history", "orders"], ["queue", "orders", "--state",
+    "retrying"], ["discard", "orders", "1:2:-1:-1"], ["dlq", "list", "orders"],
 ])
 def test_a_command_with_nowhere_to_connect_names_itself(tmp_path: Path, args):
     """No URL given and no embedded worker running: the error names the command run (every one of

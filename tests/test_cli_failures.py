@@ -28,9 +28,9 @@ COMMANDS: list[tuple[list[str], bool]] = [
     (["subs", "list"], False), (["subs", "get", SUB], False), (["subs", "pause", SUB], False),
     (["subs", "resume", SUB], False), (["subs", "seek", SUB, "--to-earliest"], True),
     (["subs", "apply", "-f", "{defs}"], False), (["subs", "delete", "p-cli/nosuch"], False),
-    (["show", "1:2:-1:-1", "-s", SUB], False), (["queue", SUB, "--state", "inflight"], True),
+    (["show", SUB, "1:2:-1:-1"], False), (["queue", SUB, "--state", "inflight"], True),
     (["queue", SUB, "--state", "retrying"], True), (["queue", SUB, "--state", "dead"], True),
-    (["history", SUB], False), (["discard", "1:2:-1:-1", "-s", SUB, "--wait", "0"], False),
+    (["history", SUB], False), (["discard", SUB, "1:2:-1:-1", "--wait", "0"], False),
     (["purge", SUB, "--yes"], True), (["dlq", "list", SUB], True), (["dlq", "show", SUB, "1:2:-1:-1"], True),
     (["dlq", "redrive", SUB], True), (["publish", "persistent://p-cli/main/t", "x"], True),
 ]

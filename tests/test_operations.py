@@ -77,17 +77,20 @@ async def test_show_lists_each_attempt_with_status_latency_and_worker(
     [message_id] = client.publish(topic, [b"x"])
     await eventually(lambda: w.dispatchers[sub.key].stats.acked == 1, what="delivered on the second attempt")
 
-    code, out, err = await cli("show", message_id, "--subscription", sub.name, *where, "--json")
+    code, out, err = await cli("show", sub.name, message_id, *where, "--json")
     assert code == 0, err
     history = json.loads(out)["history"]
     assert [(h["attempt"], h["result"], h["status"], h["worker"]) for h in history] == [
         (1, "nack", "500", "w0"), (2, "ack", "204", "w0")]
     assert all(h["latency_ms"] >= 0 and h["at_ms"] > 0 for h in history)
 
-    code, out, _ = await cli("show", message_id, "-s", sub.key, *where)
+    # The order before 1.2.0 (MESSAGE_ID --subscription NAME) works, and says it is deprecated.
+    code, out, err = await cli("show", message_id, "-s", sub.key, *where)
     assert code == 0 and "ATTEMPT" in out.splitlines()[1] and "nack" in out and "204" in out
+    assert err == ("warning: `show MESSAGE_ID --subscription NAME` is deprecated since 1.2.0 and is removed in "
+                   "2.0.0: use `show NAME MESSAGE_ID`\n"), err
 
-    code, _, err = await cli("show", "9:9:-1:-1", "-s", sub.name, *where)
+    code, _, err = await cli("show", sub.name, "9:9:-1:-1", *where)
     assert code == 3 and "no attempt history" in err
 
 
@@ -110,7 +113,7 @@ async def test_a_message_acked_first_time_keeps_its_history_briefly_and_a_retrie
         if acked_ttl:
             assert 0 < r.ttl(keys.history_key(sub.key, first)) <= acked_ttl
         else:
-            code, _, err = await cli("show", first, "-s", sub.name, "--redis-url", redis_url)
+            code, _, err = await cli("show", sub.name, first, "--redis-url", redis_url)
             assert code == 3 and "no attempt history" in err
         assert [json.loads(e)["message_id"] for e in r.lrange(keys.settled_key(sub.key), 0, -1)] == [
             retried, first]  # both listed among the settled either way (`push-worker history`)

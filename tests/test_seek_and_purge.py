@@ -58,7 +58,7 @@ async def test_queue_history_discard_and_purge(start_worker, endpoint: Endpoint,
     code, out, _ = await cli("queue", sub.name, "--state", "dead", *args)
     assert code == 0 and json.loads(out)["messages"] == []
 
-    code, out, err = await cli("discard", retry_me, "--subscription", sub.name, *args)
+    code, out, err = await cli("discard", sub.name, retry_me, *args)
     assert code == 0 and json.loads(out)["result"] == "discarded", err
     attempts_at_discard = len(endpoint.by_id()[retry_me])
     await eventually(lambda: w.dispatchers[sub.key].stats.acked >= 2, what="slow one delivered")
@@ -71,14 +71,14 @@ async def test_queue_history_discard_and_purge(start_worker, endpoint: Endpoint,
     # said "discarded" of a delivered message and kept the marker for a week).
     r = aioredis.Redis.from_url(redis_url)
     try:
-        code, out, err = await cli("discard", ok, "--subscription", sub.name, *args)
+        code, out, err = await cli("discard", sub.name, ok, *args)
         assert code == 0 and json.loads(out)["result"] == "already_settled", err
         assert 0 < await r.ttl(keys.message_key(sub.key, ok)) <= RedisSettings().settled_ttl_seconds
         assert await r.hget(keys.message_key(sub.key, ok), "discard") is None
         # A message the subscription's state does not know (never tried, or settled long ago): exit 3,
         # and nothing is written (it answered "will be discarded" and left a record for a week).
         unknown = "999:0:-1:-1"
-        code, _, err = await cli("discard", unknown, "--subscription", sub.name, *args)
+        code, _, err = await cli("discard", sub.name, unknown, *args)
         assert code == 3 and f"no message {unknown} known" in err, err
         assert not await r.exists(keys.message_key(sub.key, unknown))
     finally:

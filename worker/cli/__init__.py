@@ -24,7 +24,7 @@ EXAMPLES = """examples:
   push-worker check --config worker.yaml           validate a worker's configuration
   push-worker run --config worker.yaml             serve its subscriptions and the registry's
   push-worker subs list --config worker.yaml       every subscription, its state and counters
-  push-worker show MESSAGE_ID -s NAME              one message's attempts
+  push-worker show NAME MESSAGE_ID                 one message's attempts
   push-worker dlq list NAME --since 1h             dead letters of the last hour
   push-worker COMMAND --help                       a command's options
 

@@ -18,6 +18,8 @@ def _cmd_messages(args: argparse.Namespace) -> int:
     """queue, history, discard, purge."""
     from worker.ops.admin import Admin, locate
 
+    if args.command == "discard":
+        _named(args)
     if args.command == "queue" and args.state == "dead":
         args.action, args.limit = "list", args.limit
         return dlq.dlq_command(args)
@@ -51,6 +53,7 @@ def _cmd_messages(args: argparse.Namespace) -> int:
 def _cmd_show(args: argparse.Namespace) -> int:
     from worker.ops.admin import Admin, locate
 
+    _named(args)
     target = locate(args.config, redis_url=args.redis_url)
 
     async def go() -> int:
@@ -64,10 +67,35 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return asyncio.run(go())
 
 
+DEPRECATED_ORDER_SINCE, DEPRECATED_ORDER_REMOVED = "1.2.0", "2.0.0"
+
+
+def subscription_then_message(p: argparse.ArgumentParser) -> None:
+    """SUBSCRIPTION MESSAGE_ID, as every command that names a message takes them (`dlq show` too); the
+    order before 1.2.0, MESSAGE_ID --subscription NAME, still works, with a deprecation warning."""
+    p.add_argument("first", metavar="SUBSCRIPTION", help="NAME or PROJECT/NAME")
+    p.add_argument("second", metavar="MESSAGE_ID", nargs="?",
+                   help="as in Pubsub-Message-Id: ledger:entry:partition:batch")
+    p.add_argument("--subscription", "-s", help=argparse.SUPPRESS)
+
+
+def _named(args: argparse.Namespace) -> None:
+    """args.subscription and args.message_id from either order (the old one warned of, once)."""
+    if args.second is not None and args.subscription is None:
+        args.subscription, args.message_id = args.first, args.second
+        return
+    if args.second is None and args.subscription is not None:
+        args.message_id = args.first
+        sys.stderr.write(f"warning: `{args.command} MESSAGE_ID --subscription NAME` is deprecated since "
+                         f"{DEPRECATED_ORDER_SINCE} and is removed in {DEPRECATED_ORDER_REMOVED}: use "
+                         f"`{args.command} NAME MESSAGE_ID`\n")
+        return
+    raise UsageError(args.command, "arguments", "are SUBSCRIPTION MESSAGE_ID (e.g. orders 1:2:-1:-1)")
+
+
 def register(cmds: Any) -> None:
     p = cmds.add_parser("show", help="a message's delivery attempts in one subscription")
-    p.add_argument("message_id", help="as in Pubsub-Message-Id: ledger:entry:partition:batch")
-    p.add_argument("--subscription", "-s", required=True, help="NAME or PROJECT/NAME")
+    subscription_then_message(p)
     connection_args(p)
     p.set_defaults(func=_cmd_show)
 
@@ -86,8 +114,7 @@ def register(cmds: Any) -> None:
     p.set_defaults(func=_cmd_messages)
 
     p = cmds.add_parser("discard", help="settle one message without delivering it (recorded in its history)")
-    p.add_argument("message_id", help="as in Pubsub-Message-Id: ledger:entry:partition:batch")
-    p.add_argument("--subscription", "-s", required=True, help="NAME or PROJECT/NAME")
+    subscription_then_message(p)
     p.add_argument("--wait", type=seconds, default=10.0, help="seconds to wait for a worker to settle it")
     connection_args(p)
     p.set_defaults(func=_cmd_messages)
