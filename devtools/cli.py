@@ -13,7 +13,7 @@ from worker.cli.common import Parser, positive_int, positive_number, run_loop
 def _cmd_demo(args: argparse.Namespace) -> int:
     from devtools.demo import run_demo
 
-    return run_loop(run_demo(messages=args.messages))
+    return run_loop(run_demo(messages=args.messages, console=not args.no_console))
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -49,6 +49,8 @@ def build_parser() -> Parser:
 def register(cmds: Any) -> None:
     p = cmds.add_parser("demo", help="embedded broker, Redis and a flaky endpoint: watch delivery live")
     p.add_argument("--messages", type=positive_int, default=300, help="how many to publish (default 300)")
+    p.add_argument("--no-console", action="store_true",
+                   help="end after the summary (default: the console stays up until Ctrl-C)")
     p.set_defaults(func=_cmd_demo)
 
     p = cmds.add_parser("bench", help="measure delivery throughput against a bare aiohttp loop")

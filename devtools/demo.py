@@ -2,7 +2,8 @@
 
 Starts the embedded broker and Redis (through an ordinary `Worker` with no URLs configured), a
 local endpoint that fails some requests, and a push subscription with a dead-letter topic; then
-publishes messages, shows progress live and prints a summary.
+publishes messages, shows progress live and prints a summary. The console stays up after it, on
+loopback with a demo-only token, until Ctrl-C (`--no-console`: the summary ends the demo).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import secrets
+import signal
 import time
 from pathlib import Path
 
@@ -19,9 +22,11 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
 from devtools.endpoints import serve_local
+from worker.api.server import AdminServer
 from worker.broker import embedded
 from worker.core.messages import format_message_id
 from worker.endpoint.destinations import DestinationPolicy
+from worker.model.admin_settings import AdminSettings, Grants, StaticToken
 from worker.model.config import HttpSettings, Settings
 from worker.model.subscriptions import RetryPolicy, Subscription
 from worker.process.service import Worker
@@ -58,7 +63,7 @@ class FlakyEndpoint:
         return web.Response(status=204)
 
 
-async def run_demo(messages: int = 300) -> int:
+async def run_demo(messages: int = 300, console: bool = True) -> int:
     logs.configure("console", "error")  # the progress line tells the story
     state_dir = Path(".push-worker/demo")
     lock = embedded.lock_state_dir(state_dir)  # a demo running here already: refused, nothing wiped
@@ -73,9 +78,12 @@ async def run_demo(messages: int = 300) -> int:
         name="orders-push", topic=TOPIC, url=f"http://127.0.0.1:{port}/hook", ack_deadline_seconds=1,
         max_deliver=4, max_ack_pending=100, retry=RetryPolicy(0.2, 2.0), dead_letter_topic=DLQ,
     )
+    token = _console_token(state_dir)
+    admin = AdminSettings(port=embedded.free_port(), refresh_seconds=5,
+                          tokens=(StaticToken("demo", str(state_dir / "console-token"), Grants(admin=True)),))
     settings = Settings(state_dir=state_dir, http=HttpSettings(port=0),
                         destinations=DestinationPolicy(allow_private=True), subscriptions=(sub,),
-                        shutdown_grace_seconds=5)
+                        shutdown_grace_seconds=5, admin=admin if console else None)
     started = time.monotonic()
     print(f"demo: embedded broker + Redis under {state_dir}, endpoint on port {port}")
     async with Worker(settings, worker_id="demo") as worker:
@@ -85,8 +93,48 @@ async def run_demo(messages: int = 300) -> int:
         await _progress(worker, sub.key, messages, started)
         dead = await asyncio.to_thread(_dead_letters, worker.pulsar_url)
         stats = worker.dispatchers[sub.key].stats
+        elapsed = time.monotonic() - started
+        lost = _summary(published, endpoint, dead, stats.retried, elapsed)
+        if console:
+            await _console_until_stopped(admin, settings, worker, token)
     await runner.cleanup()
-    elapsed = time.monotonic() - started
+    return 0 if not lost else 1
+
+
+def _console_token(state_dir: Path) -> str:
+    """The demo's only token: a fresh one each run, in a file its user alone reads (the admin process
+    reads tokens from files, as from a mounted secret)."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    path = state_dir / "console-token"
+    token = secrets.token_urlsafe(24)
+    path.write_text(token)
+    path.chmod(0o600)
+    return token
+
+
+async def _console_until_stopped(admin: AdminSettings, settings: Settings, worker: Worker, token: str) -> None:
+    """The console on loopback with the demo's token, until Ctrl-C (or SIGTERM)."""
+    server = AdminServer(admin, settings, worker.redis_url, worker.pulsar_url)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        print(f"\nconsole: http://127.0.0.1:{server.port}/console/")
+        print(f"  log in with the demo-only token {token} (admin of every project; a new one each run)")
+        print("  the subscription, its failed messages and dead letters are there; Ctrl-C stops the demo",
+              flush=True)
+        await stop.wait()
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+        await server.close()
+    print("demo stopped")
+
+
+def _summary(published: set[str], endpoint: FlakyEndpoint, dead: set[str], retried: int, elapsed: float) -> set[str]:
+    """The summary lines; returns the lost ids."""
     print("\nsummary")
     # Lost is counted from outside the worker: what was published, less what the endpoint acked and
     # what the dead-letter topic holds (by original message id).
@@ -94,11 +142,11 @@ async def run_demo(messages: int = 300) -> int:
     print(f"  published        {len(published)}")
     print(f"  delivered        {len(published & endpoint.acked_ids)} (acked by the endpoint)")
     print(f"  dead-lettered    {len(published & dead)} (on {DLQ})")
-    print(f"  retries          {stats.retried} (failed attempts tried again)")
+    print(f"  retries          {retried} (failed attempts tried again)")
     print(f"  endpoint calls   {endpoint.requests}")
     print(f"  elapsed          {elapsed:.1f}s")
-    print(f"  lost             {len(lost)}")
-    return 0 if not lost else 1
+    print(f"  lost             {len(lost)}", flush=True)
+    return lost
 
 
 def _publish(url: str, messages: int) -> set[str]:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -30,7 +33,27 @@ def test_demo_delivers_retries_and_dead_letters_and_loses_nothing(tmp_path: Path
                                 capture_output=True, text=True, timeout=120, env=environment)
         assert second.returncode == 1 and second.stderr.count("\n") == 1, second.stdout + second.stderr
         assert f"is in use by a running worker (pid {demo.pid})" in second.stderr
-        out, err = demo.communicate(timeout=120)
+        # The console stays up after the summary, on loopback with a demo-only token, until Ctrl-C.
+        assert demo.stdout is not None
+        lines: list[str] = []
+        while not any(line.startswith("console: ") for line in lines):
+            line = demo.stdout.readline()
+            assert line, "".join(lines)  # the demo ended without offering the console
+            lines.append(line)
+        url = next(line for line in lines if line.startswith("console: ")).split()[1]
+        token = re.search(r"demo-only token (\S+)", demo.stdout.readline())
+        assert token, lines
+        with urllib.request.urlopen(urllib.request.Request(
+                url.replace("/console/", "/v1/projects/p-demo/subscriptions"),
+                headers={"Authorization": f"Bearer {token[1]}"}), timeout=10) as answer:
+            listed = json.loads(answer.read())
+        assert [row["name"] for row in listed["subscriptions"]] == ["orders-push"], listed
+        with urllib.request.urlopen(url.replace("/console/", "/console/login"), timeout=10) as answer:
+            assert answer.status == 200
+        assert "Ctrl-C stops the demo" in demo.stdout.readline()
+        demo.send_signal(signal.SIGINT)
+        rest, err = demo.communicate(timeout=60)
+        out = "".join(lines) + rest
     finally:
         demo.kill()
     elapsed = time.monotonic() - started
