@@ -759,7 +759,7 @@ async def test_a_running_admin_refuses_every_write_once_redis_holds_a_newer_layo
     refused (409, the one line), and nothing changes."""
     import redis as redis_sync
 
-    from worker.core.keys import layout_key
+    from worker.core.keys import layout_key, message_key
     from worker.fleet.layout import LAYOUT
 
     w, _, clients, _, _, _ = fleet
@@ -770,9 +770,10 @@ async def test_a_running_admin_refuses_every_write_once_redis_holds_a_newer_layo
         "kept", topic, endpoint.url, dead_letter={"topic": topic + "-dlq"}))
     assert status == 201  # a write before: the admin has read the layout
     [delivered] = client.publish(topic, [b"once"])
-    await eventually(lambda: any(r.acked for r in endpoint.requests), what="delivered")
     store = redis_sync.Redis.from_url(redis_url)
     try:
+        # Settled in Redis (its record is written after the ack): the snapshot below is then still.
+        await eventually(lambda: store.hexists(message_key("p-a/kept", delivered), "settled"), what="settled")
         store.set(layout_key(), LAYOUT + 1)
         before = {key: store.dump(key) for key in store.keys("*") if not key.startswith(b"pw:{fleet/")}
         base = "/v1/projects/p-a/subscriptions"

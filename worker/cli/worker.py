@@ -39,7 +39,7 @@ async def _serve(config_path: str) -> int:
     logs.configure(settings.log_format, settings.log_level)
     if empty_config(config_path):
         logs.get().warning(EMPTY_CONFIG.format(config_path))
-    worker = Worker(settings, config_path=config_path)
+    worker = Worker(settings, config_path=config_path, own_process=True)
     KEEP_UNTIL_EXIT.append(worker)
     loop = asyncio.get_running_loop()
     # SIGHUP too: a worker whose terminal closed drains and hands over like one told to stop, instead

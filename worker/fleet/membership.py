@@ -82,6 +82,7 @@ class Fleet:
         self.settings = settings
         # Redis holds a newer release's layout (read every round): stop before writing anything more.
         self.refuse_layout = refuse_layout
+        self.refused = ""  # why, once it did: no round writes anything after
         self.log = logs.get(worker=worker.worker_id, fleet=settings.name)
         self._wake = asyncio.Event()
         self.static = {s.key: s for s in static}
@@ -244,6 +245,9 @@ class Fleet:
     async def tick(self) -> None:
         """One round: heartbeat, read the registry if it changed, renew, release, acquire. Stepped
         out, only the leases still draining are renewed."""
+        # A newer release's layout stops this worker before it writes anything more: read first, alone.
+        if self.refused or self._layout_newer(await self.batch.submit("GET", keys.layout_key())):
+            return
         sent_at = time.monotonic()
         held = [key for key, lease in self.leases.items() if lease.due(sent_at)]
         if self.stepped_out:
@@ -254,7 +258,6 @@ class Fleet:
             self.batch.submit("EVAL", _HEARTBEAT, 2, self.members_key, self.instance_key, self.me,
                               self.member_ttl_ms, self.instance),
             self.batch.submit("GET", self.registry.version_key),
-            self.batch.submit("GET", keys.layout_key()),
             *(self._renewal(key) for key in held),
             return_exceptions=True)
         for result in results:
@@ -262,7 +265,6 @@ class Fleet:
                 raise result  # the connection failed: the whole round did
         if isinstance(results[0], BaseException):
             raise results[0]
-        self._check_layout(results[2])
         *members, dropped, previous = results[0]
         self._note_instance(safe_text(previous))
         if dropped:
@@ -273,7 +275,7 @@ class Fleet:
         if isinstance(version, Exception):
             self._ignore("registry version", str(version))
             version = object()  # unreadable: read the registry every round until it is repaired
-        await self._lose(self._renewed(held, results[3:], sent_at))
+        await self._lose(self._renewed(held, results[2:], sent_at))
         if version != self._registry_version:
             await self._read_registry()
             self._registry_version = version
@@ -285,15 +287,17 @@ class Fleet:
         await self._resume_breakers()
         await self.published.publish_if_due()
 
-    def _check_layout(self, raw: Any) -> None:
-        if isinstance(raw, BaseException):
-            return  # unreadable this round (a key of the wrong type is a bug of someone's): read next round
+    def _layout_newer(self, raw: Any) -> bool:
+        """Whether Redis holds a layout this release must not write (said once, to `refuse_layout`)."""
         try:
             layout.check(raw)
         except layout.LayoutTooNew as e:
             if self.refuse_layout is None:
                 raise
-            self.refuse_layout(str(e))
+            self.refused = str(e)
+            self.refuse_layout(self.refused)
+            return True
+        return False
 
     async def _resume_breakers(self) -> None:
         """`subs resume` closes an open breaker: it writes when (`keys.resumed_key`) and wakes the
@@ -531,6 +535,11 @@ class Fleet:
         next owner start while this worker's requests were still under way."""
         for task in await cancel_within([*self._tasks, *self._seeks], 10):
             self.log.warning("task did not stop when leaving the fleet", task=task.get_name())
+        if self.refused:  # a newer layout: nothing is written, the leases lapse
+            await self._lose(list(self.leases))
+            self.containment.close()
+            await self.batch.close()
+            return
         with contextlib.suppress(*REDIS_DOWN):
             await self.client.zrem(self.members_key, self.me)
             await self.client.publish(self.registry.channel, b"members")

@@ -50,9 +50,13 @@ PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "AL
 class Worker:
     """One worker process's delivery machinery."""
 
-    def __init__(self, settings: Settings, worker_id: str | None = None, config_path: str | None = None) -> None:
+    def __init__(self, settings: Settings, worker_id: str | None = None, config_path: str | None = None,
+                 own_process: bool = False) -> None:
         self.settings = settings
         self.config_path = config_path  # for the admin process beside an embedded worker
+        # The process is this worker's (`push-worker run`): a newer layout in Redis ends it at once,
+        # writing nothing more. In someone else's process (tests, the demo) the worker stops instead.
+        self.own_process = own_process
         self.worker_id = worker_id or os.environ.get("PUSH_WORKER_ID") or f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = Metrics()
         self.secrets = secret_store(settings)
@@ -203,6 +207,9 @@ class Worker:
         would refuse to start, writing nothing more (no release, no drain: its leases lapse, and its
         unsettled messages go back to the broker with its connection)."""
         self.log.error("stopping: " + why)
+        if not self.own_process:
+            self.request_stop()
+            return
         sys.stderr.write(f"push-worker: {why}\n")
         logging.shutdown()
         sys.stderr.flush()
