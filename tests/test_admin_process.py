@@ -36,6 +36,18 @@ def _api(port: int, path: str, token: str) -> tuple[int, Any]:
     return http_get(f"http://127.0.0.1:{port}{path}", {"Authorization": f"Bearer {token}"})
 
 
+def _admin_process(config: Path, log_path: Path) -> subprocess.Popen[bytes]:
+    """`push-worker admin --config CONFIG`, its output to `log_path`."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "worker.cli", "admin", "--config", str(config)],
+                                stdout=log, stderr=log, env=env())
+
+
+async def _ready(http_port: int) -> None:
+    await eventually(lambda: http_get(f"http://127.0.0.1:{http_port}/readyz")[0] == 200, timeout=30,
+                     what="the admin process ready")
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
@@ -50,12 +62,9 @@ async def test_push_worker_admin_serves_the_api_and_its_probes_and_stops_on_sigt
     config = tmp_path / "worker.yaml"
     config.write_text(yaml.safe_dump({"pulsar": {"service_url": broker.url}, "redis": {"url": redis_url},
                                       "http": {"port": http_port}, "admin": section, "log": {"format": "json"}}))
-    with open(tmp_path / "admin.log", "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "admin", "--config", str(config)],
-                                stdout=log, stderr=log, env=env())
+    proc = _admin_process(config, tmp_path / "admin.log")
     try:
-        await eventually(lambda: http_get(f"http://127.0.0.1:{http_port}/readyz")[0] == 200, timeout=30,
-                         what="the admin process ready")
+        await _ready(http_port)
         assert http_get(f"http://127.0.0.1:{http_port}/healthz")[0] == 200
         status, listed = await asyncio.to_thread(_api, admin_port, "/v1/projects/p-a/subscriptions", tokens["alice"])
         assert status == 200 and listed["subscriptions"] == []
@@ -138,12 +147,9 @@ async def test_a_thousand_replays_redrives_and_payload_reads_leave_the_admin_pro
                                       "fleet": {"name": fleet}, "secrets": {"dir": str(secrets)},
                                       "destinations": {"allow_private": True}}))
     endpoint.behaviour = lambda rec: web.Response(status=204)
-    with open(tmp_path / "admin.log", "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "admin", "--config", str(config)],
-                                stdout=log, stderr=log, env=env())
+    proc = _admin_process(config, tmp_path / "admin.log")
     try:
-        await eventually(lambda: http_get(f"http://127.0.0.1:{http_port}/readyz")[0] == 200, timeout=30,
-                         what="the admin process ready")
+        await _ready(http_port)
         alice = ApiClient(f"http://127.0.0.1:{admin_port}", tokens["alice"])
         topic = f"persistent://p-a/main/bounded-{uuid.uuid4().hex[:8]}"
         status, _ = await alice.call("POST", "/v1/projects/p-a/subscriptions", definition(

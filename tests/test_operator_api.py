@@ -38,6 +38,13 @@ def definition(name: str, topic: str, url: str, **extra: Any) -> dict[str, Any]:
             "bearer_token": {"secret": "push-token"}, "breaker": "off"}}, **extra}
 
 
+async def created(w: Any, caller: ApiClient, name: str, topic: str, url: str, **extra: Any) -> None:
+    """A subscription created through the API (201), once the worker serves it."""
+    status, body = await caller.call("POST", "/v1/projects/p-a/subscriptions", definition(name, topic, url, **extra))
+    assert status == 201, body
+    await eventually(lambda: f"p-a/{name}" in w.dispatchers, what="the worker serves it")
+
+
 @pytest.fixture
 async def fleet(start_worker, start_admin, tmp_path: Path):
     """A worker with the admin listener; clients per principal; the secret its subscriptions use."""
@@ -659,9 +666,7 @@ async def test_a_replay_refuses_what_is_not_settled_goes_one_at_a_time_and_never
         return web.Response(status=204)
 
     endpoint.behaviour = answer
-    status, _ = await alice.call("POST", "/v1/projects/p-a/subscriptions", definition("replays", topic, endpoint.url))
-    assert status == 201
-    await eventually(lambda: "p-a/replays" in w.dispatchers, what="the worker serves it")
+    await created(w, alice, "replays", topic, endpoint.url)
     base = "/v1/projects/p-a/subscriptions/replays"
 
     # Never attempted: paused, published, replayed while the endpoint fails, resumed.
@@ -718,10 +723,7 @@ async def test_a_dead_letter_is_redriven_not_replayed_and_the_dry_run_agrees_wit
     topic = f"persistent://p-a/main/dead-{uuid.uuid4().hex[:8]}"
     healthy = False
     endpoint.behaviour = lambda rec: web.Response(status=204 if healthy else 503)
-    status, _ = await alice.call("POST", "/v1/projects/p-a/subscriptions", definition(
-        "deadly", topic, endpoint.url, dead_letter={"topic": topic + "-dlq"}))
-    assert status == 201
-    await eventually(lambda: "p-a/deadly" in w.dispatchers, what="the worker serves it")
+    await created(w, alice, "deadly", topic, endpoint.url, dead_letter={"topic": topic + "-dlq"})
     ids = client.publish(topic, [b"one", b"two"])
     await eventually(lambda: w.dispatchers["p-a/deadly"].stats.dead_lettered == 2, timeout=30,
                      what="both dead-lettered")
@@ -766,9 +768,7 @@ async def test_a_running_admin_refuses_every_write_once_redis_holds_a_newer_layo
     alice = clients["alice"]
     topic = f"persistent://p-a/main/layout-{uuid.uuid4().hex[:8]}"
     endpoint.behaviour = lambda rec: web.Response(status=204)
-    status, _ = await alice.call("POST", "/v1/projects/p-a/subscriptions", definition(
-        "kept", topic, endpoint.url, dead_letter={"topic": topic + "-dlq"}))
-    assert status == 201  # a write before: the admin has read the layout
+    await created(w, alice, "kept", topic, endpoint.url, dead_letter={"topic": topic + "-dlq"})  # a write before
     [delivered] = client.publish(topic, [b"once"])
     store = redis_sync.Redis.from_url(redis_url)
     try:
@@ -804,10 +804,7 @@ async def test_malformed_ids_cursors_and_bodies_answer_400_or_404_never_500_or_5
     alice = clients["alice"]
     topic = f"persistent://p-a/main/bad-{uuid.uuid4().hex[:8]}"
     endpoint.behaviour = lambda rec: web.Response(status=204)
-    status, _ = await alice.call("POST", "/v1/projects/p-a/subscriptions", definition(
-        "bad", topic, endpoint.url, dead_letter={"topic": topic + "-dlq"}))
-    assert status == 201
-    await eventually(lambda: "p-a/bad" in w.dispatchers, what="the worker serves it")
+    await created(w, alice, "bad", topic, endpoint.url, dead_letter={"topic": topic + "-dlq"})
     sub = "/v1/projects/p-a/subscriptions/bad"
     ids = ["\u00b2:0:-1:-1", "\u0663:1:-1:-1", "99999999999999999999999:0:-1:-1", "1:2:3", "1:2:-1:-1:5", "-5:0:-1:-1",
            "1:99999999999999999999:-1:-1", "x" * 300]

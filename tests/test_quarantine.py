@@ -133,6 +133,14 @@ def first_delivered(endpoint: Endpoint, marker: str, count: int) -> dict[int, fl
     return out
 
 
+def send_bomb(client: Client, topic: str) -> None:
+    """1.5 GiB of zeros, ZSTD-compressed: a few KiB on the wire, inflated by the consumer's client."""
+    producer = client.client.create_producer(topic, batching_enabled=False,
+                                             compression_type=pulsar.CompressionType.ZSTD)
+    producer.send(bytes(3 << 29))
+    producer.close()
+
+
 def log_lines(path: Path, event: str) -> list[dict[str, object]]:
     lines = [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
     return [line for line in lines if line.get("event") == event]
@@ -185,10 +193,7 @@ async def test_a_bomb_costs_at_most_two_deaths_and_quarantines_its_subscription_
                 assert started and started[0]["max_held_bytes"] == POD_BYTES // 2, started
                 assert str(cgroups[i]) in started[0]["max_held_bytes_from"], started
 
-            producer = client.client.create_producer(topics[POISONED], batching_enabled=False,
-                                                     compression_type=pulsar.CompressionType.ZSTD)
-            producer.send(bytes(3 << 29))  # 1.5 GiB of zeros: a few KiB on the wire
-            producer.close()
+            send_bomb(client, topics[POISONED])
             for i, topic in enumerate(topics):
                 if i != POISONED:
                     client.publish(topic, [f"after-{i}".encode()])
@@ -283,10 +288,7 @@ async def test_a_bomb_beside_another_projects_trial_quarantines_the_bomb_and_not
             assert [line["subscription"] for line in log_lines(tmp_path / "w0.log", "on trial: its last holder died "
                     "with its memory alarm raised; served on a client of its own for a while")] == ["p-a/on-trial"]
 
-            producer = client.client.create_producer(bomb_topic, batching_enabled=False,
-                                                     compression_type=pulsar.CompressionType.ZSTD)
-            producer.send(bytes(3 << 29))  # 1.5 GiB of zeros: a few KiB on the wire
-            producer.close()
+            send_bomb(client, bomb_topic)
             client.publish(trial_topic, [b"trial-2"])
 
             def contained() -> bool:
