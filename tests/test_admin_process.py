@@ -179,3 +179,44 @@ async def test_a_thousand_replays_redrives_and_payload_reads_leave_the_admin_pro
         assert after[2] <= before[2] + (40 << 20), (before, after)  # resident memory
     finally:
         assert stop_worker(proc, 15) == 0
+
+
+async def test_a_busy_admin_port_is_one_line_a_growing_pause_and_not_ready_never_a_traceback(tmp_path):
+    """The admin port taken by another process: the worker logged a full traceback at error level each
+    time it started the admin process again (5 in 18 s) while /readyz said ready. Now each exit is one
+    warning line with the admin process's own words, the pauses grow, /readyz says why it is not
+    ready; once the port is free the admin process comes up and the worker is ready."""
+    import socket
+
+    admin_port, http_port = free_port(), free_port()
+    section, tokens = _admin_section(tmp_path / "tokens", admin_port)
+    config = tmp_path / "worker.yaml"
+    config.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state"), "http": {"port": http_port},
+                                      "admin": section, "log": {"format": "json"}}))
+    squatter = socket.socket()
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    squatter.bind(("127.0.0.1", admin_port))
+    squatter.listen()
+    log = tmp_path / "worker.log"
+    proc = spawn_worker(config, log)
+
+    def exits() -> list[dict[str, Any]]:
+        return [json.loads(line) for line in log.read_text().splitlines()
+                if line.startswith("{") and '"admin process exited; starting it again"' in line]
+    try:
+        await eventually(lambda: len(exits()) >= 3, timeout=60, what="the admin process exiting three times")
+        status, why = await asyncio.to_thread(http_get, f"http://127.0.0.1:{http_port}/readyz")
+        assert status == 503 and "admin process exited with code" in str(why), (status, why)
+        said = exits()
+        assert [e["in_seconds"] for e in said[:3]] == [1.0, 2.0, 4.0], said
+        assert all(e["level"] == "warning" and "admin" in e["said"] for e in said), said
+        assert "Traceback" not in log.read_text()
+        squatter.close()
+        await eventually(lambda: asyncio.to_thread(lambda: _api(admin_port, "/v1/projects/p-a/subscriptions",
+                                                                tokens["alice"])[0] == 200),
+                         timeout=60, what="the API answering once the port is free")
+        await eventually(lambda: http_get(f"http://127.0.0.1:{http_port}/readyz")[0] == 200, timeout=30,
+                         what="ready again")
+    finally:
+        squatter.close()
+        stop_worker(proc, 30)

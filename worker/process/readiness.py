@@ -1,5 +1,6 @@
 """Whether a worker is ready, as /readyz says: Redis answers, the broker has answered, the worker
-is in its fleet and its rounds go through, no other process uses its id, no task keeps failing."""
+is in its fleet and its rounds go through, no other process uses its id, no task keeps failing, and
+the admin process it runs beside itself (if any) is running."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ class Judged(Protocol):
     served: Any
     fleet: Any
     supervisor: Supervisor
+    admin: Any  # the admin process beside an embedded worker (`api.beside.AdminBeside`), or None
 
     @property
     def stopping(self) -> bool: ...
@@ -57,4 +59,6 @@ async def readiness(w: Judged) -> tuple[bool, str]:
     failing = w.supervisor.not_ready()
     if failing:
         return False, failing
+    if w.admin is not None and w.admin.down:  # the API and console it runs beside itself
+        return False, w.admin.down
     return True, "ok"
