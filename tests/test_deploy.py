@@ -211,10 +211,10 @@ def test_the_image_builds_and_runs_version_and_check_on_the_deployed_config(tmp_
     assert "devtools" not in dockerfile.split("FROM ${PYTHON_IMAGE}\n")[-1]  # nothing of the tools ships
     buildah = Buildah(tmp_path)
     commit = head_commit()
+    since = commits_since(releases.project_version(), ROOT)  # of the commit built, counted as the build counts
     try:
         buildah.build("localhost/push-worker:test", commit, base="debian")
         version = buildah.run("localhost/push-worker:test", "push-worker", "--version")
-        since = commits_since(releases.project_version(), ROOT)
         described = releases.project_version() + (f"+{since}.g{commit[:7]}" if since else "")
         assert version.stdout == f"push-worker {described} (commit {commit[:12]})\n", version
         checked = buildah.run("localhost/push-worker:test", "push-worker", "check", "--config",

@@ -40,8 +40,9 @@ def test_version_prints_the_release_and_the_commit_it_was_built_from():
     match = re.fullmatch(r"push-worker (\S+) \(commit ([0-9a-f]{12})\)\n", done.stdout)
     assert match, done.stdout
     # Past its release, a build says how far, and where: 1.1.0+3.gaf654e6 (the release itself: 1.1.0).
-    since = subprocess.run(["git", "-C", str(ROOT), "rev-list", "--count", f"{releases.previous().commit}..HEAD"],
-                           capture_output=True, text=True, check=True).stdout.strip()
+    since = subprocess.run(["git", "-C", str(ROOT), "rev-list", "--count",  # to the commit it was built from
+                            f"{releases.previous().commit}..{match[2]}"], capture_output=True, text=True,
+                           check=True).stdout.strip()
     plain = releases.project_version() != releases.previous().version or since == "0"  # a release itself
     expected = releases.project_version() if plain else f"{releases.project_version()}+{since}.g{match[2][:7]}"
     assert match[1] == expected, (match[1], expected)
