@@ -23,6 +23,9 @@ from worker.runtime.supervisor import log_task_failure
 from worker.state.redis_client import REDIS_DOWN, AsyncClient
 
 EVIDENCE_CACHE = 1024  # dead instances whose evidence is remembered (each looked up once)
+# ...but "none" only this long: a lease that lapsed while its holder lived (a slow handover) says
+# nothing of how that holder dies later, and a death's evidence must be seen when it comes.
+NO_EVIDENCE_SECONDS = 1.0
 
 
 class Containment:
@@ -42,7 +45,7 @@ class Containment:
         self._watch: MemoryWatch | None = None
         self._alarm_named = ""  # what the alarm under way named ('' none, or no alarm)
         self._evidence_written_at = 0.0
-        self._evidence: dict[str, Evidence | None] = {}  # what dead instances said, by instance
+        self._evidence: dict[str, tuple[float, Evidence | None]] = {}  # (read at, what it said) by instance
         self._marks: set[asyncio.Task[None]] = set()
         self._advancing = asyncio.Lock()  # two rounds at once (the first one's and the loop's) begin a trial once
 
@@ -64,13 +67,14 @@ class Containment:
     async def verdict(self, name: str, taken: Taken) -> str:
         """`quarantine.verdict` for a lease taken over from a holder that never released it, with the
         evidence that holder left (read once per dead instance)."""
-        instance = taken.previous_instance
-        if instance not in self._evidence:
+        instance, now = taken.previous_instance, time.monotonic()
+        known = self._evidence.get(instance)
+        if known is None or (known[1] is None and now - known[0] > NO_EVIDENCE_SECONDS):
             if len(self._evidence) >= EVIDENCE_CACHE:
                 self._evidence.clear()
             raw = await self.client.get(self._evidence_key(instance))
-            self._evidence[instance] = Evidence.parse(raw)
-        return quarantine.verdict(name, taken, self._evidence[instance])
+            known = self._evidence[instance] = (now, Evidence.parse(raw))
+        return quarantine.verdict(name, taken, known[1])
 
     def _evidence_key(self, instance: str) -> str:
         return keys.fleet_key(self.fleet, f"memory:{instance}")

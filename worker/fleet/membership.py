@@ -85,6 +85,7 @@ class Fleet:
         self.refused = ""  # why, once it did: no round writes anything after
         self.log = logs.get(worker=worker.worker_id, fleet=settings.name)
         self._wake = asyncio.Event()
+        self._ticking = asyncio.Lock()
         self.static = {s.key: s for s in static}
         self.registry = Registry(client, settings.name, self.static, admit, settings.max_subscriptions_per_project)
         self.follower = RegistryFollower(self.registry)
@@ -185,7 +186,8 @@ class Fleet:
 
     async def _tick_safely(self) -> None:
         try:
-            await self.tick()
+            async with self._ticking:  # the first round (start) and the loop's never overlap
+                await self.tick()
             self.last_round_ok, self.round_error = time.monotonic(), ""
         except REDIS_DOWN as e:
             self.worker.metrics.redis_errors.inc()
