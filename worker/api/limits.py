@@ -49,16 +49,15 @@ class _Caller:
     in_flight: int = 0
 
 
-class CallerLimits:
-    """A token bucket and a concurrency cap per caller."""
+class _Buckets:
+    """A token bucket per caller, filled at `rate` a second up to `burst`."""
 
-    def __init__(self, rate: float = CALLER_RATE, burst: int = CALLER_BURST, concurrency: int = CALLER_CONCURRENCY,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.rate, self.burst, self.concurrency, self.clock = rate, burst, concurrency, clock
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float]) -> None:
+        self.rate, self.burst, self.clock = rate, burst, clock
         self.callers: dict[str, _Caller] = {}
 
-    @contextmanager
-    def admit(self, caller: str) -> Iterator[None]:
+    def refilled(self, caller: str) -> _Caller:
+        """`caller`'s bucket, filled for the time since it was last seen (a new caller's is full)."""
         now = self.clock()
         state = self.callers.get(caller)
         if state is None:
@@ -67,6 +66,26 @@ class CallerLimits:
             state = self.callers[caller] = _Caller(tokens=float(self.burst), at=now)
         state.tokens = min(float(self.burst), state.tokens + (now - state.at) * self.rate)
         state.at = now
+        return state
+
+    def _forget_idle(self, now: float) -> None:
+        """Callers with nothing under way and a full bucket are as if new: forgotten, so the table stays small."""
+        for name in [n for n, c in self.callers.items()
+                     if c.in_flight == 0 and c.tokens + (now - c.at) * self.rate >= self.burst]:
+            del self.callers[name]
+
+
+class CallerLimits(_Buckets):
+    """A token bucket and a concurrency cap per caller."""
+
+    def __init__(self, rate: float = CALLER_RATE, burst: int = CALLER_BURST, concurrency: int = CALLER_CONCURRENCY,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(rate, burst, clock)
+        self.concurrency = concurrency
+
+    @contextmanager
+    def admit(self, caller: str) -> Iterator[None]:
+        state = self.refilled(caller)
         if state.in_flight >= self.concurrency:
             raise TooMany("concurrency", 1.0)
         if state.tokens < 1.0:
@@ -77,12 +96,6 @@ class CallerLimits:
             yield
         finally:
             state.in_flight -= 1
-
-    def _forget_idle(self, now: float) -> None:
-        """Callers with nothing under way and a full bucket are as if new: forgotten, so the table stays small."""
-        for name in [n for n, c in self.callers.items()
-                     if c.in_flight == 0 and c.tokens + (now - c.at) * self.rate >= self.burst]:
-            del self.callers[name]
 
 
 SEARCH_RATE = 10_000  # delivery-log entries a caller's searches may read a second...
@@ -95,29 +108,21 @@ class SearchShare:
     read: int = 0  # what it read (the rest goes back to the caller's bucket)
 
 
-class SearchBudget:
+class SearchBudget(_Buckets):
     """What a caller's delivery-log searches may read: a bucket of entries per caller (a search that
     matched nothing read 5,000, and one viewer's 8 at once took the admin process's core), and one
     search of a caller's at a time. `take` gives a search its share of entries, or TooMany."""
 
     def __init__(self, rate: float = SEARCH_RATE, burst: int = SEARCH_BURST,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.rate, self.burst, self.clock = rate, burst, clock
-        self.callers: dict[str, _Caller] = {}
+        super().__init__(rate, burst, clock)
 
     @contextmanager
     def take(self, caller: str, most: int, least: int) -> Iterator[SearchShare]:
         """A search's share: up to `most` entries, taken now; what it did not read (`share.read`, set
         by the search) goes back when it ends. TooMany when fewer than `least` are left, or a search
         of the caller's is under way."""
-        now = self.clock()
-        state = self.callers.get(caller)
-        if state is None:
-            if len(self.callers) >= _FORGET_AFTER:
-                self.callers = {n: c for n, c in self.callers.items() if c.in_flight}
-            state = self.callers[caller] = _Caller(tokens=float(self.burst), at=now)
-        state.tokens = min(float(self.burst), state.tokens + (now - state.at) * self.rate)
-        state.at = now
+        state = self.refilled(caller)
         if state.in_flight:
             raise TooMany("log search under way", 1.0)
         if state.tokens < least:

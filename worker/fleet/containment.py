@@ -47,7 +47,6 @@ class Containment:
         self._evidence_written_at = 0.0
         self._evidence: dict[str, tuple[float, Evidence | None]] = {}  # (read at, what it said) by instance
         self._marks: set[asyncio.Task[None]] = set()
-        self._advancing = asyncio.Lock()  # two rounds at once (the first one's and the loop's) begin a trial once
 
     @property
     def on(self) -> bool:
@@ -100,10 +99,6 @@ class Containment:
         here on that the alarm lays at its door is its own)."""
         if not self.on:
             return
-        async with self._advancing:
-            await self._advance()
-
-    async def _advance(self) -> None:
         now = time.monotonic()
         for name in list(self.trials.on_trial):
             if unit_parts(name)[0] in self.worker.dispatchers:

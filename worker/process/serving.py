@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -198,17 +198,9 @@ class Serving:
         # A subscribe that never went through (a stalled trial) is started again, through the shared client.
         sub, lease = (dispatcher.sub, dispatcher.lease) if dispatcher is not None else \
             (starting, self._starting_leases.get(key))
-        self._resubscribing.add(key)
-        try:
-            await self._stop_serving(key)
-        finally:
-            await self._close_trial_client(key)
-            if key in self._resubscribing:  # else stopped meanwhile (handed over, deleted, lease lost)
-                self._resubscribing.discard(key)
-                if dispatcher is not None:
-                    self._carried_stats[key] = dispatcher.stats
-                assert sub is not None
-                self.add(sub, lease)
+        assert sub is not None
+        await self._serve_anew(key, sub, lease, dispatcher.stats if dispatcher is not None else None,
+                               then=functools.partial(self._close_trial_client, key))
 
     async def _close_trial_client(self, key: str) -> None:
         self._on_trial.discard(key)
@@ -332,14 +324,24 @@ class Serving:
         dispatcher = self.dispatchers.get(key)
         if not again or dispatcher is None or key in self._resubscribing:
             return  # nothing to gain, not served here any more, or a seek is replacing the consumer anyway
-        sub, lease = dispatcher.sub, dispatcher.lease
+        await self._serve_anew(key, dispatcher.sub, dispatcher.lease, dispatcher.stats)
+
+    async def _serve_anew(self, key: str, sub: Subscription, lease: Fence | None, stats: Stats | None,
+                          then: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Replace a subscription's consumer: stop serving it (requests under way finish within the
+        shutdown grace, the rest goes back to the broker, which redelivers it in order), run `then`,
+        and serve it again with its counters, unless it was stopped meanwhile (handed over, deleted,
+        lease lost)."""
         self._resubscribing.add(key)
         try:
             await self._stop_serving(key)
         finally:
-            if key in self._resubscribing:  # else stopped meanwhile (handed over, deleted, lease lost)
+            if then is not None:
+                await then()
+            if key in self._resubscribing:
                 self._resubscribing.discard(key)
-                self._carried_stats[key] = dispatcher.stats
+                if stats is not None:
+                    self._carried_stats[key] = stats
                 self.add(sub, lease)
 
     # -- stop --------------------------------------------------------------------------------
