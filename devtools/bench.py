@@ -666,6 +666,33 @@ class Bench:
         calls = sum(v["calls"] for k, v in stats.items() if k != "cmdstat_info")
         return float(usec), float(calls), float(stats.get("cmdstat_xadd", {}).get("calls", 0))
 
+    def steady_redis(self, rate: float, seconds: float = 10.0) -> tuple[float, float, float]:
+        """One subscription at a steady `rate` msg/s (standalone Redis, product defaults): Redis's
+        commands and its own CPU (us) per delivered message over `seconds`, after a warm-up, and the
+        worker's CPU (us) per message in the same moments."""
+        sink = self.sink()
+        topic = f"persistent://p-bench/main/steady-redis-{time.monotonic_ns()}"
+        proc = self.start_worker(self.config([self.sub("steady-redis", topic, sink + "/push")]))
+        ps = psutil.Process(proc.pid)
+        publisher = PacedPublisher(self.client, [topic], rate)
+        try:
+            probes.wait(lambda: probes.worker_ready(ps), 300, "steady-redis: served")
+            publisher.start()
+            probes.wait(lambda: _caught_up(sink), 300, "steady-redis: caught up", poll=0)
+            acked0, cpu0, redis0 = probes.get(sink + "/stats")["acked"], sum(ps.cpu_times()[:2]), \
+                self.redis_work("standalone")
+            time.sleep(seconds)  # a measuring window
+            acked1, cpu1, redis1 = probes.get(sink + "/stats")["acked"], sum(ps.cpu_times()[:2]), \
+                self.redis_work("standalone")
+        finally:
+            publisher.stop()
+            proc.terminate()
+            proc.wait(60)
+        publisher.check()
+        delivered = max(1, acked1 - acked0)
+        return ((redis1[1] - redis0[1]) / delivered, (redis1[0] - redis0[0]) / delivered,
+                1e6 * (cpu1 - cpu0) / delivered)
+
     def steady(self, subscriptions: int, total_rate: float, seconds: float = 10.0) -> Steady:
         """`subscriptions` subscriptions on one worker, each its own topic and endpoint path, sharing a
         steady `total_rate` msg/s: worker CPU per message and publish-to-endpoint latency over

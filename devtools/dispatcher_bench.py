@@ -95,6 +95,9 @@ class _Attempts:
                    settled: bool, last_status: str = "", lazy: bool = False) -> asyncio.Future[None]:
         return self.record(subscription_key, "", [], settled)
 
+    async def close(self) -> None:
+        pass
+
 
 class _Endpoint:
     """Acks every request after one turn of the loop."""

@@ -4,6 +4,7 @@ window has left (real Redis; the search itself is tested through the API, tests/
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import redis as redis_sync
@@ -42,6 +43,7 @@ async def test_the_log_keeps_the_newest_attempts_up_to_its_count_and_drops_what_
         for n in range(1500):
             await store.record(SUB, f"1:{n}:-1:-1", [attempt(n, "503" if n % 10 == 0 else "204")], settled=n % 10 != 0,
                                lazy=n % 2 == 0)
+        await store.close()  # the hourly counts are summed in the worker: added now (else within a second)
         await eventually(lambda: client.xlen(keys.log_key(SUB)) <= 1100, what="the log trimmed to its count")
         length = client.xlen(keys.log_key(SUB))
         # MAXLEN ~ trims whole stream nodes (100 entries each): never below the bound, at most a node above.
@@ -102,6 +104,29 @@ async def test_no_log_is_kept_with_delivery_log_attempts_0(redis_url):
         assert client.hget(keys.message_key(SUB, "1:1:-1:-1"), "settled") == b"1"
         assert not client.exists(keys.log_key(SUB), keys.log_stats_key(SUB))
     finally:
+        await store.pipeliner.close()
+        await async_client.aclose()
+        client.close()
+
+
+async def test_the_hourly_counts_reach_redis_within_a_second_without_a_command_a_message(redis_url):
+    """The counts behind the charts are summed in the worker and added by one script call a second
+    (log_upkeep.py): a burst of attempts costs no HINCRBY of its own, and nothing waits for a close."""
+    client = redis_sync.Redis.from_url(redis_url)
+    async_client = aioredis.Redis.from_url(redis_url)
+    store = AttemptStore(Pipeliner(async_client), RedisSettings())
+    sub = "p-test/counted"
+    try:
+        client.config_resetstat()
+        await asyncio.gather(*(store.record(sub, f"2:{n}:-1:-1", [attempt(n)], settled=True, acked_first_time=True)
+                               for n in range(200)))
+        assert client.info("commandstats").get("cmdstat_hincrby", {}).get("calls", 0) == 0
+        await eventually(lambda: sum(int(v) for f, v in client.hgetall(keys.log_stats_key(sub)).items()
+                                     if f.endswith(b":2xx")) == 200, timeout=5, what="the counts added")
+        assert client.info("commandstats")["cmdstat_hincrby"]["calls"] <= 2 * 50  # one per field, not per attempt
+        assert client.ttl(keys.log_stats_key(sub)) > 0 and client.ttl(keys.log_key(sub)) > 0
+    finally:
+        await store.close()
         await store.pipeliner.close()
         await async_client.aclose()
         client.close()

@@ -9,6 +9,11 @@ a request, instead of starting again at attempt 1. Both go through the `redis_ba
 the operations of one moment become one script call and one round trip. The record after an ack,
 which nothing waits on, rides with the next round trip (or goes after 5 ms): at a steady trickle of
 messages that is one round trip per message instead of two.
+
+A message acked at its first attempt costs Redis five commands of its own: HSETNX and EXPIRE before
+the request, XADD (the delivery log), HSET and EXPIRE after it (the marker keeps its history). What
+a subscription's messages share (the settled list, the log's hourly counts and upkeep) is written
+once a call or once a second (`log_upkeep`).
 """
 
 from __future__ import annotations
@@ -25,33 +30,12 @@ from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_ji
 
 from worker.core import keys
 from worker.core.history import LOG_FIELDS, LOG_ONLY, log_values
-from worker.core.redis_batch import BatchScript, Pipeliner
+from worker.core.log_upkeep import LogUpkeep
+from worker.core.redis_batch import LUA_CALL, BatchScript, Pipeliner
 from worker.model.config import RedisSettings
 from worker.runtime import logs
 from worker.runtime.failing import Failing
 from worker.state.redis_client import REDIS_DOWN, AsyncClient, describe, safe_text
-
-# Corrupt state (a key of the wrong type, a counter that is not an integer) must not fail the whole
-# batch: every message of the subscription would wait on it forever. `call` replaces such a key and
-# says so in `corrupt`, so the worker can log what it started over. Any other error is Redis refusing
-# the write (OOM at maxmemory, READONLY on a demoted master): it fails the call, and the store waits
-# for Redis. Taken for corruption, a full Redis once had counters deleted and numbering start over.
-_LUA_CALL = """
-local corrupt = {}
-local function call(...)
-  local r = redis.pcall(...)
-  if type(r) == 'table' and r.err then
-    if not (string.find(r.err, '^WRONGTYPE') or string.find(r.err, 'not an integer')) then
-      error(r)
-    end
-    local key = select(2, ...)
-    corrupt[key] = true
-    redis.call('DEL', key)
-    r = redis.call(...)
-  end
-  return r
-end
-"""
 
 # Per operation: one key. A message already settled (a copy the broker redelivered because its ack
 # was lost) is reported as such and not counted. Else count the attempt and refresh the TTL; return
@@ -62,71 +46,87 @@ end
 # 2^63 HINCRBY fails and the reply turns negative. Counts stop well before: a count this large cannot
 # come from attempts (10^15 at ten a second is three million years), so it is garbage, said as state 3
 # (the stored text in `last`) and never incremented: the dispatcher settles the message loudly.
-_BEGIN = _LUA_CALL + """
+_BEGIN = LUA_CALL + """
 local out = {}
 for i = 1, #KEYS do
-  local v = call('HMGET', KEYS[i], 'discard', 'last', 'n', 'settled', 'probes')
-  local n, last, state, probes = tonumber(v[3]) or 0, '', 0, tonumber(v[5]) or 0
-  if v[4] then
-    state = 2
-  elseif v[1] then
-    state = 1
-  elseif n >= MAX_COUNT or probes >= MAX_COUNT or n ~= n or probes ~= probes then
-    state = 3
-    last = 'n=' .. string.sub(v[3] or '', 1, 40) .. ' probes=' .. string.sub(v[5] or '', 1, 40)
-    n, probes = 0, 0
-  else
-    {probe}
-    n = call('HINCRBY', KEYS[i], 'n', 1)
-    if n < 1 then
-      corrupt[KEYS[i]] = true
-      n = 1
-      redis.call('HSET', KEYS[i], 'n', n)
+  {fresh}
+    local v = call('HMGET', KEYS[i], 'discard', 'last', 'n', 'settled', 'probes')
+    local n, last, state, probes = tonumber(v[3]) or 0, '', 0, tonumber(v[5]) or 0
+    if v[4] then
+      state = 2
+    elseif v[1] then
+      state = 1
+    elseif n >= MAX_COUNT or probes >= MAX_COUNT or n ~= n or probes ~= probes then
+      state = 3
+      last = 'n=' .. string.sub(v[3] or '', 1, 40) .. ' probes=' .. string.sub(v[5] or '', 1, 40)
+      n, probes = 0, 0
+    else
+      {probe}
+      n = call('HINCRBY', KEYS[i], 'n', 1)
+      if n < 1 then
+        corrupt[KEYS[i]] = true
+        n = 1
+        redis.call('HSET', KEYS[i], 'n', n)
+      end
+      redis.call('EXPIRE', KEYS[i], ARGV[1])
+      last = string.sub(v[2] or '', 1, 64)
     end
-    redis.call('EXPIRE', KEYS[i], ARGV[1])
-    last = string.sub(v[2] or '', 1, 64)
+    out[#out + 1] = n; out[#out + 1] = last; out[#out + 1] = state
+    out[#out + 1] = corrupt[KEYS[i]] and 1 or 0; out[#out + 1] = probes
   end
-  out[#out + 1] = n; out[#out + 1] = last; out[#out + 1] = state
-  out[#out + 1] = corrupt[KEYS[i]] and 1 or 0; out[#out + 1] = probes
 end
 return out
 """
+# A first attempt, the common case, costs two commands: HSETNX creates the record (a message nothing
+# has counted has no record: only an attempt creates one), EXPIRE bounds it. Any other message reads
+# its whole record first.
+_FRESH = """if call('HSETNX', KEYS[i], 'n', 1) == 1 then
+    redis.call('EXPIRE', KEYS[i], ARGV[1])
+    out[#out + 1] = 1; out[#out + 1] = ''; out[#out + 1] = 0
+    out[#out + 1] = corrupt[KEYS[i]] and 1 or 0; out[#out + 1] = 0
+  else"""
 MAX_COUNT = 10**15  # below 2^53: every count under it is exact in Lua's doubles
 _BEGIN = _BEGIN.replace("MAX_COUNT", str(MAX_COUNT))
-BEGIN = BatchScript(_BEGIN.replace("{probe}", ""), width=5)
-# The same for a breaker's probe (`breaker.py`), counted as one.
-BEGIN_PROBE = BatchScript(_BEGIN.replace("{probe}", "probes = call('HINCRBY', KEYS[i], 'probes', 1)"), width=5)
+BEGIN = BatchScript(_BEGIN.replace("{fresh}", _FRESH).replace("{probe}", ""), width=5)
+# The same for a breaker's probe (`breaker.py`), counted as one: always the whole read.
+BEGIN_PROBE = BatchScript(_BEGIN.replace("{fresh}", "do").replace(
+    "{probe}", "probes = call('HINCRBY', KEYS[i], 'probes', 1)"), width=5)
 
-# Shared: the settled list, the delivery log and its hourly counts; the settled list's TTL, the
-# history cap, the settled marker's TTL, and the log's bounds (entries, seconds). Per operation: the
-# counter and history keys; args settled ('1'/'0'), last status, settled summary, history TTL (0:
-# not kept), number of history entries, the entries, then the time (ms), the number of log entries
-# and for each its LOG_FIELDS values, its outcome class and latency bin ('' for an event). Appends
-# the entries (capped, with the TTL); then, settled: turn the counter into a settled marker (a
-# redelivered copy is then acked without a request, and numbering never starts over) and list the
-# message among the settled; else remember how the attempt ended (for a dead-letter published after
-# a crash). Each log entry goes to the stream (trimmed to the newest entries, and by age once a
-# call) and counts in its hour; an hour's counts older than the log are dropped once an hour.
-RECORD = BatchScript(_LUA_CALL + """
-local ttl, cap, settled_ttl = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local log_max, log_seconds = ARGV[4], tonumber(ARGV[5])
+# Shared: the settled list and the delivery log; the settled list's TTL, the history cap, the
+# settled marker's TTL, the log's bound (entries), whether the settled list's TTL is due a refresh
+# (once a minute a subscription: `_Upkeep`). Per operation: the counter and history keys; args
+# settled ('1'/'0'), last status, settled summary, history TTL (0: not kept), whether the message was
+# acked at its first attempt, the number of history entries, the entries, then the number of log
+# entries and for each its LOG_FIELDS values. Settled at the first attempt: the counter becomes the
+# settled marker and keeps the history in a field of its own ('h', a JSON list), for the longer of the
+# two TTLs: one write for what took five. Settled later: the history is appended to its list (capped,
+# with the TTL), the counter becomes a settled marker. Either way a redelivered copy is then acked
+# without a request, and numbering never starts over; the message is listed among the settled (one
+# LPUSH a call, trimmed with some slack). Not settled: remember how the attempt ended (for a
+# dead-letter published after a crash). Each log entry goes to the stream (trimmed to the newest
+# entries); its hourly counts are summed in the worker (`_Upkeep`).
+RECORD = BatchScript(LUA_CALL + """
+local ttl, cap, settled_ttl, log_max, refresh = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local names = {LOG_NAMES}
-local a, settled_any, out, now = 6, false, {}, 0
-for k = 4, #KEYS, 2 do
-  local settled, last, summary, history_ttl, count = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3],
-    tonumber(ARGV[a + 4])
-  a = a + 5
+local a, summaries, out = 6, {}, {}
+for k = 3, #KEYS, 2 do
+  local settled, last, summary, history_ttl, first, count = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3],
+    ARGV[a + 4], tonumber(ARGV[a + 5])
+  a = a + 6
+  local kept = ''
   if count > 0 and history_ttl ~= '0' then
-    if call('RPUSH', KEYS[k + 1], unpack(ARGV, a, a + count - 1)) > cap then
-      redis.call('LTRIM', KEYS[k + 1], -cap, -1)
+    if settled == '1' and first == '1' then
+      kept = '[' .. table.concat(ARGV, ',', a, a + count - 1) .. ']'
+    else
+      if call('RPUSH', KEYS[k + 1], unpack(ARGV, a, a + count - 1)) > cap then
+        redis.call('LTRIM', KEYS[k + 1], -cap, -1)
+      end
+      redis.call('EXPIRE', KEYS[k + 1], history_ttl)
     end
-    redis.call('EXPIRE', KEYS[k + 1], history_ttl)
   end
   a = a + count
-  now = tonumber(ARGV[a])
-  local logged = tonumber(ARGV[a + 1])
-  a = a + 2
-  local hour = math.floor(now / 3600000)
+  local logged = tonumber(ARGV[a])
+  a = a + 1
   for j = 1, logged do
     local fields = {}
     for f = 1, #names do
@@ -134,45 +134,32 @@ for k = 4, #KEYS, 2 do
       fields[#fields + 1] = ARGV[a + f - 1]
     end
     call('XADD', KEYS[2], 'MAXLEN', '~', log_max, '*', unpack(fields))
-    local class, bin = ARGV[a + #names], ARGV[a + #names + 1]
-    if class ~= '' then
-      call('HINCRBY', KEYS[3], hour .. ':' .. class, 1)
-      call('HINCRBY', KEYS[3], hour .. ':l' .. bin, 1)
-    end
-    a = a + #names + 2
+    a = a + #names
   end
   if settled == '1' then
-    call('HSET', KEYS[k], 'settled', 1)
-    redis.call('EXPIRE', KEYS[k], settled_ttl)
-    call('LPUSH', KEYS[1], summary)
-    settled_any = true
+    if kept ~= '' then
+      call('HSET', KEYS[k], 'settled', 1, 'h', kept)
+      redis.call('EXPIRE', KEYS[k], math.max(settled_ttl, tonumber(history_ttl)))
+    else
+      call('HSET', KEYS[k], 'settled', 1)
+      redis.call('EXPIRE', KEYS[k], settled_ttl)
+    end
+    summaries[#summaries + 1] = summary
   else
     call('HSET', KEYS[k], 'last', last)
   end
   out[#out + 1] = 1
 end
-if settled_any then
-  redis.call('LTRIM', KEYS[1], 0, cap * 10 - 1)
-  redis.call('EXPIRE', KEYS[1], ttl)
-end
-if now > 0 and log_max ~= '0' then
-  call('XTRIM', KEYS[2], 'MINID', '~', now - log_seconds * 1000)
-  redis.call('EXPIRE', KEYS[2], log_seconds)
-  local hour = math.floor(now / 3600000)
-  if tonumber(call('HGET', KEYS[3], 'hour') or 0) ~= hour then
-    local oldest = hour - math.ceil(log_seconds / 3600)
-    for _, field in ipairs(call('HKEYS', KEYS[3])) do
-      local h = tonumber(string.match(field, '^(%d+):'))
-      if h and h < oldest then redis.call('HDEL', KEYS[3], field) end
-    end
-    redis.call('HSET', KEYS[3], 'hour', hour)
-  end
-  redis.call('EXPIRE', KEYS[3], log_seconds)
+if #summaries > 0 then
+  local length = call('LPUSH', KEYS[1], unpack(summaries))
+  if length > cap * 11 then redis.call('LTRIM', KEYS[1], 0, cap * 10 - 1) end
+  if length == #summaries or refresh == '1' then redis.call('EXPIRE', KEYS[1], ttl) end
 end
 return out
 """.replace("LOG_NAMES", ", ".join(f"'{name}'" for name in LOG_FIELDS)), width=1)
 
 HISTORY_CAP = 100  # entries kept per message (the newest); the settled list keeps 10x as many messages
+SETTLED_REFRESH_SECONDS = 60.0  # how often a subscription's settled list has its TTL refreshed
 
 
 @dataclass(slots=True)  # one per attempt: see messages.Envelope
@@ -215,6 +202,8 @@ class AttemptStore:
         self.log_attempts = settings.delivery_log_attempts
         self.log_seconds = settings.delivery_log_seconds
         self._on_error = on_error or (lambda: None)
+        self.log_upkeep = LogUpkeep(pipeliner, settings.delivery_log_seconds)
+        self._settled_refreshed: dict[str, float] = {}
         # Subscriptions whose records Redis does not take (its outage, a Cluster shard down, a full
         # Redis, an ACL that leaves their keys out): said in their status and the log, not only counted.
         self._failing: dict[str, Failing] = {}
@@ -299,18 +288,37 @@ class AttemptStore:
     def _record(self, subscription_key: str, message_id: str, entries: list[dict[str, Any]], settled: bool,
                 last_status: str, acked_first_time: bool, lazy: bool) -> asyncio.Future[Any]:
         op_keys = (keys.message_key(subscription_key, message_id), keys.history_key(subscription_key, message_id))
-        logged = [log_values(message_id, entry) for entry in entries] if self.log_attempts else []
+        logged: list[str | bytes] = []
+        if self.log_attempts:
+            hour = int(time.time()) // 3600
+            for entry in entries:
+                values = log_values(message_id, entry)
+                logged += values[:-2]
+                if values[-2]:  # an attempt, not an event: counted in its hour
+                    self.log_upkeep.count(subscription_key, hour, str(values[-2]), int(values[-1]))
         history = [{k: v for k, v in entry.items() if k not in LOG_ONLY} for entry in entries]
         summary = orjson.dumps({"message_id": message_id, **(history[-1] if history else {})}) if settled else b""
         history_ttl = self.acked_history_ttl_seconds if acked_first_time else self.history_ttl_seconds
-        op_args = ("1" if settled else "0", last_status, summary, history_ttl, len(history),
-                   *(orjson.dumps(e) for e in history), int(time.time() * 1000), len(logged),
-                   *(value for values in logged for value in values))
+        op_args = ("1" if settled else "0", last_status, summary, history_ttl, "1" if acked_first_time else "0",
+                   len(history), *(orjson.dumps(e) for e in history), len(entries) if self.log_attempts else 0,
+                   *logged)
         return self.pipeliner.operation(
-            RECORD, (keys.settled_key(subscription_key), keys.log_key(subscription_key),
-                     keys.log_stats_key(subscription_key)),
-            (self.history_ttl_seconds, HISTORY_CAP, self.settled_ttl_seconds, self.log_attempts, self.log_seconds),
+            RECORD, (keys.settled_key(subscription_key), keys.log_key(subscription_key)),
+            (self.history_ttl_seconds, HISTORY_CAP, self.settled_ttl_seconds, self.log_attempts,
+             "1" if settled and self._settled_refresh_due(subscription_key) else "0"),
             op_keys, op_args, subscription_key, lazy)
+
+    def _settled_refresh_due(self, subscription_key: str) -> bool:
+        """Whether the settled list's TTL is due a refresh (once a minute a subscription)."""
+        now = time.monotonic()
+        if now - self._settled_refreshed.get(subscription_key, float("-inf")) < SETTLED_REFRESH_SECONDS:
+            return False
+        self._settled_refreshed[subscription_key] = now
+        return True
+
+    async def close(self) -> None:
+        """Add the delivery log's counts still in the worker (before the pipeliner closes)."""
+        await self.log_upkeep.close()
 
     async def unsent(self, subscription_key: str, message_ids: list[str]) -> None:
         """Attempts begun for `message_ids` that no request carried (an open breaker or a lost lease held
@@ -326,11 +334,6 @@ class AttemptStore:
         return bool(await self._call(subscription_key, lambda: self.pipeliner.submit(
             "HEXISTS", keys.message_key(subscription_key, message_id), "settled")))
 
-    async def history(self, subscription_key: str, message_id: str) -> list[dict[str, Any]]:
-        """The message's recorded history, oldest first."""
-        raw = await self._call(subscription_key, lambda: self.pipeliner.submit(
-            "LRANGE", keys.history_key(subscription_key, message_id), 0, -1))
-        return [orjson.loads(entry) for entry in raw]
 
 
 # -- the attempt record as operators' commands read and mark it -------------------------------------
@@ -392,6 +395,20 @@ async def records(client: AsyncClient, sub_key: str, keep: Callable[[StoredRecor
             if len(found) >= limit:
                 break
     return found
+
+
+async def stored_history(client: AsyncClient, sub_key: str, message_id: str) -> list[Any]:
+    """A message's history entries as stored (JSON texts), oldest first: its list, or for a message
+    acked at its first attempt, the settled marker's own field (RECORD)."""
+    listed = await client.lrange(keys.history_key(sub_key, message_id), 0, -1)
+    if listed:
+        return list(listed)
+    try:
+        kept = await client.hget(keys.message_key(sub_key, message_id), "h")
+        entries = orjson.loads(kept) if kept else []
+    except (ResponseError, orjson.JSONDecodeError):
+        return [b"not a list of entries"]  # shown as unreadable
+    return [orjson.dumps(e) for e in entries] if isinstance(entries, list) else [b"not a list of entries"]
 
 
 async def pending_attempts(client: AsyncClient, sub_key: str, message_id: str) -> int | None:

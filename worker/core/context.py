@@ -76,6 +76,8 @@ class AttemptLog(Protocol):
     def record_all(self, subscription_key: str, messages: list[tuple[str, list[dict[str, Any]], bool]],
                    settled: bool, last_status: str = "", lazy: bool = False) -> Awaitable[None]: ...
 
+    async def close(self) -> None: ...  # what is still summed in the worker goes to Redis
+
 
 class DeadLetters(Protocol):
     """Where exhausted messages go (`broker.deadletter.DeadLetterPublisher` fits): published until the

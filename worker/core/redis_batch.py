@@ -21,6 +21,28 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from worker.state.redis_client import REDIS_DOWN, AsyncClient, is_cluster, script_sha
 
+# Corrupt state (a key of the wrong type, a counter that is not an integer) must not fail the whole
+# batch: every message of the subscription would wait on it forever. `call` replaces such a key and
+# says so in `corrupt`, so the worker can log what it started over. Any other error is Redis refusing
+# the write (OOM at maxmemory, READONLY on a demoted master): it fails the call, and the store waits
+# for Redis. Taken for corruption, a full Redis once had counters deleted and numbering start over.
+LUA_CALL = """
+local corrupt = {}
+local function call(...)
+  local r = redis.pcall(...)
+  if type(r) == 'table' and r.err then
+    if not (string.find(r.err, '^WRONGTYPE') or string.find(r.err, 'not an integer')) then
+      error(r)
+    end
+    local key = select(2, ...)
+    corrupt[key] = true
+    redis.call('DEL', key)
+    r = redis.call(...)
+  end
+  return r
+end
+"""
+
 BATCH_LIMIT = 200  # operations per script call: bounds how long one call holds Redis
 # How long a write nothing waits on (the settled record after an ack) may wait for a round trip to
 # ride with. Far below the client's ack grouping (100 ms), the window in which a crash loses the ack

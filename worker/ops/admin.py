@@ -358,7 +358,7 @@ class Admin:
     async def show(self, message_id: str, name: str) -> Output:
         """A message's delivery attempts in one subscription, oldest first."""
         key = await self.existing(name)
-        raw = await self.client.lrange(keys.history_key(key, message_id), 0, -1)
+        raw = await attempts.stored_history(self.client, key, message_id)
         pending = await attempts.pending_attempts(self.client, key, message_id)
         entries = _entries(raw)
         if not entries and pending is None:

@@ -56,6 +56,7 @@ async def operator_delivery(settings: Settings, pulsar: PulsarSettings, redis: A
         yield OperatorDelivery(ctx, client)
     finally:
         await ctx.dead_letters.close()
+        await ctx.attempts.close()
         if shared is None:
             await asyncio.wait_for(client.close(), timeout=5.0)
         await pipeliner.close()

@@ -42,6 +42,7 @@ def delivery_context(s: Settings, pulsar: Any, pipeliner: Pipeliner, metrics: Me
     dead_letters = DeadLetterPublisher(pulsar)
     cleanup("close dead-letter producers", dead_letters.close, 10)
     attempts = AttemptStore(pipeliner, s.redis, on_error=metrics.redis_errors.inc)
+    cleanup("add the delivery log's last counts", attempts.close, 5)
     context = DeliveryContext(deliverer, attempts, dead_letters, metrics, secrets, worker_id, supervisor, tokens,
                               s.max_held_bytes_per_subscription, memory,
                               oauth2=OAuth2Tokens(secrets, deliverer.client))
