@@ -386,6 +386,10 @@ class Figures:
     redis_us: float = float("nan")  # Redis's own CPU per delivered message (its commandstats), standalone only
     redis_calls: float = float("nan")  # commands Redis ran per delivered message, those inside scripts included
     log_writes: float = float("nan")  # delivery log entries (XADD) per delivered message
+    redis_cpu_us: float = float("nan")  # the redis-server process's CPU per delivered message (what a core pays)
+
+
+STEADY_REDIS_RATE = 1000.0  # msg/s of the steady case of Redis's share (issue #70)
 
 
 def _caught_up(sink: str, window: float = 2.0) -> bool:
@@ -631,8 +635,8 @@ class Bench:
             probes.wait(lambda: delivered(messages), 600, f"{name}: all acked")
             stats = probes.get(sink + "/stats")
             cpu = sum(ps.cpu_times()[:2]) - cpu0
-            redis_us, redis_calls, log_writes = (after - before for before, after in
-                                                 zip(redis0, self.redis_work(redis_mode), strict=True))
+            redis_us, redis_calls, log_writes, redis_cpu = (after - before for before, after in
+                                                            zip(redis0, self.redis_work(redis_mode), strict=True))
             redis_per_msg = probes.metric(ps, "pushworker_redis_commands_total") / messages
             round_trips = probes.metric(ps, "pushworker_redis_round_trips_total")
             rate = messages / (stats["last"] - stats["first"])
@@ -654,22 +658,24 @@ class Bench:
         return Figures(name, rate, 1000 * _percentile(latencies, 0.5), 1000 * _percentile(latencies, 0.99),
                        redis_per_msg, round_trips / messages, 1e6 * cpu / messages, peak_rss / 2**20,
                        1000 * _percentile(bare_latencies, 0.5), 1000 * _percentile(bare_latencies, 0.99),
-                       redis_us / messages, redis_calls / messages, log_writes / messages)
+                       redis_us / messages, redis_calls / messages, log_writes / messages, redis_cpu / messages)
 
-    def redis_work(self, mode: str) -> tuple[float, float, float]:
+    def redis_work(self, mode: str) -> tuple[float, float, float, float]:
         """What Redis has done so far, by its own count (INFO commandstats, every command a script runs
-        included): microseconds, commands, delivery log writes (XADD). NaN on a Cluster."""
+        included): microseconds, commands, delivery log writes (XADD); and the redis-server process's
+        CPU (us: parsing, I/O and scripts, what a Redis core pays). NaN on a Cluster."""
         if mode != "standalone":
-            return float("nan"), float("nan"), float("nan")
+            return float("nan"), float("nan"), float("nan"), float("nan")
         stats = self.redis.info("commandstats")
         usec = sum(v["usec"] for k, v in stats.items() if k != "cmdstat_info")
         calls = sum(v["calls"] for k, v in stats.items() if k != "cmdstat_info")
-        return float(usec), float(calls), float(stats.get("cmdstat_xadd", {}).get("calls", 0))
+        cpu = sum(psutil.Process(self.redis_service.proc.pid).cpu_times()[:2]) * 1e6
+        return float(usec), float(calls), float(stats.get("cmdstat_xadd", {}).get("calls", 0)), cpu
 
     def steady_redis(self, rate: float, seconds: float = 10.0) -> tuple[float, float, float]:
         """One subscription at a steady `rate` msg/s (standalone Redis, product defaults): Redis's
-        commands and its own CPU (us) per delivered message over `seconds`, after a warm-up, and the
-        worker's CPU (us) per message in the same moments."""
+        commands and its process's CPU (us) per delivered message over `seconds`, after a warm-up, and
+        the worker's CPU (us) per message in the same moments."""
         sink = self.sink()
         topic = f"persistent://p-bench/main/steady-redis-{time.monotonic_ns()}"
         proc = self.start_worker(self.config([self.sub("steady-redis", topic, sink + "/push")]))
@@ -690,7 +696,7 @@ class Bench:
             proc.wait(60)
         publisher.check()
         delivered = max(1, acked1 - acked0)
-        return ((redis1[1] - redis0[1]) / delivered, (redis1[0] - redis0[0]) / delivered,
+        return ((redis1[1] - redis0[1]) / delivered, (redis1[3] - redis0[3]) / delivered,
                 1e6 * (cpu1 - cpu0) / delivered)
 
     def steady(self, subscriptions: int, total_rate: float, seconds: float = 10.0) -> Steady:
@@ -985,6 +991,7 @@ class Run:
         print(_ratio_table(rows))
         shared = self.shared = rows[0][0]
         self.delivery_log_cost()
+        self.redis_share(rounds)
         if len(rounds) > 1:
             print(f"shared, {len(rounds)} rounds (the table shows the median round): x ref cpu "
                   f"{', '.join(f'{x:.2f}' for x in ratios)}; median {statistics.median_low(ratios):.2f}")
@@ -1006,6 +1013,27 @@ class Run:
               f"p99 {shared.p99_ms:.1f} ms; a bare Pulsar consumer of the same stream p50 {shared.bare_p50_ms:.1f} ms, "
               f"p99 {shared.bare_p99_ms:.1f} ms; p50 difference "
               f"{', '.join(f'{d:+.1f}' for d in differences)} ms (median {statistics.median(differences):+.1f})\n")
+
+    def redis_share(self, rounds: list[tuple[Figures, Reference]]) -> None:
+        """Redis's share of a message beside the worker's (issue #70): commands and the redis-server
+        process's CPU a message in the bursts of the shared rounds, and at a steady 1,000 msg/s."""
+        commands = statistics.median([f.redis_calls for f, _ in rounds])
+        ratio = statistics.median([f.redis_cpu_us / f.cpu_us for f, _ in rounds])
+        steady_commands, steady_cpu, steady_worker = self.bench.steady_redis(STEADY_REDIS_RATE)
+        print(f"redis, bursts (shared rounds, median): {commands:.2f} commands and "
+              f"{statistics.median([f.redis_cpu_us for f, _ in rounds]):.1f} us of its CPU a message, "
+              f"{ratio:.2f}x the worker's; at a steady {STEADY_REDIS_RATE:,.0f} msg/s: {steady_commands:.2f} "
+              f"commands and {steady_cpu:.1f} us a message ({steady_cpu / steady_worker:.2f}x the worker's "
+              f"{steady_worker:.0f} us)")
+        self.guard(Figure("redis_commands_per_msg_bursts", "Redis commands a message in bursts (scripts' included)",
+                          commands))
+        self.guard(Figure("redis_commands_per_msg_steady", f"Redis commands a message at a steady "
+                          f"{STEADY_REDIS_RATE:,.0f} msg/s", steady_commands))
+        self.guard(Figure("redis_cpu_x_worker_bursts", "the redis-server's CPU a message in bursts x the worker's",
+                          ratio))
+        self.target("Redis commands a message in bursts", commands, 3.0)
+        self.target(f"Redis commands a message at {STEADY_REDIS_RATE:,.0f} msg/s", steady_commands, 4.0)
+        self.target("Redis CPU a message x the worker's, bursts", ratio, 0.25)
 
     def delivery_log_cost(self) -> None:
         """What the delivery log costs a message in bursts: shared with and without it (redis.

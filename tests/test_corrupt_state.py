@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis as redis_sync
 import yaml
 from hypothesis import HealthCheck, example, given, settings
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 from tests.support.helpers import eventually, spawn_worker, stop_worker, wait_sync
 from tests.support.pulsar_client import Client
 from worker.broker.prefetch import LargestMessages
-from worker.core import keys
+from worker.core import attempts, keys
 from worker.core.attempts import AttemptStore
 from worker.core.keys import fleet_key
 from worker.core.redis_batch import Pipeliner
@@ -205,19 +206,28 @@ def test_garbage_in_every_key_the_fleet_reads_never_stops_valid_subscriptions(br
     assert not failures, failures[0]["traceback"]
 
 
-async def test_corrupt_attempt_records_start_over_instead_of_blocking(redis_url):
+@pytest.mark.parametrize("layout", [1, 2])
+async def test_corrupt_attempt_records_start_over_instead_of_blocking(redis_url, layout):
     client = redis_sync.Redis.from_url(redis_url)
     import redis.asyncio as aioredis
 
     async_client = aioredis.Redis.from_url(redis_url)
     store = AttemptStore(Pipeliner(async_client), RedisSettings(attempts_ttl_seconds=3600))
-    sub = "p-test/corrupt"
+    store.set_layout(layout)
+    sub = f"p-test/corrupt-{layout}"
     try:
-        client.set(keys.message_key(sub, "1:1:-1:-1"), b"\xff not a hash")  # wrong type
-        client.hset(keys.message_key(sub, "1:2:-1:-1"), "n", "not-a-number")
-        client.hset(keys.message_key(sub, "1:3:-1:-1"), mapping={"n": "9" * 30, "last": "x" * 10_000})
-        client.hset(keys.message_key(sub, "1:4:-1:-1"), "n", "-7")
-        client.hset(keys.message_key(sub, "1:5:-1:-1"), "n", "4")  # a healthy record in the same batch
+        if layout == 1:
+            client.set(keys.message_key(sub, "1:1:-1:-1"), b"\xff not a hash")  # wrong type
+            client.hset(keys.message_key(sub, "1:2:-1:-1"), "n", "not-a-number")
+            client.hset(keys.message_key(sub, "1:3:-1:-1"), mapping={"n": "9" * 30, "last": "x" * 10_000})
+            client.hset(keys.message_key(sub, "1:4:-1:-1"), "n", "-7")
+            client.hset(keys.message_key(sub, "1:5:-1:-1"), "n", "4")  # a healthy record in the same batch
+        else:
+            client.hset(keys.attempt_key(sub, "1:1:-1:-1"), "x", "not a string")  # wrong type
+            client.set(keys.attempt_key(sub, "1:2:-1:-1"), "not-a-number")
+            client.set(keys.attempt_key(sub, "1:3:-1:-1"), "9" * 30 + ",0,," + "x" * 10_000)
+            client.set(keys.attempt_key(sub, "1:4:-1:-1"), "-7")
+            client.set(keys.attempt_key(sub, "1:5:-1:-1"), "4,0,,503")  # a healthy record in the same batch
         client.set(keys.history_key(sub, "1:1:-1:-1"), "wrong type")
         client.set(keys.settled_key(sub), "wrong type")
         client.set(keys.log_key(sub), "wrong type")
@@ -228,11 +238,13 @@ async def test_corrupt_attempt_records_start_over_instead_of_blocking(redis_url)
             (1, True, False), (1, True, False), (0, False, True), (1, True, False), (5, False, False)]
         assert all(len(r.last_status) <= 64 for r in records)
         await store.record(sub, "1:1:-1:-1", [{"attempt": 1, "result": "ack"}], settled=True)
-        assert client.hget(keys.message_key(sub, "1:1:-1:-1"), "settled") == b"1"
+        assert await attempts.is_settled(async_client, sub, "1:1:-1:-1")
         assert client.llen(keys.history_key(sub, "1:1:-1:-1")) == 1
         assert client.xlen(keys.log_key(sub)) == 1  # the delivery log started over too
         again = await store.begin(sub, "1:1:-1:-1")
         assert again.settled  # a redelivered copy of a settled message: no new attempt
+        await store.close()  # the log's counts: their key of the wrong type started over too
+        assert sum(int(v) for v in client.hgetall(keys.log_stats_key(sub)).values()) == 2
     finally:
         await store.pipeliner.close()
         await async_client.aclose()
@@ -278,9 +290,9 @@ async def test_a_full_redis_is_waited_for_not_taken_for_corruption(own_redis):
     store = AttemptStore(Pipeliner(async_client), RedisSettings(attempts_ttl_seconds=3600),
                          on_error=lambda: refusals.append(1))
     sub, message = "p-test/full", "1:7:-1:-1"
-    key = keys.message_key(sub, message)
+    key = keys.attempt_key(sub, message)
     try:
-        admin.hset(key, "n", "3")
+        admin.set(key, "3,0,,500")
         admin.config_set("maxmemory-policy", "noeviction")
         admin.config_set("maxmemory", 1)  # full: every write is refused
         counting = asyncio.create_task(store.begin(sub, message))
@@ -288,7 +300,7 @@ async def test_a_full_redis_is_waited_for_not_taken_for_corruption(own_redis):
         # each call refused at least twice: waiting, not giving up
         await eventually(lambda: len(refusals) >= 4, timeout=10, what="Redis asked again after refusals")
         assert not counting.done() and not recording.done()
-        assert admin.hget(key, "n") == b"3" and admin.exists(keys.history_key(sub, message)) == 0
+        assert admin.get(key) == b"3,0,,500" and admin.exists(keys.history_key(sub, message)) == 0
         admin.config_set("maxmemory", 0)
         record = await asyncio.wait_for(counting, 10)
         await asyncio.wait_for(recording, 10)

@@ -11,7 +11,7 @@ import redis as redis_sync
 import redis.asyncio as aioredis
 
 from tests.support.helpers import eventually
-from worker.core import keys
+from worker.core import attempts, keys
 from worker.core.attempts import AttemptStore
 from worker.core.redis_batch import Pipeliner
 from worker.model.config import RedisSettings
@@ -101,7 +101,7 @@ async def test_no_log_is_kept_with_delivery_log_attempts_0(redis_url):
     store = AttemptStore(Pipeliner(async_client), RedisSettings(delivery_log_attempts=0))
     try:
         await store.record(SUB, "1:1:-1:-1", [attempt(1)], settled=True)
-        assert client.hget(keys.message_key(SUB, "1:1:-1:-1"), "settled") == b"1"
+        assert await attempts.is_settled(async_client, SUB, "1:1:-1:-1")
         assert not client.exists(keys.log_key(SUB), keys.log_stats_key(SUB))
     finally:
         await store.pipeliner.close()

@@ -31,8 +31,11 @@ def test_every_key_of_a_subscription_shares_its_hash_tag(sub_key, message_id):
     built = [f(sub_key) for f in SUB_KEY_BUILDERS]
     built += [keys.message_key(sub_key, message_id), keys.history_key(sub_key, message_id), keys.workers_key(sub_key),
               keys.endpoint_pause_key(sub_key),
-              keys.lease_key(sub_key, 1), keys.lease_key(sub_key, 63), keys.status_key(sub_key, 2)]
+              keys.lease_key(sub_key, 1), keys.lease_key(sub_key, 63), keys.status_key(sub_key, 2),
+              keys.attempt_key(sub_key, message_id), keys.acked_key(sub_key, 5_000_000)]
     assert {hash_tag(k) for k in built} == {sub_key}
+    assert keys.message_id_of(keys.attempt_key(sub_key, message_id)) == message_id
+    assert keys.message_id_of(keys.message_key(sub_key, message_id)) == message_id
     assert len(set(built)) == len(built)  # no two builders collide
 
 

@@ -8,6 +8,7 @@ import asyncio
 import random
 
 import pulsar
+import pytest
 import redis
 from aiohttp import web
 
@@ -26,8 +27,9 @@ from worker.model.subscriptions import RetryPolicy
 UNREPRESENTABLE = [str(MAX_COUNT), str(2**53 + 1), str(2**63 - 7), str(2**63 - 1), "9" * 30, "1e20", "inf"]
 
 
+@pytest.mark.parametrize("layout", [1, 2])
 async def test_an_attempt_count_past_what_lua_holds_settles_the_message_loudly(
-        start_worker, endpoint: Endpoint, client: Client, topic, redis_url):
+        start_worker, endpoint: Endpoint, client: Client, topic, redis_url, layout):
     """Every stored count: the attempt numbers sent are positive and never repeat; a count the worker
     cannot represent dead-letters its message as worker_error without a request (counted, logged),
     never a message stuck behind green probes; a count just below the bound goes on up to it."""
@@ -37,8 +39,12 @@ async def test_an_attempt_count_past_what_lua_holds_settles_the_message_loudly(
     sub = make_sub(topic, endpoint.url, max_deliver=-1, retry=RetryPolicy(0.1, 0.1), dead_letter_topic=dlq)
     ids = client.publish(topic, [f"m{i}".encode() for i in range(len(UNREPRESENTABLE) + 1)])
     store = redis.Redis.from_url(redis_url)
+    store.set(keys.layout_key(), layout)
     for mid, count in zip(ids, [*UNREPRESENTABLE, str(MAX_COUNT - 2)], strict=True):
-        store.hset(keys.message_key(sub.key, mid), mapping={"n": count, "last": "500"})
+        if layout == 1:
+            store.hset(keys.message_key(sub.key, mid), mapping={"n": count, "last": "500"})
+        else:
+            store.set(keys.attempt_key(sub.key, mid), f"{count},0,,500")
     w = await start_worker(sub)
     letters = await asyncio.to_thread(client.drain, watcher, len(ids))
     assert sorted(m.properties()["pubsub.original_message_id"] for m in letters) == sorted(ids)
@@ -49,7 +55,10 @@ async def test_an_attempt_count_past_what_lua_holds_settles_the_message_loudly(
     assert w.metrics.message_failures.labels(sub.tenant, sub.name)._value.get() == len(ids)
     assert w.supervisor.failing_for() == {} and (await w.readiness())[0] and w.liveness()[0]
     for mid in ids:  # settled: a redelivered copy is acked without a request
-        assert store.hget(keys.message_key(sub.key, mid), "settled") == b"1"
+        if layout == 1:
+            assert store.hget(keys.message_key(sub.key, mid), "settled") == b"1"
+        else:
+            assert store.get(keys.attempt_key(sub.key, mid)) == b"s"
     store.close()
 
 

@@ -71,10 +71,12 @@ async def test_queue_history_discard_and_purge(start_worker, endpoint: Endpoint,
     # said "discarded" of a delivered message and kept the marker for a week).
     r = aioredis.Redis.from_url(redis_url)
     try:
+        record = keys.attempt_key(sub.key, ok)
+        kept = await r.get(record)
         code, out, err = await cli("discard", sub.name, ok, *args)
         assert code == 0 and json.loads(out)["result"] == "already_settled", err
-        assert 0 < await r.ttl(keys.message_key(sub.key, ok)) <= RedisSettings().settled_ttl_seconds
-        assert await r.hget(keys.message_key(sub.key, ok), "discard") is None
+        assert 0 < await r.ttl(record) <= RedisSettings().settled_ttl_seconds
+        assert await r.get(record) == kept == b"1"  # a first attempt's record, acked: unmarked
         # A message the subscription's state does not know (never tried, or settled long ago): exit 3,
         # and nothing is written (it answered "will be discarded" and left a record for a week).
         unknown = "999:0:-1:-1"

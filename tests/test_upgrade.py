@@ -19,8 +19,7 @@ from tests.support.endpoints import Endpoint
 from tests.support.fleet_harness import FleetHarness, WorkerProcess, fleet_sub
 from tests.support.helpers import eventually
 from tests.support.pulsar_client import Client
-from worker.core.keys import fleet_key, layout_key
-from worker.fleet.layout import LAYOUT
+from worker.core.keys import fleet_key, layout_key, layout_next_key
 
 
 def updates(worker: WorkerProcess) -> dict[str, int]:
@@ -46,6 +45,7 @@ async def test_a_fleet_of_the_previous_release_and_this_one_follows_each_version
     names = [f"up-{run}-{i}" for i in range(8)]
     keys = [f"p-up/{name}" for name in names]
     try:
+        fleet.redis.set(layout_key(), 1)  # a Redis the previous release ran on: this one keeps its layout
         old, new = fleet.start("old", code=previous_release), fleet.start("new")
         await eventually(lambda: old.fleet_size() == new.fleet_size() == 2, timeout=60, what="a fleet of two")
 
@@ -93,7 +93,8 @@ async def test_a_rollout_and_its_rollback_under_a_steady_stream_lose_nothing_and
     """A fleet of two workers of one release is replaced, one pod at a time as the Deployment's
     surge of one does, by two of the other (upgrade: previous -> this; rollback: this -> previous),
     while messages keep coming and every third one fails its first attempt. Every message is acked
-    once, a message's attempt numbers only go up across the handovers, and Redis keeps layout 1."""
+    once, a message's attempt numbers only go up across the handovers, and Redis keeps layout 1
+    (this release writes layout 1 where it finds it, until `push-worker layout upgrade`)."""
     old_code, new_code = (previous_release, None) if direction == "upgrade" else (None, previous_release)
     fleet = FleetHarness(tmp_path, broker.url, redis_url)
     run = time.monotonic_ns()
@@ -135,6 +136,7 @@ async def test_a_rollout_and_its_rollback_under_a_steady_stream_lose_nothing_and
 
     publisher = None
     try:
+        fleet.redis.set(layout_key(), 1)  # a Redis the previous release ran on (either way)
         a, b = fleet.start("a", code=old_code), fleet.start("b", code=old_code)
         await eventually(lambda: a.fleet_size() == b.fleet_size() == 2, timeout=60, what="a fleet of two")
         assert fleet.apply([fleet_sub(n, t, endpoint.url) for n, t in zip(names, topics, strict=True)],
@@ -165,7 +167,7 @@ async def test_a_rollout_and_its_rollback_under_a_steady_stream_lose_nothing_and
     went_back = {m: seen for m, seen in numbers.items() if seen != sorted(set(seen))}
     assert went_back == {}, "attempt numbers went back (or repeated) across the handovers"
     assert sum(len(seen) > 1 for seen in numbers.values()) >= len(published) // 4  # the retries happened
-    assert layout == str(LAYOUT).encode()  # written by this release's first worker, kept by the previous one
+    assert layout == b"1"  # kept by both: this release switches only when told to
     assert quarantined == [], "quarantined by mistake while the holder records changed hands"
 
 
@@ -228,3 +230,90 @@ async def test_holder_records_mean_the_same_to_the_previous_release_and_this_one
     finally:
         store.delete(lease, holder)
         store.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_the_switch_to_layout_2_waits_for_the_rollout_and_no_attempt_number_goes_back_across_it(
+        tmp_path: Path, broker, redis_url: str, endpoint: Endpoint, client: Client, previous_release: Path):
+    """On a Redis the previous release ran on, `push-worker layout upgrade` is refused while a worker of
+    that release is in the fleet, and changes nothing. Once the rollout is done it switches, under a
+    steady stream where every third message fails its first attempt and some fail until the switch
+    is through: every message is acked once, a message counted in layout 1 and retried in layout 2
+    goes on from its count, and the previous release refuses to start on layout 2 afterwards."""
+    fleet = FleetHarness(tmp_path, broker.url, redis_url)
+    run = time.monotonic_ns()
+    topics = [f"persistent://p-switch/main/t{run}-{i}" for i in range(4)]
+    names = [f"switch-{run}-{i}" for i in range(4)]
+    switched = asyncio.Event()
+
+    def answer(received) -> web.Response:
+        payload = received.body_payload.decode()
+        first = received.headers["Pubsub-Delivery-Attempt"] == "1"
+        if payload.startswith("straddle") and not switched.is_set():
+            return web.Response(status=503)  # retried until layout 2 holds
+        return web.Response(status=503 if first and int(payload.split()[-1]) % 3 == 0 else 204)
+
+    endpoint.behaviour = answer
+    published: list[str] = []
+    stop_publishing = asyncio.Event()
+
+    async def publish_steadily() -> None:
+        sequence = 0
+        while not stop_publishing.is_set():
+            for topic in topics:
+                sequence += 1
+                published.extend(await asyncio.to_thread(client.publish, topic, [f"{topic} {sequence}".encode()]))
+            await asyncio.sleep(0.1)  # the stream's pace, not a synchronisation
+
+    def acked() -> collections.Counter[str]:
+        return collections.Counter(r.headers["Pubsub-Message-Id"] for r in endpoint.requests if r.acked)
+
+    publisher = None
+    try:
+        fleet.redis.set(layout_key(), 1)
+        old, new = fleet.start("old", code=previous_release), fleet.start("new")
+        await eventually(lambda: old.fleet_size() == new.fleet_size() == 2, timeout=60, what="a fleet of two")
+        assert fleet.apply([fleet_sub(n, t, endpoint.url) for n, t in zip(names, topics, strict=True)]).returncode == 0
+        publisher = asyncio.create_task(publish_steadily())
+        await eventually(lambda: len(set(acked())) >= 12, timeout=90, what="deliveries under way")
+        refused = fleet.cli("layout", "upgrade", "--yes")
+        assert refused.returncode == 1 and "1 member(s) run a release that reads layout 1 only (old)" in \
+            refused.stderr, refused.stderr
+        assert fleet.redis.get(layout_key()) == b"1" and not fleet.redis.exists(layout_next_key())
+        arriving = fleet.start("new2")
+        await eventually(lambda: arriving.fleet_size() == 3, timeout=60, what="the surge pod in the fleet")
+        assert await asyncio.to_thread(old.stop) == 0
+        await eventually(lambda: new.fleet_size() == 2, timeout=60, what="the old pod gone")
+        straddling = [published_id for topic in topics
+                      for published_id in await asyncio.to_thread(client.publish, topic, [b"straddle 1"])]
+        await eventually(lambda: all(sum(r.headers["Pubsub-Message-Id"] == m for r in endpoint.requests) >= 2
+                                     for m in straddling), timeout=60, what="the straddling messages retried")
+        done = await asyncio.to_thread(fleet.cli, "layout", "upgrade", "--yes")
+        assert done.returncode == 0 and "redis holds layout 2" in done.stdout, done.stderr
+        switched.set()
+        assert fleet.redis.get(layout_key()) == b"2"
+        await eventually(lambda: set(straddling) <= set(acked()), timeout=60, what="the straddling messages acked")
+        mark = len(published) + 12
+        await eventually(lambda: len(published) >= mark and set(published[:mark]) <= set(acked()), timeout=90,
+                         what="the stream delivered in layout 2")
+        stop_publishing.set()
+        await publisher
+        await eventually(lambda: set(published) <= set(acked()), timeout=90, what="every message acked")
+        late = fleet.start("late", code=previous_release)
+        assert await asyncio.to_thread(late.proc.wait, 60) == 1
+        shown = fleet.cli("layout")
+    finally:
+        stop_publishing.set()
+        if publisher is not None:
+            await asyncio.gather(publisher, return_exceptions=True)
+        fleet.close()
+    assert "redis holds layout 2, written by a later release" in late.log.read_text()
+    assert "redis layout 2" in shown.stdout and "new2" in shown.stdout, shown.stdout
+    assert [m for m, n in acked().items() if n > 1] == [], "a message acked twice"
+    numbers: dict[str, list[int]] = collections.defaultdict(list)
+    for r in endpoint.requests:
+        numbers[r.headers["Pubsub-Message-Id"]].append(int(r.headers["Pubsub-Delivery-Attempt"]))
+    went_back = {m: seen for m, seen in numbers.items() if seen != sorted(set(seen))}
+    assert went_back == {}, "attempt numbers went back (or repeated) across the switch"
+    assert all(len(numbers[m]) >= 3 for m in straddling)  # counted before the switch, and after it

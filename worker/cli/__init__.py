@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from worker.cli import admin, dlq, messages, subs
+from worker.cli import admin, dlq, layout, messages, subs
 from worker.cli import worker as worker_commands
 from worker.cli.common import Parser
 from worker.ops.explain import explain
@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                     epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"push-worker {release.describe()}")
     cmds = parser.add_subparsers(dest="command", required=True)
-    for group in (worker_commands, admin, subs, messages, dlq):
+    for group in (worker_commands, admin, subs, messages, dlq, layout):
         group.register(cmds)
     return parser
 

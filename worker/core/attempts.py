@@ -28,7 +28,7 @@ import orjson
 from redis.exceptions import ResponseError
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
 
-from worker.core import keys
+from worker.core import attempt_records, keys
 from worker.core.history import LOG_FIELDS, LOG_ONLY, log_values
 from worker.core.log_upkeep import LogUpkeep
 from worker.core.redis_batch import LUA_CALL, BatchScript, Pipeliner
@@ -158,6 +158,7 @@ end
 return out
 """.replace("LOG_NAMES", ", ".join(f"'{name}'" for name in LOG_FIELDS)), width=1)
 
+settings_default = RedisSettings()  # the buckets operators read: the default TTLs (a worker may keep more)
 HISTORY_CAP = 100  # entries kept per message (the newest); the settled list keeps 10x as many messages
 SETTLED_REFRESH_SECONDS = 60.0  # how often a subscription's settled list has its TTL refreshed
 
@@ -204,6 +205,13 @@ class AttemptStore:
         self._on_error = on_error or (lambda: None)
         self.log_upkeep = LogUpkeep(pipeliner, settings.delivery_log_seconds)
         self._settled_refreshed: dict[str, float] = {}
+        # The layout's state (`set_layout`): layout 2 unless told otherwise (a Redis of its own).
+        self.layout, self._layout_1_until = 2, 0.0
+        self._switched = asyncio.Event()
+        self._switched.set()
+        kept = max(self.settled_ttl_seconds, self.acked_history_ttl_seconds)
+        self._bucket_count = -(-kept // keys.ACKED_BUCKET_SECONDS) + 1
+        self._bucket_expiring: dict[str, int] = {}  # the bucket whose TTL this process has set, a subscription
         # Subscriptions whose records Redis does not take (its outage, a Cluster shard down, a full
         # Redis, an ACL that leaves their keys out): said in their status and the log, not only counted.
         self._failing: dict[str, Failing] = {}
@@ -250,19 +258,72 @@ class AttemptStore:
                 return result
         raise AssertionError("unreachable")  # pragma: no cover
 
+    # -- the layout ------------------------------------------------------------------------------
+
+    def set_layout(self, layout: int, layout_1_until: float = 0.0, switching: bool = False) -> None:
+        """The layout Redis holds (1 or 2); with 2, until when (unix time) layout 1's records are read
+        beside it (`keys.layout_since_key`). `switching`: a switch to layout 2 is under way
+        (`keys.layout_next_key`): no new attempt is counted until it ends."""
+        self.layout, self._layout_1_until = layout, layout_1_until
+        if switching and self._switched.is_set():
+            self._switched.clear()
+        elif not switching:
+            self._switched.set()
+
+    @property
+    def switching(self) -> bool:
+        return not self._switched.is_set()
+
+    def _reads_layout_1(self) -> bool:
+        return self._layout_1_until > 0 and time.time() < self._layout_1_until
+
+    def _buckets(self, subscription_key: str) -> tuple[str, ...]:
+        """The buckets of messages acked at their first attempt still kept, newest first."""
+        newest = int(time.time()) // keys.ACKED_BUCKET_SECONDS
+        return tuple(keys.acked_key(subscription_key, newest - i) for i in range(self._bucket_count))
+
+    # -- counting ----------------------------------------------------------------------------------
+
     async def begin(self, subscription_key: str, message_id: str, probe: bool = False) -> AttemptRecord:
         """Record the next attempt before it is made (a breaker's `probe`: counted as one); returns its
         number (1, 2, ...)."""
+        if not self._switched.is_set():
+            await self._switched.wait()
+        # Layout 2's first attempt: one plain command; anything counted before takes the script.
+        if self.layout == 2 and not probe and not self._reads_layout_1() and await self._call(
+                subscription_key, lambda: self._first(subscription_key, message_id)):
+            return AttemptRecord(1, "")
         return _begun(await self._call(subscription_key, lambda: self._begin(subscription_key, message_id, probe)))
 
     async def begin_all(self, subscription_key: str, message_ids: list[str],
                         probe: bool = False) -> list[AttemptRecord]:
         """`begin` for a batch's messages: one script call, and no task per message."""
-        replies = await self._call(subscription_key, lambda: asyncio.gather(
-            *(self._begin(subscription_key, message_id, probe) for message_id in message_ids)))
-        return [_begun(reply) for reply in replies]
+        if not self._switched.is_set():
+            await self._switched.wait()
+        records: list[AttemptRecord | None] = [None] * len(message_ids)
+        if self.layout == 2 and not probe and not self._reads_layout_1():
+            firsts = await self._call(subscription_key, lambda: asyncio.gather(
+                *(self._first(subscription_key, message_id) for message_id in message_ids)))
+            records = [AttemptRecord(1, "") if first else None for first in firsts]
+        rest = [message_id for message_id, record in zip(message_ids, records, strict=True) if record is None]
+        if rest:
+            replies = iter(await self._call(subscription_key, lambda: asyncio.gather(
+                *(self._begin(subscription_key, message_id, probe) for message_id in rest))))
+            records = [record if record is not None else _begun(next(replies)) for record in records]
+        return [record for record in records if record is not None]
 
-    def _begin(self, subscription_key: str, message_id: str, probe: bool) -> asyncio.Future[Any]:
+    def _first(self, subscription_key: str, message_id: str) -> asyncio.Future[Any]:
+        return self.pipeliner.submit("SET", keys.attempt_key(subscription_key, message_id), "1", "EX",
+                                     self.settled_ttl_seconds, "NX")
+
+    def _begin(self, subscription_key: str, message_id: str, probe: bool, peek: bool = False) -> asyncio.Future[Any]:
+        if self.layout == 2:
+            return self.pipeliner.operation(
+                attempt_records.BEGIN, self._buckets(subscription_key),
+                (self.ttl_seconds, self.settled_ttl_seconds, "1" if self._reads_layout_1() else "0",
+                 self._bucket_count, "peek" if peek else "probe" if probe else "count"),
+                (keys.attempt_key(subscription_key, message_id), keys.message_key(subscription_key, message_id)),
+                (message_id,), subscription_key)
         return self.pipeliner.operation(BEGIN_PROBE if probe else BEGIN, (), (self.ttl_seconds,),
                                         (keys.message_key(subscription_key, message_id),), (), subscription_key)
 
@@ -272,8 +333,8 @@ class AttemptStore:
         """Append `entries` to the message's history (kept `acked_history_ttl_seconds` when it was
         `acked_first_time`, else `history_ttl_seconds`); then, `settled`, mark its counter settled
         (for `settled_ttl_seconds`) and list it among the settled messages (how it ended: the last
-        entry); else remember `last_status`. `lazy`: nothing waits on it, it may ride with the next
-        round trip (Pipeliner.operation)."""
+        entry); else remember `last_status`. `lazy`: nothing waits on it, it waits up to 5 ms for others to
+        go with it in one script call (Pipeliner.operation)."""
         return self._call(subscription_key, lambda: self._record(subscription_key, message_id, entries, settled,
                                                                 last_status, acked_first_time, lazy))
 
@@ -287,26 +348,49 @@ class AttemptStore:
 
     def _record(self, subscription_key: str, message_id: str, entries: list[dict[str, Any]], settled: bool,
                 last_status: str, acked_first_time: bool, lazy: bool) -> asyncio.Future[Any]:
-        op_keys = (keys.message_key(subscription_key, message_id), keys.history_key(subscription_key, message_id))
+        layout_2 = self.layout == 2
         logged: list[str | bytes] = []
         if self.log_attempts:
             hour = int(time.time()) // 3600
             for entry in entries:
                 values = log_values(message_id, entry)
-                logged += values[:-2]
+                if layout_2:  # the names interleaved here: the script passes them on as they are
+                    logged.append(str(2 * len(LOG_FIELDS)))
+                    for name, value in zip(LOG_FIELDS, values, strict=False):
+                        logged += (name, value)
+                else:
+                    logged += values[:-2]
                 if values[-2]:  # an attempt, not an event: counted in its hour
                     self.log_upkeep.count(subscription_key, hour, str(values[-2]), int(values[-1]))
         history = [{k: v for k, v in entry.items() if k not in LOG_ONLY} for entry in entries]
         summary = orjson.dumps({"message_id": message_id, **(history[-1] if history else {})}) if settled else b""
         history_ttl = self.acked_history_ttl_seconds if acked_first_time else self.history_ttl_seconds
+        refresh = "1" if settled and self._settled_refresh_due(subscription_key) else "0"
+        logged_count = len(entries) if self.log_attempts else 0
+        if layout_2:
+            how = ("a" if acked_first_time else "s") if settled else "f"
+            number = max((int(e.get("attempt") or 0) for e in entries), default=0)
+            bucket = int(time.time()) // keys.ACKED_BUCKET_SECONDS
+            bucket_ttl = 0
+            if how == "a" and self._bucket_expiring.get(subscription_key) != bucket:
+                self._bucket_expiring[subscription_key] = bucket
+                bucket_ttl = self._bucket_count * keys.ACKED_BUCKET_SECONDS
+            return self.pipeliner.operation(
+                attempt_records.RECORD, (keys.settled_key(subscription_key), keys.log_key(subscription_key),
+                                         keys.acked_key(subscription_key, bucket)),
+                (self.history_ttl_seconds, HISTORY_CAP, self.settled_ttl_seconds, self.log_attempts, refresh,
+                 bucket_ttl, self.ttl_seconds),
+                (keys.attempt_key(subscription_key, message_id), keys.history_key(subscription_key, message_id)),
+                (message_id, how, number, last_status, summary, history_ttl, len(history),
+                 *(orjson.dumps(e) for e in history), logged_count, *logged),
+                subscription_key, lazy)
         op_args = ("1" if settled else "0", last_status, summary, history_ttl, "1" if acked_first_time else "0",
-                   len(history), *(orjson.dumps(e) for e in history), len(entries) if self.log_attempts else 0,
-                   *logged)
+                   len(history), *(orjson.dumps(e) for e in history), logged_count, *logged)
         return self.pipeliner.operation(
             RECORD, (keys.settled_key(subscription_key), keys.log_key(subscription_key)),
-            (self.history_ttl_seconds, HISTORY_CAP, self.settled_ttl_seconds, self.log_attempts,
-             "1" if settled and self._settled_refresh_due(subscription_key) else "0"),
-            op_keys, op_args, subscription_key, lazy)
+            (self.history_ttl_seconds, HISTORY_CAP, self.settled_ttl_seconds, self.log_attempts, refresh),
+            (keys.message_key(subscription_key, message_id), keys.history_key(subscription_key, message_id)),
+            op_args, subscription_key, lazy)
 
     def _settled_refresh_due(self, subscription_key: str) -> bool:
         """Whether the settled list's TTL is due a refresh (once a minute a subscription)."""
@@ -324,6 +408,11 @@ class AttemptStore:
         """Attempts begun for `message_ids` that no request carried (an open breaker or a lost lease held
         them back after they were counted): their numbers stay used, but they use up no attempt of
         max_deliver (counted as the breaker's probes are)."""
+        if self.layout == 2:
+            await self._call(subscription_key, lambda: asyncio.gather(*(self.pipeliner.operation(
+                attempt_records.UNSENT, (), (self.ttl_seconds,), (keys.attempt_key(subscription_key, message_id),), (),
+                subscription_key) for message_id in message_ids)))
+            return
         await self._call(subscription_key, lambda: asyncio.gather(*(self.pipeliner.submit(
             "HINCRBY", keys.message_key(subscription_key, message_id), "probes", 1) for message_id in message_ids)))
 
@@ -331,6 +420,9 @@ class AttemptStore:
         """Whether the message was settled already (its settled marker is there), without counting an
         attempt: a message settled without a request checks this first, so that a copy the broker hands
         out again (a consumer replaced, an ack lost) is not dead-lettered a second time."""
+        if self.layout == 2:
+            return _begun(await self._call(subscription_key, lambda: self._begin(
+                subscription_key, message_id, False, peek=True))).settled
         return bool(await self._call(subscription_key, lambda: self.pipeliner.submit(
             "HEXISTS", keys.message_key(subscription_key, message_id), "settled")))
 
@@ -381,9 +473,9 @@ class StoredRecord:
 
 async def records(client: AsyncClient, sub_key: str, keep: Callable[[StoredRecord], bool],
                   limit: int) -> list[tuple[str, StoredRecord]]:
-    """Up to `limit` attempt records of a subscription that `keep` keeps: (message id, record). A key
-    of another type is skipped (the worker starts such a record over). Not an async generator: this
-    module is compiled, and mypyc compiles none."""
+    """Up to `limit` attempt records of a subscription that `keep` keeps: (message id, record), of
+    both layouts. A key of another type is skipped (the worker starts such a record over). Not an
+    async generator: this module is compiled, and mypyc compiles none."""
     found: list[tuple[str, StoredRecord]] = []
     async for record_key in client.scan_iter(match=keys.message_pattern(sub_key), count=1000):
         try:
@@ -393,19 +485,69 @@ async def records(client: AsyncClient, sub_key: str, keep: Callable[[StoredRecor
         if keep(record):
             found.append((keys.message_id_of(safe_text(record_key)), record))
             if len(found) >= limit:
-                break
-    return found
+                return found
+    batch: list[str] = []
+    async for record_key in client.scan_iter(match=keys.attempt_pattern(sub_key), count=1000):
+        batch.append(safe_text(record_key))
+        if len(batch) >= 200:
+            found += await _kept(client, sub_key, batch, keep, limit - len(found))
+            batch = []
+            if len(found) >= limit:
+                return found
+    return found + (await _kept(client, sub_key, batch, keep, limit - len(found)) if batch else [])
+
+
+async def _kept(client: AsyncClient, sub_key: str, record_keys: list[str], keep: Callable[[StoredRecord], bool],
+                limit: int) -> list[tuple[str, StoredRecord]]:
+    """Layout 2 records as `records` reads them: peeked (a first attempt acked since is settled)."""
+    ids = [keys.message_id_of(k) for k in record_keys]
+    states = await _peek(client, sub_key, ids)
+    found = [(message_id, record) for message_id, record in zip(ids, states, strict=True)
+             if record is not None and keep(record)]
+    return found[:limit]
+
+
+async def _peek(client: AsyncClient, sub_key: str, message_ids: list[str]) -> list[StoredRecord | None]:
+    """Layout 2 records of `message_ids` (None: no record), read as a worker's next attempt reads
+    them, layout 1's records included, nothing written."""
+    if not message_ids:
+        return []
+    kept = max(settings_default.settled_ttl_seconds, settings_default.acked_history_ttl_seconds)
+    buckets = _bucket_keys(sub_key, kept)
+    op_keys = [k for m in message_ids for k in (keys.attempt_key(sub_key, m), keys.message_key(sub_key, m))]
+    reply = await client.eval(attempt_records.BEGIN.source, len(buckets) + len(op_keys), *buckets, *op_keys,
+                              0, 0, "1", len(buckets), "peek", *message_ids)
+    out: list[StoredRecord | None] = []
+    for i in range(len(message_ids)):
+        n, last, state, _, _ = reply[i * 5:(i + 1) * 5]
+        last_text = safe_text(last)
+        if int(n) == 0 and int(state) == 0 and not last_text:
+            out.append(None)
+            continue
+        out.append(StoredRecord(int(n), last_text, int(state) == 2, int(state) == 1))
+    return out
+
+
+def _bucket_keys(sub_key: str, kept_seconds: int) -> list[str]:
+    newest = int(time.time()) // keys.ACKED_BUCKET_SECONDS
+    return [keys.acked_key(sub_key, newest - i) for i in range(-(-kept_seconds // keys.ACKED_BUCKET_SECONDS) + 1)]
 
 
 async def stored_history(client: AsyncClient, sub_key: str, message_id: str) -> list[Any]:
-    """A message's history entries as stored (JSON texts), oldest first: its list, or for a message
-    acked at its first attempt, the settled marker's own field (RECORD)."""
+    """A message's history entries as stored (JSON texts), oldest first: its list; for a message
+    acked at its first attempt, layout 1's settled marker's own field or layout 2's bucket."""
     listed = await client.lrange(keys.history_key(sub_key, message_id), 0, -1)
     if listed:
         return list(listed)
     try:
         kept = await client.hget(keys.message_key(sub_key, message_id), "h")
-        entries = orjson.loads(kept) if kept else []
+        if not kept:
+            kept_for = max(settings_default.settled_ttl_seconds, settings_default.acked_history_ttl_seconds)
+            for bucket in _bucket_keys(sub_key, kept_for):
+                kept = await client.hget(bucket, message_id)
+                if kept:
+                    break
+        entries = orjson.loads(kept) if kept and kept != b"1" else []
     except (ResponseError, orjson.JSONDecodeError):
         return [b"not a list of entries"]  # shown as unreadable
     return [orjson.dumps(e) for e in entries] if isinstance(entries, list) else [b"not a list of entries"]
@@ -413,14 +555,44 @@ async def stored_history(client: AsyncClient, sub_key: str, message_id: str) -> 
 
 async def pending_attempts(client: AsyncClient, sub_key: str, message_id: str) -> int | None:
     """Attempts counted for a message not yet settled; None if it is settled or unknown."""
+    (record,) = await _peek(client, sub_key, [message_id])
+    if record is not None:
+        return None if record.settled else record.attempts
     counted, settled = await client.hmget(keys.message_key(sub_key, message_id), ["n", "settled"])
     return None if settled is not None or counted is None else counter(counted)
 
 
 async def mark_discard(client: AsyncClient, sub_key: str, message_id: str) -> int:
     """Mark a message to be discarded at its next attempt: 1 marked, 0 already settled, -1 unknown."""
+    if await client.exists(keys.attempt_key(sub_key, message_id)):
+        kept = max(settings_default.settled_ttl_seconds, settings_default.acked_history_ttl_seconds)
+        buckets = _bucket_keys(sub_key, kept)
+        return int(await client.eval(attempt_records.MARK_DISCARD, 1 + len(buckets),
+                                     keys.attempt_key(sub_key, message_id), *buckets, message_id,
+                                     DISCARD_MARK_SECONDS))
     return int(await client.eval(_MARK_DISCARD, 1, keys.message_key(sub_key, message_id), DISCARD_MARK_SECONDS))
 
 
 async def is_settled(client: AsyncClient, sub_key: str, message_id: str) -> bool:
+    (record,) = await _peek(client, sub_key, [message_id])
+    if record is not None and record.settled:
+        return True
     return (await client.hget(keys.message_key(sub_key, message_id), "settled")) is not None
+
+
+async def forget(client: AsyncClient, sub_key: str, message_id: str) -> None:
+    """Forget what the fleet knows of one message (a replay or a redrive delivers it again): its
+    records of both layouts and its place among the messages acked at their first attempt."""
+    kept = max(settings_default.settled_ttl_seconds, settings_default.acked_history_ttl_seconds)
+    await client.delete(keys.message_key(sub_key, message_id), keys.attempt_key(sub_key, message_id))
+    for bucket in _bucket_keys(sub_key, kept):
+        await client.hdel(bucket, message_id)
+
+
+async def set_count(client: AsyncClient, sub_key: str, message_id: str, number: int, layout: int) -> None:
+    """Start a forgotten message's count at `number` (a replay continues its numbering), in `layout`."""
+    if number and layout == 2:
+        await client.set(keys.attempt_key(sub_key, message_id), f"{number},0,,", ex=DISCARD_MARK_SECONDS)
+    elif number:
+        await client.hset(keys.message_key(sub_key, message_id), "n", number)
+        await client.expire(keys.message_key(sub_key, message_id), DISCARD_MARK_SECONDS)

@@ -18,6 +18,22 @@ def message_key(subscription_key: str, message_id: str) -> str:
     return f"{PREFIX}:{tag(subscription_key)}:m:{message_id}"
 
 
+def attempt_key(subscription_key: str, message_id: str) -> str:
+    """Layout 2's attempt record of one message: a string, `1` after a first attempt (expiring with the
+    settled markers), `<n>,<probes>,<flags>,<last status>` once counted again, `s` once settled after
+    a retry (`core/attempt_records.py`)."""
+    return f"{PREFIX}:{tag(subscription_key)}:a:{message_id}"
+
+
+ACKED_BUCKET_SECONDS = 300  # one hash of messages acked at their first attempt per five minutes
+
+
+def acked_key(subscription_key: str, bucket: int) -> str:
+    """Layout 2: the messages of one subscription acked at their first attempt during five minutes
+    (`bucket` = unix time // ACKED_BUCKET_SECONDS): a hash, message id to its history (JSON) or 1."""
+    return f"{PREFIX}:{tag(subscription_key)}:acked:{bucket}"
+
+
 def replay_key(subscription_key: str, message_id: str) -> str:
     """An operator's replay of one message under way (a string: the replay's token, expiring): one at
     a time."""
@@ -37,8 +53,9 @@ def subscription_of(key: str) -> str:
 
 
 def message_id_of(record_key: str) -> str:
-    """The message id in an attempt record's key (`message_key`)."""
-    return record_key.split("}:m:", 1)[1]
+    """The message id in an attempt record's key (`message_key` or `attempt_key`)."""
+    _, _, rest = record_key.rpartition("}:")
+    return rest.split(":", 1)[1]
 
 
 def escape_glob(text: str) -> str:
@@ -52,8 +69,18 @@ def pattern(subscription_key: str) -> str:
 
 
 def message_pattern(subscription_key: str) -> str:
-    """A SCAN pattern for the attempt records of one subscription."""
+    """A SCAN pattern for the layout 1 attempt records of one subscription."""
     return f"{PREFIX}:{escape_glob(tag(subscription_key))}:m:*"
+
+
+def attempt_pattern(subscription_key: str) -> str:
+    """A SCAN pattern for the layout 2 attempt records of one subscription."""
+    return f"{PREFIX}:{escape_glob(tag(subscription_key))}:a:*"
+
+
+def acked_pattern(subscription_key: str) -> str:
+    """A SCAN pattern for layout 2's buckets of messages acked at their first attempt."""
+    return f"{PREFIX}:{escape_glob(tag(subscription_key))}:acked:*"
 
 
 def settled_key(subscription_key: str) -> str:
@@ -137,6 +164,18 @@ def fleet_key(fleet: str, what: str) -> str:
     `expired`, `quarantined`): all share the fleet's hash tag, so the fleet's multi-key operations stay in one
     Cluster slot."""
     return f"{PREFIX}:{tag('fleet/' + fleet)}:{what}"
+
+
+def layout_since_key() -> str:
+    """When (ms) Redis was switched to layout 2 (`push-worker layout upgrade`): layout 1's records are
+    read beside layout 2's for `redis.attempts_ttl_seconds` after it. None on a Redis that began at 2."""
+    return f"{PREFIX}:layout:since"
+
+
+def layout_next_key() -> str:
+    """A switch to layout 2 under way (`push-worker layout upgrade`, expiring): workers count no new
+    attempt until Redis holds layout 2, or until this key is gone."""
+    return f"{PREFIX}:layout:next"
 
 
 def layout_key() -> str:

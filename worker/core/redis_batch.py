@@ -44,9 +44,11 @@ end
 """
 
 BATCH_LIMIT = 200  # operations per script call: bounds how long one call holds Redis
-# How long a write nothing waits on (the settled record after an ack) may wait for a round trip to
-# ride with. Far below the client's ack grouping (100 ms), the window in which a crash loses the ack
-# anyway; at a steady trickle it saves a round trip and a wake-up per message.
+# How long a write nothing waits on (the settled record after an ack) waits, gathering others, before
+# its round trip. Far below the client's ack grouping (100 ms), the window in which a crash loses the
+# ack anyway. At a steady 1,000 msg/s it makes one script call of five records where riding with each
+# round trip made one of each: Redis pays for a script call (~5 us and its commands shared by the
+# batch) far more than the worker pays for a round trip.
 LAZY_SECONDS = 0.005
 
 
@@ -92,6 +94,8 @@ class Pipeliner:
         self.client = client
         self._on_round_trip = on_round_trip or (lambda _: None)
         self._pending = _Batch()
+        self._lazy = _Batch()  # lazy operations: sent by their timer (or once a script call's worth waits)
+        self._lazy_count = 0
         self._flusher: asyncio.Task[None] | None = None
         self._connection: Any = None
         self._timeout: float | None = None  # the connection's socket_timeout, per round trip
@@ -111,12 +115,28 @@ class Pipeliner:
         A `lazy` one goes with the next round trip, or after LAZY_SECONDS if none comes sooner."""
         future = self._future()
         group = (script, shared_keys, shared_args, slot_tag if self._per_slot else "")
-        self._pending.groups.setdefault(group, []).append((op_keys, op_args, future))
         if lazy:
-            self._kick_later()
-        else:
-            self._kick()
+            self._lazy.groups.setdefault(group, []).append((op_keys, op_args, future))
+            self._lazy_count += 1
+            if self._lazy_count >= BATCH_LIMIT:
+                self._send_lazy()
+            elif self._lazy_timer is None:
+                assert self._loop is not None
+                self._lazy_timer = self._loop.call_later(LAZY_SECONDS, self._send_lazy)
+            return future
+        self._pending.groups.setdefault(group, []).append((op_keys, op_args, future))
+        self._kick()
         return future
+
+    def _send_lazy(self) -> None:
+        """The lazy operations join the next round trip (this one, if none is under way)."""
+        if self._lazy_timer is not None:
+            self._lazy_timer.cancel()
+            self._lazy_timer = None
+        for group, ops in self._lazy.groups.items():
+            self._pending.groups.setdefault(group, []).extend(ops)
+        self._lazy, self._lazy_count = _Batch(), 0
+        self._kick()
 
     def submit(self, *command: Any) -> asyncio.Future[Any]:
         """Queue a plain command; resolves to its reply."""
@@ -126,17 +146,8 @@ class Pipeliner:
         return future
 
     def _kick(self) -> None:
-        if self._lazy_timer is not None:
-            self._lazy_timer.cancel()
-            self._lazy_timer = None
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.ensure_future(self._flush(), loop=self._loop)
-
-    def _kick_later(self) -> None:
-        # A round trip under way takes everything pending when it ends: nothing to schedule then.
-        if self._lazy_timer is None and (self._flusher is None or self._flusher.done()):
-            assert self._loop is not None
-            self._lazy_timer = self._loop.call_later(LAZY_SECONDS, self._kick)
 
     async def _flush(self) -> None:
         while self._pending:
@@ -217,6 +228,10 @@ class Pipeliner:
         return list(results)
 
     async def close(self) -> None:
+        if self._lazy_count:  # what nothing waited on still goes, before the connection closes
+            self._send_lazy()
+            if self._flusher is not None:
+                await asyncio.gather(self._flusher, return_exceptions=True)
         if self._lazy_timer is not None:
             self._lazy_timer.cancel()
         if self._flusher is not None:

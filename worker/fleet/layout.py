@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import re
+import time
+from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import ResponseError
@@ -19,7 +21,7 @@ from redis.exceptions import ResponseError
 from worker.core import keys
 from worker.runtime.errors import StartupError
 
-LAYOUT = 1  # the layout of every release since the first (1.0.0): pw:{tenant/name}:... and pw:{fleet/...}:...
+LAYOUT = 2  # the newest layout this release reads and writes (1: every release from 1.0.0 to 1.1.0)
 
 
 class LayoutTooNew(StartupError):
@@ -62,3 +64,39 @@ async def writable(client: Any) -> None:
     """Before a write: Redis holds no layout newer than ours (read each time: a running process must
     notice a newer release's layout before its next write, not only at its start)."""
     check(await client.get(keys.layout_key()))
+
+
+@dataclass(frozen=True)
+class LayoutState:
+    """What Redis says of its layout: the number, when it was switched to 2 (ms; 0: it began there
+    or is 1), and whether a switch to 2 is under way."""
+
+    layout: int
+    since_ms: int = 0
+    switching: bool = False
+
+    def layout_1_until(self, attempts_ttl_seconds: int) -> float:
+        """Until when (unix time) layout 1's attempt records may still count: read beside layout 2's."""
+        return self.since_ms / 1000 + attempts_ttl_seconds if self.layout == 2 and self.since_ms else 0.0
+
+
+def _ms(raw: Any) -> int:
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw or "")
+    return int(text) if text.isascii() and text.isdigit() else 0
+
+
+def state_of(layout_raw: Any, since_raw: Any, next_raw: Any) -> LayoutState:
+    """The layout state from the three keys as read (LayoutTooNew as `check`)."""
+    found = check(layout_raw)
+    return LayoutState(found, _ms(since_raw) if found == 2 else 0, found == 1 and next_raw is not None)
+
+
+async def current(client: Any) -> LayoutState:
+    """The layout state Redis holds now (nothing recorded: this release's own)."""
+    raw, since, switching = [await client.get(k) for k in (keys.layout_key(), keys.layout_since_key(),
+                                                             keys.layout_next_key())]
+    return state_of(raw, since, switching)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)

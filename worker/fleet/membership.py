@@ -66,6 +66,8 @@ members[#members + 1] = dropped
 -- between two of ours means two processes run with one id.
 local previous = redis.pcall('GET', KEYS[2])
 redis.call('SET', KEYS[2], ARGV[3], 'PX', 3 * ttl)
+-- The layouts this worker reads, and where it stands (KEYS[3]): `push-worker layout upgrade` reads it.
+redis.call('SET', KEYS[3], ARGV[4], 'PX', 3 * ttl)
 members[#members + 1] = type(previous) == 'string' and previous or ''
 return members
 """
@@ -76,8 +78,13 @@ class Fleet:
 
     def __init__(self, worker: ServingWorker, client: AsyncClient, settings: FleetSettings,
                  static: tuple[Subscription, ...], admit: Admit | None = None,
-                 refuse_layout: Callable[[str], None] | None = None) -> None:
+                 refuse_layout: Callable[[str], None] | None = None,
+                 on_layout: Callable[[layout.LayoutState], None] | None = None,
+                 layout_state: layout.LayoutState | None = None) -> None:
         self.worker = worker
+        # The layout read last (every round), told to `on_layout` when it changes.
+        self.on_layout = on_layout or (lambda _: None)
+        self.layout_state = layout_state or layout.LayoutState(layout.LAYOUT)
         self.client = client
         self.settings = settings
         # Redis holds a newer release's layout (read every round): stop before writing anything more.
@@ -135,6 +142,7 @@ class Fleet:
         self.containment = Containment(client, self.registry, worker, settings.trial_seconds, settings.trials_at_once,
                                        self.instance, settings.name, self.holder_ttl_ms, self.log)
         self.instance_key = keys.fleet_key(settings.name, f"instance:{worker.worker_id}")
+        self.reads_key = keys.fleet_key(settings.name, f"reads:{worker.worker_id}")
         self._foreign_mark_at = -float("inf")
         self._twin_seen_at = 0.0
         self.stepped_out = ""  # why this worker serves nothing and is no member, while it cannot reach the broker
@@ -248,8 +256,16 @@ class Fleet:
         """One round: heartbeat, read the registry if it changed, renew, release, acquire. Stepped
         out, only the leases still draining are renewed."""
         # A newer release's layout stops this worker before it writes anything more: read first, alone.
-        if self.refused or self._layout_newer(await self.batch.submit("GET", keys.layout_key())):
+        if self.refused:
             return
+        raw, since, switching = await asyncio.gather(*(self.batch.submit("GET", key) for key in (
+            keys.layout_key(), keys.layout_since_key(), keys.layout_next_key())))
+        if self._layout_newer(raw):
+            return
+        state = layout.state_of(raw, since, switching)
+        if state != self.layout_state:
+            self.layout_state = state
+            self.on_layout(state)
         sent_at = time.monotonic()
         held = [key for key, lease in self.leases.items() if lease.due(sent_at)]
         if self.stepped_out:
@@ -257,8 +273,8 @@ class Fleet:
             await self._lose(self._renewed(held, results, sent_at))
             return
         results = await asyncio.gather(
-            self.batch.submit("EVAL", _HEARTBEAT, 2, self.members_key, self.instance_key, self.me,
-                              self.member_ttl_ms, self.instance),
+            self.batch.submit("EVAL", _HEARTBEAT, 3, self.members_key, self.instance_key, self.reads_key, self.me,
+                              self.member_ttl_ms, self.instance, self.reads),
             self.batch.submit("GET", self.registry.version_key),
             *(self._renewal(key) for key in held),
             return_exceptions=True)
@@ -288,6 +304,13 @@ class Fleet:
         await self.spreading.settle(first_slots, self.subscriptions, len(self.members), self.backlogs)
         await self._resume_breakers()
         await self.published.publish_if_due()
+
+    @property
+    def reads(self) -> str:
+        """What this worker says of the layouts (`keys.fleet_key(..., 'reads:<id>')`): `1` (it writes
+        layout 1 and can switch), `hold` (a switch under way: no new attempt counted), `2`."""
+        state = self.layout_state
+        return "2" if state.layout == 2 else "hold" if state.switching else "1"
 
     def _layout_newer(self, raw: Any) -> bool:
         """Whether Redis holds a layout this release must not write (said once, to `refuse_layout`)."""

@@ -98,8 +98,13 @@ async def _acknowledge_until(client: pulsar_async.Client, sub: Subscription, cut
 
 
 async def forget_attempts(client: AsyncClient, sub_key: str) -> int:
-    """Delete the attempt counters of one subscription (histories stay)."""
-    return await delete_matching(client, keys.message_pattern(sub_key))
+    """Delete the attempt counters of one subscription, of both layouts, and layout 2's buckets of
+    messages acked at their first attempt (a message sought back is delivered again); histories stay.
+    Returns how many counters went."""
+    counted = await delete_matching(client, keys.message_pattern(sub_key))
+    counted += await delete_matching(client, keys.attempt_pattern(sub_key))
+    await delete_matching(client, keys.acked_pattern(sub_key))
+    return counted
 
 
 async def request_seek(client: AsyncClient, channel: str, sub_key: str, target: SeekTarget, request_id: str) -> None:

@@ -18,6 +18,7 @@ from worker.core.delivery import Deliverer
 from worker.core.metrics import Metrics
 from worker.core.redis_batch import Pipeliner
 from worker.endpoint.oidc import Tokens
+from worker.fleet import layout
 from worker.fleet.admission import check_secrets, secret_store
 from worker.model.config import PulsarSettings, Settings
 from worker.model.subscriptions import Subscription
@@ -38,6 +39,7 @@ def check_credentials(settings: Settings, sub: Subscription, command: str) -> No
 class OperatorDelivery:
     ctx: DeliveryContext
     client: pulsar_async.Client  # the operator's Pulsar client (dead letters, reads)
+    layout: int  # the Redis layout its attempt records follow
 
 
 @asynccontextmanager
@@ -49,11 +51,15 @@ async def operator_delivery(settings: Settings, pulsar: PulsarSettings, redis: A
     pipeliner = Pipeliner(redis)
     client = shared or pulsar_adapter.make_client(pulsar, pulsar.service_url or "", operator=True)
     deliverer = Deliverer(settings.destinations)
-    ctx = DeliveryContext(deliverer, AttemptStore(pipeliner, settings.redis), DeadLetterPublisher(client), Metrics(),
+    store = AttemptStore(pipeliner, settings.redis)
+    state = await layout.current(redis)
+    # Read once: an operator's delivery is one message or a redrive, not a worker following a switch.
+    store.set_layout(state.layout, state.layout_1_until(settings.redis.attempts_ttl_seconds))
+    ctx = DeliveryContext(deliverer, store, DeadLetterPublisher(client), Metrics(),
                           secrets, worker_id=worker_id, tokens=Tokens(secrets, settings.oidc),
                           max_held_bytes=settings.max_held_bytes_per_subscription)
     try:
-        yield OperatorDelivery(ctx, client)
+        yield OperatorDelivery(ctx, client, state.layout)
     finally:
         await ctx.dead_letters.close()
         await ctx.attempts.close()

@@ -38,7 +38,7 @@ from worker.broker import consumer as pulsar_adapter
 from worker.broker.backlog import BacklogReader
 from worker.broker.broker_admin import AdminError, make_session
 from worker.broker.deadletter import DLQ_CURSOR, subscribe_cursor
-from worker.core import keys
+from worker.core import attempts
 from worker.core.dispatcher import Dispatcher
 from worker.core.messages import Envelope, base64_text, rfc3339
 from worker.model.config import PulsarSettings
@@ -388,7 +388,7 @@ class DeadLetters:
                 consumer = await subscribe_cursor(delivery.client, sub.dead_letter_topic, max(concurrency, 10),
                                                   "push-worker-dlq-redrive")
                 source = DeadLetterSource(consumer, sub, rate, 1 if message_id else limit,
-                                          lambda original: admin.client.delete(keys.message_key(sub.key, original)),
+                                          lambda original: attempts.forget(admin.client, sub.key, original),
                                           message_id=message_id, selection=selection)
                 dispatcher = Dispatcher(sub, source, lambda m: original_envelope(sub, m), delivery.ctx)
                 dispatcher.start()

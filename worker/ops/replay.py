@@ -19,7 +19,7 @@ import pulsar
 from pulsar import asyncio as pulsar_async
 
 from worker.broker import consumer as pulsar_adapter
-from worker.core import keys
+from worker.core import attempts, keys
 from worker.core.dispatcher import Dispatcher
 from worker.core.history import REPLAY_DELIVERER, REPLAY_FAILED
 from worker.core.messages import parse_message_id
@@ -187,10 +187,8 @@ async def replay(settings: Settings, pulsar_settings: PulsarSettings, redis: Asy
             number = replayable(message_id, *await history())
             # One attempt and no dead letter: a replay that fails says so (REPLAY_FAILED), leaving it settled.
             once = dataclasses.replace(sub, max_deliver=number + 1, dead_letter_topic=None, type="shared")
-            record = keys.message_key(sub.key, message_id)
-            await redis.delete(record)
-            if number:
-                await redis.hset(record, "n", number)
+            await attempts.forget(redis, sub.key, message_id)
+            await attempts.set_count(redis, sub.key, message_id, number, delivery.layout)
             source = OneMessage(message)
             dispatcher = Dispatcher(once, source, pulsar_adapter.to_envelope, delivery.ctx)
             dispatcher.start()

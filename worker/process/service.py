@@ -25,6 +25,7 @@ from worker.broker.backlog import BacklogReader
 from worker.broker.broker_watch import BrokerWatch
 from worker.broker.local_services import LocalServices
 from worker.broker.prefetch import LargestMessages
+from worker.core.attempts import AttemptStore
 from worker.core.metrics import Metrics
 from worker.core.redis_batch import Pipeliner
 from worker.endpoint.oidc import Tokens
@@ -146,8 +147,11 @@ class Worker:
             return  # stopped while waiting
         await redis_start.require_version(self.redis, self.log)
         await layout.claim(self.redis)  # before anything is written: a newer layout ends the start here
+        layout_state = await layout.current(self.redis)
+        self._follow_layout(layout_state)
         await redis_start.warn_if_evicting(self.redis, self.log)
-        self.fleet = Fleet(self.served, self.redis, s.fleet, s.subscriptions, admit_for(s), self._refuse_layout)
+        self.fleet = Fleet(self.served, self.redis, s.fleet, s.subscriptions, admit_for(s), self._refuse_layout,
+                           self._follow_layout, layout_state)
         await self.fleet.start()
         self.metrics.backlog_source.set(1 if reader.enabled else 0)
         if reader.enabled:
@@ -201,6 +205,16 @@ class Worker:
                 self.log.warning(f"waiting for the broker at {strip_userinfo(self.pulsar_url)}", reason=why)
                 said_at = loop.time()
             await wait_event(self._stop, 0.5)
+
+    def _follow_layout(self, state: layout.LayoutState) -> None:
+        """The attempt records follow the layout Redis holds (read every fleet round)."""
+        store = self.delivery.attempts
+        assert isinstance(store, AttemptStore)
+        before = (store.layout, store.switching)
+        store.set_layout(state.layout, state.layout_1_until(self.settings.redis.attempts_ttl_seconds), state.switching)
+        if before != (store.layout, store.switching):
+            self.log.info("redis layout", layout=state.layout, switching=state.switching,
+                          reads_layout_1=bool(state.since_ms))
 
     def _refuse_layout(self, why: str) -> None:
         """A newer release's layout appeared in Redis while this worker ran: it stops at once, as it
