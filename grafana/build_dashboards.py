@@ -108,6 +108,13 @@ def fleet() -> dict[str, Any]:
             (f"histogram_quantile(0.5, sum by (le) (rate(pushworker_trial_wait_seconds_bucket{{{f}}}[{R}])))", "p50"),
             (f"histogram_quantile(0.99, sum by (le) (rate(pushworker_trial_wait_seconds_bucket{{{f}}}[{R}])))", "p99"),
         ], 12, 56, "s"),
+        panel(17, "Fair share: work held back for another project's turn, per second (by worker)", [(
+            f"sum by (instance) (rate(pushworker_fair_share_waits_total{{{f}}}[{R}]))", "{{instance}}")],
+            0, 64, "ops"),
+        panel(18, "Redis commands sent per delivery attempt (a script call counts one)", [(
+            f"sum(rate(pushworker_redis_commands_total{{{f}}}[{R}])) "
+            f"/ clamp_min(sum(rate(pushworker_deliveries_total{{{f}}}[{R}])), 1e-9)", "commands / attempt")],
+            12, 64),
     ], [JOB_VAR])
 
 

@@ -24,6 +24,8 @@ async def test_a_project_arriving_behind_a_flood_is_served_in_the_next_round():
     (its task asks in the turn after it was made, and is served in the one after that), not after the 500."""
     share = FairShare(per_turn=8)
     order: list[str] = []
+    told: list[int] = []
+    share.on_wait = lambda: told.append(1)  # the worker counts them: pushworker_fair_share_waits_total
 
     async def work(project: str) -> None:
         await share.turn(project)
@@ -35,7 +37,7 @@ async def test_a_project_arriving_behind_a_flood_is_served_in_the_next_round():
     await asyncio.sleep(0)  # the flood is queued (or granted up to the turn's units)
     good = asyncio.ensure_future(work("p-good"))
     await asyncio.gather(good, *noisy)
-    assert share.waited > 0
+    assert share.waited > 0 and len(told) == share.waited
     assert order.index("p-good") <= 3 * 8, order.index("p-good")
 
 

@@ -98,7 +98,7 @@ return out
 # KEYS: the record, the history list; ARGV: message id, how it ended ('a' acked at its first attempt,
 # 's' settled otherwise, 'f' failed and kept for a retry), the attempt's number, the last status, the
 # settled summary, the history TTL (0: not kept), the number of history entries, the entries, the
-# number of log entries, and each entry's field names and values interleaved.
+# number of log entries, and each entry (a JSON document: the stream's one field `e`).
 RECORD = BatchScript(LUA_CALL + _PARSE + """
 local list_ttl, cap, settled_ttl, log_max = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
 local refresh, bucket_ttl, ttl = ARGV[5], tonumber(ARGV[6]), ARGV[7]
@@ -121,10 +121,9 @@ for k = 4, #KEYS, 2 do
   local logged = tonumber(ARGV[a])
   a = a + 1
   for e = 1, logged do
-    local width = tonumber(ARGV[a])
-    call('XADD', KEYS[2], 'MAXLEN', '~', log_max, '*', unpack(ARGV, a + 1, a + width))
-    a = a + 1 + width
+    call('XADD', KEYS[2], 'MAXLEN', '~', log_max, '*', 'e', ARGV[a + e - 1])
   end
+  a = a + logged
   if how == 'f' then
     local n, probes, flags = parse(call('GET', KEYS[k]))
     redis.call('SET', KEYS[k], unparse(math.max(n, number), probes, flags, last), 'EX', ttl)

@@ -29,7 +29,7 @@ from redis.exceptions import ResponseError
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
 
 from worker.core import attempt_records, keys
-from worker.core.history import LOG_FIELDS, LOG_ONLY, log_values
+from worker.core.history import LOG_FIELDS, LOG_ONLY, log_counts, log_document, log_values
 from worker.core.log_upkeep import LogUpkeep
 from worker.core.redis_batch import LUA_CALL, BatchScript, Pipeliner
 from worker.model.config import RedisSettings
@@ -353,15 +353,15 @@ class AttemptStore:
         if self.log_attempts:
             hour = int(time.time()) // 3600
             for entry in entries:
-                values = log_values(message_id, entry)
-                if layout_2:  # the names interleaved here: the script passes them on as they are
-                    logged.append(str(2 * len(LOG_FIELDS)))
-                    for name, value in zip(LOG_FIELDS, values, strict=False):
-                        logged += (name, value)
+                if layout_2:
+                    logged.append(log_document(message_id, entry))
+                    counted = log_counts(entry)
                 else:
+                    values = log_values(message_id, entry)
                     logged += values[:-2]
-                if values[-2]:  # an attempt, not an event: counted in its hour
-                    self.log_upkeep.count(subscription_key, hour, str(values[-2]), int(values[-1]))
+                    counted = (str(values[-2]), int(values[-1])) if values[-2] else None
+                if counted is not None:  # an attempt, not an event: counted in its hour
+                    self.log_upkeep.count(subscription_key, hour, *counted)
         history = [{k: v for k, v in entry.items() if k not in LOG_ONLY} for entry in entries]
         summary = orjson.dumps({"message_id": message_id, **(history[-1] if history else {})}) if settled else b""
         history_ttl = self.acked_history_ttl_seconds if acked_first_time else self.history_ttl_seconds

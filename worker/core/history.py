@@ -74,6 +74,19 @@ def _text(value: Any) -> str | bytes:
     return str(value)
 
 
+def log_document(message_id: str, entry: dict[str, Any]) -> bytes:
+    """Layout 2's delivery log entry: one JSON document (the stream's one field `e`), the history entry
+    with the message id: one value to build and to store instead of LOG_FIELDS' twelve."""
+    return orjson.dumps({"message_id": message_id, **entry})
+
+
+def log_counts(entry: dict[str, Any]) -> tuple[str, int] | None:
+    """An attempt's outcome class and latency bin for the log's hourly counts (None: an event)."""
+    if "attempt" in entry and "event" not in entry:
+        return outcome_class(str(entry.get("status", ""))), latency_bin(float(entry.get("latency_ms", 0)))
+    return None
+
+
 def log_values(message_id: str, entry: dict[str, Any]) -> list[str | bytes]:
     """The delivery log's values for one history entry: LOG_FIELDS, then its outcome class and
     latency bin (both '' for an event, which the hourly counts leave out)."""

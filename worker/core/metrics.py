@@ -64,6 +64,9 @@ class Metrics:
         self.redis_round_trips = Counter("pushworker_redis_round_trips", "Pipelined round trips to Redis",
                                          registry=r)
         self.redis_commands = Counter("pushworker_redis_commands", "Commands sent to Redis", registry=r)
+        self.fair_share_waits = Counter("pushworker_fair_share_waits", "Units of work that waited for their "
+                                        "project's turn of the event loop (the fair share held a project back)",
+                                        registry=r)
         self.trials = Counter("pushworker_trials", "Trials of suspects (subscriptions whose worker died with its "
                               "memory alarm raised) by outcome: passed, stalled (never subscribed), ended (let go "
                               "before the end), killed (its worker died on it: counted by the next holder, which "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 
 PER_TURN = 32  # units of work started in one turn of the loop while projects contend
 QUANTUM = 4  # a project's credit per round of the queues, in units
@@ -25,6 +26,10 @@ LARGE_UNIT_BYTES = 64 << 10  # a message's cost: one unit, and one more per this
 def cost_of(size: int) -> int:
     """The cost of starting work on a message of `size` bytes (a large one costs more turns)."""
     return 1 + size // LARGE_UNIT_BYTES
+
+
+def _nothing() -> None:
+    pass
 
 
 class _Queue:
@@ -47,7 +52,8 @@ class FairShare:
         self._serving = False  # a turn of the loop is to serve the queues
         self._last_project = ""
         self._switched_at = float("-inf")  # when work last went to another project than before
-        self.waited = 0  # turns that waited (a counter for the metrics)
+        self.waited = 0  # turns that waited
+        self.on_wait: Callable[[], None] = _nothing  # told of each (pushworker_fair_share_waits_total)
 
     def contended(self) -> bool:
         return time.monotonic() - self._switched_at < CONTENTION_SECONDS
@@ -66,6 +72,7 @@ class FairShare:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         queue.waiters.append((cost, waiter))
         self.waited += 1
+        self.on_wait()
         if not self._serving:
             self._serving = True
             asyncio.get_running_loop().call_soon(self._serve)

@@ -1,11 +1,11 @@
 """The Redis layout: which key names and record formats the fleet's state follows.
 
-Each release reads and writes one layout, `LAYOUT`, and records it in `pw:layout` where nothing is
-recorded yet. A release that changes the layout raises the number and says in CHANGELOG.md whether
-earlier releases can run beside it; a release started on a layout newer than its own refuses to
-start, before it writes anything, with one line that says what to do (docs/upgrading.md#rollback).
-Releases before 1.0.0 do not read the key: going back to one of them is safe only while the layout
-is theirs (1).
+This release reads and writes layouts 1 and 2 (`LAYOUT`, the newest): a fresh Redis is recorded as
+2 in `pw:layout`; on a Redis that holds 1 (releases up to 1.1.0 ran on it) it keeps writing layout 1
+until an operator switches (`ops/layout_switch.py`), which workers follow within a fleet round. A
+release started on a layout newer than its own refuses to start, before it writes anything, with
+one line that says what to do (docs/upgrading.md#rollback). Releases before 1.0.0 do not read the
+key: going back to one of them is safe only while the layout is theirs (1).
 """
 
 from __future__ import annotations

@@ -65,9 +65,29 @@ def _json(value: str) -> Any:
         return None
 
 
+def _fields(raw: dict[Any, Any] | None) -> dict[str, str]:
+    """A stream entry's fields: layout 1's twelve, or layout 2's one JSON document (`e`) as the same."""
+    fields = {_text(k): _text(v) for k, v in (raw or {}).items()}
+    if "e" not in fields:
+        return fields
+    document = _json(fields["e"])
+    if not isinstance(document, dict):
+        return {}
+    told = {"message_id", "attempt", "result", "event", "status", "latency_ms", "worker", "ordering_key",
+            "request_headers", "response_headers", "answer", "detail", "at_ms"}
+    out = {k: _text(document.get(k) if document.get(k) is not None else "") for k in
+           ("message_id", "attempt", "status", "latency_ms", "worker", "ordering_key", "answer", "detail")}
+    out["result"] = _text(document.get("result", document.get("event", "")))
+    for k in ("request_headers", "response_headers"):
+        out[k] = orjson.dumps(document[k]).decode() if isinstance(document.get(k), dict) else ""
+    extra = {k: v for k, v in document.items() if k not in told}
+    out["extra"] = orjson.dumps(extra).decode() if extra else ""
+    return out
+
+
 def entry_of(entry_id: Any, raw: dict[Any, Any] | None) -> dict[str, Any]:
     """One stream entry as the API shows it (fields an older or corrupt entry lacks are empty)."""
-    fields = {_text(k): _text(v) for k, v in (raw or {}).items()}
+    fields = _fields(raw)
     text_id = _text(entry_id)
     attempt = fields.get("attempt", "")
     latency = fields.get("latency_ms", "")

@@ -46,4 +46,5 @@ def delivery_context(s: Settings, pulsar: Any, pipeliner: Pipeliner, metrics: Me
     context = DeliveryContext(deliverer, attempts, dead_letters, metrics, secrets, worker_id, supervisor, tokens,
                               s.max_held_bytes_per_subscription, memory,
                               oauth2=OAuth2Tokens(secrets, deliverer.client))
+    context.share.on_wait = metrics.fair_share_waits.inc
     return context, memory, dead_letters
