@@ -45,9 +45,10 @@ from devtools import BENCH_SECTIONS, apache_pulsar, cgroups, dispatcher_bench, o
 from devtools.baseline import Baseline, Figure
 from devtools.scratch import scratch_dir
 from worker.broker import embedded
-from worker.broker.consumer import CONSUMER_TYPES, PulsarConsumer, to_envelope
+from worker.broker.consumer import CONSUMER_TYPES, PulsarConsumer
 from worker.core.http1 import Client
 from worker.core.messages import Envelope, build_batch_request, build_request
+from worker.core.pulsar_messages import to_envelope
 from worker.endpoint.destinations import DestinationPolicy, GuardedResolver
 from worker.model.subscriptions import parse_subscription
 from worker.ops.render import table

@@ -12,7 +12,8 @@ import pytest
 from tests.support.builders import make_sub
 from tests.support.pulsar_client import Client
 from worker.broker import consumer as consumer_module
-from worker.broker.consumer import make_client, subscribe, to_envelope
+from worker.broker.consumer import make_client, subscribe
+from worker.core.pulsar_messages import to_envelope
 from worker.model.config import PulsarSettings
 
 

@@ -14,7 +14,6 @@ import pytest
 from structlog.testing import capture_logs
 
 from devtools.dispatcher_bench import _Attempts, _Backlog, _Endpoint
-from worker.broker.consumer import to_envelope
 from worker.broker.deadletter import DeadLetterPublisher
 from worker.core import dispatcher as dispatcher_module
 from worker.core.backoff import retry_delay
@@ -23,6 +22,7 @@ from worker.core.delivery import is_ack_status, parse_retry_after
 from worker.core.dispatcher import DeliveryContext, Dispatcher, lane_of
 from worker.core.messages import Envelope, build_request, format_message_id, header_safe, rfc3339
 from worker.core.metrics import Metrics
+from worker.core.pulsar_messages import to_envelope
 from worker.endpoint.destinations import DestinationPolicy
 from worker.model.subscriptions import RetryPolicy, Subscription
 

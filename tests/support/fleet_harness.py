@@ -6,7 +6,6 @@ import collections
 import os
 import signal
 import subprocess
-import sys
 import urllib.request
 import uuid
 from pathlib import Path
@@ -17,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.builders import push_sub
 from tests.support.endpoints import Endpoint
-from tests.support.helpers import code_path, http_get, spawn_worker, stays_sync, stop_worker, wait_sync
+from tests.support.helpers import code_path, http_get, python_for, spawn_worker, stays_sync, stop_worker, wait_sync
 from tests.support.redis_targets import RedisTarget
 from worker.broker.embedded import free_port
 from worker.core.keys import lease_key
@@ -32,7 +31,7 @@ class WorkerProcess:
         (PUSH_WORKER_REDIS_URL through a fault point, say)."""
         self.id, self.log = worker_id, log
         self.port = free_port()
-        self.proc = spawn_worker(config, log, cwd=code, gid=gid, PUSH_WORKER_ID=worker_id,
+        self.proc = spawn_worker(config, log, gid=gid, code=code, PUSH_WORKER_ID=worker_id,
                                  PUSH_WORKER_HTTP_PORT=str(self.port), **env)
 
     def metrics(self) -> dict[str, float]:
@@ -107,7 +106,7 @@ class FleetHarness:
 
     def cli(self, *args: str, code: Path | None = None) -> subprocess.CompletedProcess[str]:
         """`push-worker ARGS --config ...`; `code`: another version's (as for `start`)."""
-        return subprocess.run([sys.executable, "-m", "worker.cli", *args, "--config", str(self.config)],
+        return subprocess.run([python_for(code), "-m", "worker.cli", *args, "--config", str(self.config)],
                               capture_output=True, text=True, timeout=60, cwd=code,
                               env={**os.environ, **code_path(code)})
 

@@ -74,6 +74,16 @@ def stays_sync(predicate: Callable[[], bool], seconds: float, what: str = "condi
 
 # -- processes and the command line -----------------------------------------------------------
 
+def python_for(code: Path | None = None) -> str:
+    """The interpreter that runs `code`: another release's own environment, installed from the locks
+    it shipped (tests/support/previous_release.py), or this one's."""
+    own = code / PREVIOUS_PYTHON if code is not None else None
+    return own.read_text().strip() if own is not None and own.exists() else sys.executable
+
+
+PREVIOUS_PYTHON = ".python"  # in a release's extracted directory: the path of its environment's interpreter
+
+
 def code_path(code: Path | None = None) -> dict[str, str]:
     """How a Python process finds the code under test: `code` (another release's checkout), or the
     compiled build `make test` runs on (its PYTHONPATH and PYTHONSAFEPATH, inherited) before the
@@ -92,14 +102,17 @@ def env(**extra: str) -> dict[str, str]:
 
 
 def spawn_worker(config: Path | str, log: Path, cwd: Path | None = None, gid: int | None = None,
-                 **extra_env: str) -> subprocess.Popen[bytes]:
-    """`push-worker run --config CONFIG` as its own process, its output appended to `log`; with
-    `gid`, in a group of its own (still root), so that a firewall rule can single out its packets
+                 code: Path | None = None, **extra_env: str) -> subprocess.Popen[bytes]:
+    """`push-worker run --config CONFIG` as its own process, its output appended to `log`; `code`:
+    another release's `worker` package, run by its own interpreter (`python_for`); with `gid`, in a
+    group of its own (still root), so that a firewall rule can single out its packets
     (tests/support/faults.py)."""
     group = ["setpriv", f"--regid={gid}", "--clear-groups", "--"] if gid is not None else []
+    environment = env(**extra_env) if code is None else {**os.environ, **code_path(code), "PYTHONFAULTHANDLER": "1",
+                                                         **extra_env}
     with open(log, "ab") as out:
-        return subprocess.Popen([*group, sys.executable, "-m", "worker.cli", "run", "--config", str(config)],
-                                stdout=out, stderr=out, env=env(**extra_env), cwd=cwd)
+        return subprocess.Popen([*group, python_for(code), "-m", "worker.cli", "run", "--config", str(config)],
+                                stdout=out, stderr=out, env=environment, cwd=cwd or code)
 
 
 def stop_worker(proc: subprocess.Popen[bytes], timeout: float = 30) -> int:

@@ -38,7 +38,7 @@ from worker.broker import consumer as pulsar_adapter
 from worker.broker.backlog import BacklogReader
 from worker.broker.broker_admin import AdminError, make_session
 from worker.broker.deadletter import DLQ_CURSOR, subscribe_cursor
-from worker.core import attempts
+from worker.core import attempts, pulsar_messages
 from worker.core.dispatcher import Dispatcher
 from worker.core.messages import Envelope, base64_text, rfc3339
 from worker.model.config import PulsarSettings
@@ -55,7 +55,8 @@ DRY_RUN_LIMIT = 10_000_000  # a dry run counts up to this many (`--max-messages`
 
 def named(message: pulsar.Message, message_id: str) -> bool:
     """Whether `message_id` names this dead letter: its own id, or its original's."""
-    return message_id in (pulsar_adapter.message_id_of(message), message.properties().get("pubsub.original_message_id"))
+    original = message.properties().get("pubsub.original_message_id")
+    return message_id in (pulsar_messages.message_id_of(message), original)
 
 
 def is_for(sub: Subscription, message: pulsar.Message) -> bool:
@@ -103,17 +104,17 @@ def original_envelope(sub: Subscription, message: pulsar.Message) -> Envelope:
         published = message.publish_timestamp()
     attributes = {k: v for k, v in props.items() if not k.startswith("pubsub.")}
     # Still the ciphertext its producer encrypted: never sent, dead-lettered again with its context.
-    encryption = props.get(pulsar_adapter.ENCRYPTION_PROPERTY)
+    encryption = props.get(pulsar_messages.ENCRYPTION_PROPERTY)
     if encryption is not None:
-        attributes[pulsar_adapter.ENCRYPTION_PROPERTY] = encryption
+        attributes[pulsar_messages.ENCRYPTION_PROPERTY] = encryption
     return Envelope(
-        message_id=props.get("pubsub.original_message_id") or pulsar_adapter.message_id_of(message),
+        message_id=props.get("pubsub.original_message_id") or pulsar_messages.message_id_of(message),
         data=message.data() or b"",
         topic=sub.topic,
         publish_time_ms=published,
         attributes=attributes,
         ordering_key=message.partition_key() or None,
-        defect=pulsar_adapter.ENCRYPTED if encryption is not None else None,
+        defect=pulsar_messages.ENCRYPTED if encryption is not None else None,
     )
 
 
@@ -286,7 +287,7 @@ class DeadLetters:
     @staticmethod
     def _summary(message: pulsar.Message) -> dict[str, Any]:
         props = message.properties()
-        return {"dead_letter_id": pulsar_adapter.message_id_of(message),
+        return {"dead_letter_id": pulsar_messages.message_id_of(message),
                 "message_id": props.get("pubsub.original_message_id", ""),
                 "dead_lettered_at": rfc3339(message.publish_timestamp()),
                 "attempts": props.get("pubsub.delivery_attempts", ""),

@@ -18,8 +18,7 @@ from typing import Any
 import pulsar
 from pulsar import asyncio as pulsar_async
 
-from worker.broker import consumer as pulsar_adapter
-from worker.core import attempts, keys
+from worker.core import attempts, keys, pulsar_messages
 from worker.core.dispatcher import Dispatcher
 from worker.core.history import REPLAY_DELIVERER, REPLAY_FAILED
 from worker.core.messages import parse_message_id
@@ -98,7 +97,7 @@ async def read(client: pulsar_async.Client, topic: str, message_id: str) -> puls
             raise NotFound(f"{message_id}: not in {topic} any more (its retention passed) or never was") from None
     finally:
         await asyncio.wait_for(reader.close(), 5.0)
-    if pulsar_adapter.message_id_of(message) != message_id:
+    if pulsar_messages.message_id_of(message) != message_id:
         raise NotFound(f"{message_id}: not in {topic} any more (its retention passed) or never was")
     return message
 
@@ -190,7 +189,7 @@ async def replay(settings: Settings, pulsar_settings: PulsarSettings, redis: Asy
             await attempts.forget(redis, sub.key, message_id)
             await attempts.set_count(redis, sub.key, message_id, number, delivery.layout)
             source = OneMessage(message)
-            dispatcher = Dispatcher(once, source, pulsar_adapter.to_envelope, delivery.ctx)
+            dispatcher = Dispatcher(once, source, pulsar_messages.to_envelope, delivery.ctx)
             dispatcher.start()
             try:
                 await asyncio.wait_for(source.settled.wait(), sub.ack_deadline_seconds + READ_SECONDS)

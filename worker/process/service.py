@@ -25,6 +25,7 @@ from worker.broker.backlog import BacklogReader
 from worker.broker.broker_watch import BrokerWatch
 from worker.broker.local_services import LocalServices
 from worker.broker.prefetch import LargestMessages
+from worker.core import pulsar_messages
 from worker.core.attempts import AttemptStore
 from worker.core.metrics import Metrics
 from worker.core.redis_batch import Pipeliner
@@ -137,7 +138,7 @@ class Worker:
                               functools.partial(pulsar_adapter.make_client, s.pulsar, self.pulsar_url), self.redis,
                               LargestMessages(pipeliner, s.redis.attempts_ttl_seconds), session,
                               # A payload no request could carry is dead-lettered before its request is built.
-                              functools.partial(pulsar_adapter.to_envelope,
+                              functools.partial(pulsar_messages.to_envelope,
                                                 max_payload_bytes=s.destinations.max_request_bytes),
                               self._stop, self._served_one)
         reader = BacklogReader(session, s.pulsar.admin_url, s.pulsar.metrics_url or local.metrics_url)
