@@ -600,6 +600,8 @@ async def test_an_operator_reads_a_payload_back_from_the_broker_and_replays_a_de
         body = rec.body_payload
         if body in hold or (body in failing and rec.headers["Pubsub-Delivery-Attempt"] == "1"):
             return web.Response(status=503)
+        if body == b"marker" and rec.headers["Pubsub-Delivery-Attempt"] in ("1", "2"):
+            return web.Response(status=503)  # its retries measure the subscription's backoff, twice
         return web.Response(status=204)
 
     endpoint.behaviour = answer
@@ -641,6 +643,14 @@ async def test_an_operator_reads_a_payload_back_from_the_broker_and_replays_a_de
     status, replayed = await alice.call("POST", f"{base}/{as_json}/replay")
     assert status == 200 and replayed["result"] == "failed" and replayed["attempt"] == 2
     assert len(endpoint.requests) - before == 1 and w.dispatchers["p-a/replayed"].stats.dead_lettered == 0
+    # Over time too: a message published after it is retried twice with the subscription's backoff, and
+    # by its third attempt the failed replay has still had no retry of its own (it would, by then).
+    [marker] = client.publish(topic, [b"marker"])
+    await eventually(lambda: any(r.headers["Pubsub-Message-Id"] == marker and
+                                 r.headers["Pubsub-Delivery-Attempt"] == "3" for r in endpoint.requests),
+                     what="the later message's third attempt")
+    assert sum(r.headers["Pubsub-Message-Id"] == as_json for r in endpoint.requests[before:]) == 1
+    assert w.dispatchers["p-a/replayed"].stats.dead_lettered == 0
 
     hold.add(b"pending")
     [pending] = client.publish(topic, [b"pending"])  # retried every 0.05-0.2 s: never settled while held
