@@ -61,7 +61,7 @@ async def test_retrying_forever_goes_on_past_attempt_1024(start_worker, endpoint
     sub = make_sub(topic, endpoint.url, max_deliver=-1, retry=RetryPolicy(0.1, 0.1))
     [mid] = client.publish(topic, [b"forever"])
     # The message has been tried 1,023 times already (its count is in Redis, as after 8-17 hours down).
-    redis.Redis.from_url(redis_url).hset(keys.message_key(sub.key, mid), mapping={"n": 1023, "last": "500"})
+    redis.Redis.from_url(redis_url).set(keys.attempt_key(sub.key, mid), "1023,0,,500")
     w = await start_worker(sub)
     await eventually(lambda: len(endpoint.requests) >= 4, what="attempts 1,024 to 1,027")
     numbers = [int(r.headers["Pubsub-Delivery-Attempt"]) for r in endpoint.requests]

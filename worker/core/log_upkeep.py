@@ -29,11 +29,13 @@ local a, out = 1, {}
 for k = 1, #KEYS, 2 do
   local now, log_seconds, upkeep, n = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), ARGV[a + 2], tonumber(ARGV[a + 3])
   a = a + 4
+  -- No log, no counts: the subscription's state was cleared (deleted, expired) since they were made.
+  local kept = redis.call('EXISTS', KEYS[k + 1]) == 1
   for j = 1, n do
-    call('HINCRBY', KEYS[k], ARGV[a], ARGV[a + 1])
+    if kept then call('HINCRBY', KEYS[k], ARGV[a], ARGV[a + 1]) end
     a = a + 2
   end
-  if upkeep ~= '0' then
+  if kept and upkeep ~= '0' then
     call('XTRIM', KEYS[k + 1], 'MINID', '~', now - log_seconds * 1000)
     redis.call('EXPIRE', KEYS[k + 1], log_seconds)
     if upkeep == '2' then
