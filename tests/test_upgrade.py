@@ -32,6 +32,49 @@ def updates(worker: WorkerProcess) -> dict[str, int]:
     return counts
 
 
+class SteadyStream:
+    """Messages published round robin over `topics`, a round every 0.1 s, until `stop`; what the
+    endpoint acked, and the attempt numbers it saw, by message."""
+
+    def __init__(self, client: Client, topics: list[str], endpoint: Endpoint) -> None:
+        self.client, self.topics, self.endpoint = client, topics, endpoint
+        self.published: list[str] = []
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._publish())
+
+    async def _publish(self) -> None:
+        sequence = 0
+        while not self._stop.is_set():
+            for topic in self.topics:
+                sequence += 1
+                self.published.extend(await asyncio.to_thread(self.client.publish, topic,
+                                                              [f"{topic} {sequence}".encode()]))
+            await asyncio.sleep(0.1)  # the stream's pace, not a synchronisation
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def acked(self) -> collections.Counter[str]:
+        return collections.Counter(r.headers["Pubsub-Message-Id"] for r in self.endpoint.requests if r.acked)
+
+    def numbers(self) -> dict[str, list[int]]:
+        seen: dict[str, list[int]] = collections.defaultdict(list)
+        for r in self.endpoint.requests:
+            seen[r.headers["Pubsub-Message-Id"]].append(int(r.headers["Pubsub-Delivery-Attempt"]))
+        return seen
+
+
+def first_attempt_of_every_third_fails(received) -> web.Response:
+    sequence = int(received.body_payload.split()[-1])
+    first = received.headers["Pubsub-Delivery-Attempt"] == "1"
+    return web.Response(status=503 if first and sequence % 3 == 0 else 204)
+
+
 async def test_a_fleet_of_the_previous_release_and_this_one_follows_each_versions_registry_changes(
         tmp_path: Path, broker, redis_url: str, endpoint: Endpoint, client: Client, previous_release: Path):
     """This release reads only the registry keys a change names, from a change log the previous
@@ -101,30 +144,14 @@ async def test_a_rollout_and_its_rollback_under_a_steady_stream_lose_nothing_and
     topics = [f"persistent://p-roll/main/t{run}-{i}" for i in range(4)]
     names = [f"roll-{run}-{i}" for i in range(4)]
 
-    def answer(received) -> web.Response:
-        sequence = int(received.body_payload.split()[-1])
-        first = received.headers["Pubsub-Delivery-Attempt"] == "1"
-        return web.Response(status=503 if first and sequence % 3 == 0 else 204)
-
-    endpoint.behaviour = answer
-    published: list[str] = []
-    stop_publishing = asyncio.Event()
-
-    async def publish_steadily() -> None:
-        sequence = 0
-        while not stop_publishing.is_set():
-            for topic in topics:
-                sequence += 1
-                published.extend(await asyncio.to_thread(client.publish, topic, [f"{topic} {sequence}".encode()]))
-            await asyncio.sleep(0.1)  # the stream's pace, not a synchronisation
-
-    def acked() -> collections.Counter[str]:
-        return collections.Counter(r.headers["Pubsub-Message-Id"] for r in endpoint.requests if r.acked)
+    endpoint.behaviour = first_attempt_of_every_third_fails
+    stream = SteadyStream(client, topics, endpoint)
+    published = stream.published
 
     async def delivered_since(count: int) -> None:
         """Messages published from now on reach the endpoint (the fleet serves every subscription)."""
         mark = len(published) + count
-        await eventually(lambda: len(published) >= mark and set(published[:mark]) <= set(acked()),
+        await eventually(lambda: len(published) >= mark and set(published[:mark]) <= set(stream.acked()),
                          timeout=90, what=f"the first {mark} messages acked")
 
     async def replace(retiring: WorkerProcess, worker_id: str) -> WorkerProcess:
@@ -134,14 +161,13 @@ async def test_a_rollout_and_its_rollback_under_a_steady_stream_lose_nothing_and
         assert await asyncio.to_thread(retiring.stop) == 0
         return arriving
 
-    publisher = None
     try:
         fleet.redis.set(layout_key(), 1)  # a Redis the previous release ran on (either way)
         a, b = fleet.start("a", code=old_code), fleet.start("b", code=old_code)
         await eventually(lambda: a.fleet_size() == b.fleet_size() == 2, timeout=60, what="a fleet of two")
         assert fleet.apply([fleet_sub(n, t, endpoint.url) for n, t in zip(names, topics, strict=True)],
                            code=old_code).returncode == 0
-        publisher = asyncio.create_task(publish_steadily())
+        stream.start()
         await delivered_since(12)
         c = await replace(a, "c")
         await delivered_since(12)
@@ -149,21 +175,16 @@ async def test_a_rollout_and_its_rollback_under_a_steady_stream_lose_nothing_and
         await eventually(lambda: set(fleet.owners([f"p-roll/{n}" for n in names]).values()) <= {"c", "d"},
                          timeout=60, what="the new pods serving everything")
         await delivered_since(12)
-        stop_publishing.set()
-        await publisher
-        await eventually(lambda: set(published) <= set(acked()), timeout=90, what="every message acked")
+        await stream.stop()
+        await eventually(lambda: set(published) <= set(stream.acked()), timeout=90, what="every message acked")
         assert c.proc.poll() is None and d.proc.poll() is None
         layout = fleet.redis.get(layout_key())
         quarantined = fleet.redis.hkeys(fleet_key("test", "quarantined"))  # the harness's fleet
     finally:
-        stop_publishing.set()
-        if publisher is not None:
-            await asyncio.gather(publisher, return_exceptions=True)
+        await stream.stop()
         fleet.close()
-    assert [m for m, n in acked().items() if n > 1] == [], "a message acked twice"
-    numbers: dict[str, list[int]] = collections.defaultdict(list)
-    for r in endpoint.requests:
-        numbers[r.headers["Pubsub-Message-Id"]].append(int(r.headers["Pubsub-Delivery-Attempt"]))
+    assert [m for m, n in stream.acked().items() if n > 1] == [], "a message acked twice"
+    numbers = stream.numbers()
     went_back = {m: seen for m, seen in numbers.items() if seen != sorted(set(seen))}
     assert went_back == {}, "attempt numbers went back (or repeated) across the handovers"
     assert sum(len(seen) > 1 for seen in numbers.values()) >= len(published) // 4  # the retries happened
@@ -248,34 +269,20 @@ async def test_the_switch_to_layout_2_waits_for_the_rollout_and_no_attempt_numbe
     switched = asyncio.Event()
 
     def answer(received) -> web.Response:
-        payload = received.body_payload.decode()
-        first = received.headers["Pubsub-Delivery-Attempt"] == "1"
-        if payload.startswith("straddle") and not switched.is_set():
+        if received.body_payload.startswith(b"straddle") and not switched.is_set():
             return web.Response(status=503)  # retried until layout 2 holds
-        return web.Response(status=503 if first and int(payload.split()[-1]) % 3 == 0 else 204)
+        return first_attempt_of_every_third_fails(received)
 
     endpoint.behaviour = answer
-    published: list[str] = []
-    stop_publishing = asyncio.Event()
+    stream = SteadyStream(client, topics, endpoint)
+    published, acked = stream.published, stream.acked
 
-    async def publish_steadily() -> None:
-        sequence = 0
-        while not stop_publishing.is_set():
-            for topic in topics:
-                sequence += 1
-                published.extend(await asyncio.to_thread(client.publish, topic, [f"{topic} {sequence}".encode()]))
-            await asyncio.sleep(0.1)  # the stream's pace, not a synchronisation
-
-    def acked() -> collections.Counter[str]:
-        return collections.Counter(r.headers["Pubsub-Message-Id"] for r in endpoint.requests if r.acked)
-
-    publisher = None
     try:
         fleet.redis.set(layout_key(), 1)
         old, new = fleet.start("old", code=previous_release), fleet.start("new")
         await eventually(lambda: old.fleet_size() == new.fleet_size() == 2, timeout=60, what="a fleet of two")
         assert fleet.apply([fleet_sub(n, t, endpoint.url) for n, t in zip(names, topics, strict=True)]).returncode == 0
-        publisher = asyncio.create_task(publish_steadily())
+        stream.start()
         await eventually(lambda: len(set(acked())) >= 12, timeout=90, what="deliveries under way")
         refused = fleet.cli("layout", "upgrade", "--yes")
         assert refused.returncode == 1 and "1 member(s) run a release that reads layout 1 only (old)" in \
@@ -297,23 +304,18 @@ async def test_the_switch_to_layout_2_waits_for_the_rollout_and_no_attempt_numbe
         mark = len(published) + 12
         await eventually(lambda: len(published) >= mark and set(published[:mark]) <= set(acked()), timeout=90,
                          what="the stream delivered in layout 2")
-        stop_publishing.set()
-        await publisher
+        await stream.stop()
         await eventually(lambda: set(published) <= set(acked()), timeout=90, what="every message acked")
         late = fleet.start("late", code=previous_release)
         assert await asyncio.to_thread(late.proc.wait, 60) == 1
         shown = fleet.cli("layout")
     finally:
-        stop_publishing.set()
-        if publisher is not None:
-            await asyncio.gather(publisher, return_exceptions=True)
+        await stream.stop()
         fleet.close()
     assert "redis holds layout 2, written by a later release" in late.log.read_text()
     assert "redis layout 2" in shown.stdout and "new2" in shown.stdout, shown.stdout
     assert [m for m, n in acked().items() if n > 1] == [], "a message acked twice"
-    numbers: dict[str, list[int]] = collections.defaultdict(list)
-    for r in endpoint.requests:
-        numbers[r.headers["Pubsub-Message-Id"]].append(int(r.headers["Pubsub-Delivery-Attempt"]))
+    numbers = stream.numbers()
     went_back = {m: seen for m, seen in numbers.items() if seen != sorted(set(seen))}
     assert went_back == {}, "attempt numbers went back (or repeated) across the switch"
     assert all(len(numbers[m]) >= 3 for m in straddling)  # counted before the switch, and after it

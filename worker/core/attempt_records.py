@@ -17,7 +17,7 @@ During the switch window (`read_layout_1`) the scripts also read a message's lay
 
 from __future__ import annotations
 
-from worker.core.redis_batch import LUA_CALL, BatchScript
+from worker.core.redis_batch import LUA_CALL, LUA_SETTLED_LIST, BatchScript
 
 MAX_COUNT = 10**15  # as layout 1: below 2^53, every count under it is exact in Lua's doubles
 
@@ -137,11 +137,7 @@ if #acked > 0 then
   call('HSET', KEYS[3], unpack(acked))
   if bucket_ttl > 0 then redis.call('EXPIRE', KEYS[3], bucket_ttl) end
 end
-if #summaries > 0 then
-  local length = call('LPUSH', KEYS[1], unpack(summaries))
-  if length > cap * 11 then redis.call('LTRIM', KEYS[1], 0, cap * 10 - 1) end
-  if length == #summaries or refresh == '1' then redis.call('EXPIRE', KEYS[1], list_ttl) end
-end
+""" + LUA_SETTLED_LIST + """
 return out
 """, width=1)
 

@@ -31,7 +31,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_ji
 from worker.core import attempt_records, keys
 from worker.core.history import LOG_FIELDS, LOG_ONLY, log_counts, log_document, log_values
 from worker.core.log_upkeep import LogUpkeep
-from worker.core.redis_batch import LUA_CALL, BatchScript, Pipeliner
+from worker.core.redis_batch import LUA_CALL, LUA_SETTLED_LIST, BatchScript, Pipeliner
 from worker.model.config import RedisSettings
 from worker.runtime import logs
 from worker.runtime.failing import Failing
@@ -105,8 +105,8 @@ BEGIN_PROBE = BatchScript(_BEGIN.replace("{fresh}", "do").replace(
 # LPUSH a call, trimmed with some slack). Not settled: remember how the attempt ended (for a
 # dead-letter published after a crash). Each log entry goes to the stream (trimmed to the newest
 # entries); its hourly counts are summed in the worker (`_Upkeep`).
-RECORD = BatchScript(LUA_CALL + """
-local ttl, cap, settled_ttl, log_max, refresh = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], ARGV[5]
+RECORD = BatchScript((LUA_CALL + """
+local list_ttl, cap, settled_ttl, log_max, refresh = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local names = {LOG_NAMES}
 local a, summaries, out = 6, {}, {}
 for k = 3, #KEYS, 2 do
@@ -150,13 +150,9 @@ for k = 3, #KEYS, 2 do
   end
   out[#out + 1] = 1
 end
-if #summaries > 0 then
-  local length = call('LPUSH', KEYS[1], unpack(summaries))
-  if length > cap * 11 then redis.call('LTRIM', KEYS[1], 0, cap * 10 - 1) end
-  if length == #summaries or refresh == '1' then redis.call('EXPIRE', KEYS[1], ttl) end
-end
+""" + LUA_SETTLED_LIST + """
 return out
-""".replace("LOG_NAMES", ", ".join(f"'{name}'" for name in LOG_FIELDS)), width=1)
+""").replace("LOG_NAMES", ", ".join(f"'{name}'" for name in LOG_FIELDS)), width=1)
 
 settings_default = RedisSettings()  # the buckets operators read: the default TTLs (a worker may keep more)
 HISTORY_CAP = 100  # entries kept per message (the newest); the settled list keeps 10x as many messages

@@ -43,6 +43,16 @@ local function call(...)
 end
 """
 
+# The settled list's tail of a recording script (both layouts): the summaries of one call in one
+# LPUSH, trimmed with some slack, the TTL set when the list is new or due (`refresh`). Expects
+# `summaries`, `cap`, `refresh`, `list_ttl` and the list as KEYS[1].
+LUA_SETTLED_LIST = """
+if #summaries > 0 then
+  local length = call('LPUSH', KEYS[1], unpack(summaries))
+  if length > cap * 11 then redis.call('LTRIM', KEYS[1], 0, cap * 10 - 1) end
+  if length == #summaries or refresh == '1' then redis.call('EXPIRE', KEYS[1], list_ttl) end
+end
+"""
 BATCH_LIMIT = 200  # operations per script call: bounds how long one call holds Redis
 # How long a write nothing waits on (the settled record after an ack) waits, gathering others, before
 # its round trip. Far below the client's ack grouping (100 ms), the window in which a crash loses the
