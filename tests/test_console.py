@@ -71,12 +71,24 @@ class Pages:
 
     def go(self, element: Any) -> None:
         """Click a link or button and wait until the next page has replaced this one."""
-        from selenium.webdriver.support import expected_conditions
+        from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
         from selenium.webdriver.support.wait import WebDriverWait
 
         page = self.find("html")
         element.click()
-        WebDriverWait(self.driver, 30).until(expected_conditions.staleness_of(page))
+
+        def replaced(_: Any) -> bool:
+            try:
+                page.is_enabled()
+            except StaleElementReferenceException:
+                return True
+            except WebDriverException as e:  # asked while the old document goes: chromedriver's own words
+                if "does not belong to the document" in str(e):
+                    return True
+                raise
+            return False
+
+        WebDriverWait(self.driver, 30).until(replaced)
 
     def text(self) -> str:
         return str(self.find("body").text)

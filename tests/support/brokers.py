@@ -23,7 +23,7 @@ ON_APACHE_PULSAR = bool(EXTERNAL_URL)
 
 # Every tenant a test, the demo or a benchmark publishes under (always with the namespace `main`).
 TENANTS = ("p-test", "p-a", "p-b", "p-c", "p-x", "p-cli", "p-other", "p-local", "p-fleet", "p-demo", "p-bench",
-           "p-soak", "p-victim", "p-evil", "p-good", "p-hang", "p-noisy", "p-up", "p-roll")
+           "p-soak", "p-victim", "p-evil", "p-good", "p-hang", "p-noisy", "p-up", "p-roll", "p-switch")
 
 
 def is_pulsar_lite(broker: object) -> bool:
