@@ -371,7 +371,7 @@ class AttemptStore:
             if how == "a" and self._bucket_expiring.get(subscription_key) != bucket:
                 self._bucket_expiring[subscription_key] = bucket
                 bucket_ttl = self._bucket_count * keys.ACKED_BUCKET_SECONDS
-            return self.pipeliner.operation(
+            recorded = self.pipeliner.operation(
                 attempt_records.RECORD, (keys.settled_key(subscription_key), keys.log_key(subscription_key),
                                          keys.acked_key(subscription_key, bucket)),
                 (self.history_ttl_seconds, HISTORY_CAP, self.settled_ttl_seconds, self.log_attempts, refresh,
@@ -380,6 +380,10 @@ class AttemptStore:
                 (message_id, how, number, last_status, summary, history_ttl, len(history),
                  *(orjson.dumps(e) for e in history), logged_count, *logged),
                 subscription_key, lazy)
+            if bucket_ttl:  # a call that failed set no TTL: its retry (`_call`) must set it
+                recorded.add_done_callback(lambda done: self._bucket_expiring.pop(subscription_key, None)
+                                           if done.cancelled() or done.exception() is not None else None)
+            return recorded
         op_args = ("1" if settled else "0", last_status, summary, history_ttl, "1" if acked_first_time else "0",
                    len(history), *(orjson.dumps(e) for e in history), logged_count, *logged)
         return self.pipeliner.operation(
