@@ -24,11 +24,12 @@ import pytest
 from aiohttp import web
 
 from tests.support.admin import ApiClient, admin_settings
-from tests.support.builders import TEST_DEFAULTS
+from tests.support.builders import TEST_DEFAULTS, push_sub
 from tests.support.endpoints import Endpoint, Received
 from tests.support.helpers import eventually, stays_sync, wait_sync
 from tests.support.pulsar_client import Client
 from worker.model.config import FleetSettings
+from worker.model.subscriptions import parse_subscription
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 pytestmark = [pytest.mark.skipif(not (CHROMIUM and DRIVER), reason="needs Debian's chromium and chromium-driver "
@@ -178,14 +179,14 @@ async def test_an_operator_finds_a_failing_subscription_reads_why_pauses_it_and_
         pages.shot("confirm")
         pages.go(pages.find("#confirm"))
         assert pages.find("#notice").text == "paused"
-        assert pages.find("#state").text == "Paused"
+        assert pages.find("#state").text == "Paused" and not pages.all("#pause")  # one of the two, by state
         assert "p-a/orders" not in w.dispatchers  # the worker stopped serving it
         deliveries_before.append(len(endpoint.requests))
         client.publish(failing_topic, [b"while-paused"])
         stays_sync(lambda: len(endpoint.requests) == deliveries_before[0], 1.0, what="nothing sent while paused")
         pages.go(pages.find("#resume"))
         pages.go(pages.find("#confirm"))
-        assert pages.find("#notice").text == "resumed"
+        assert pages.find("#notice").text == "resumed" and not pages.all("#resume")
 
         healthy["orders"] = True
         pages.go(pages.find(f"#redrive-{dead_ids[1].replace(':', '-')}"))
@@ -420,6 +421,43 @@ async def test_the_endpoint_view_lists_every_subscription_pushing_to_a_host(
         assert pages.find("h1").text.startswith("mailer")
 
     await asyncio.to_thread(endpoint_view)
+
+
+async def test_a_config_file_subscription_shows_its_endpoint_and_definition_read_only_and_offers_what_works(
+        start_worker, start_admin, endpoint: Endpoint, client: Client, browser, tmp_path: Path):
+    """A subscription of the config file (not the registry): its endpoint, its definition as the
+    file says it, marked read-only, in the endpoint view; no Edit (it would refuse); Pause, then
+    only Resume."""
+    settings, tokens = admin_settings(tmp_path / "admin")
+    topic = f"persistent://p-a/main/filed-{uuid.uuid4().hex[:8]}"
+    filed = parse_subscription(push_sub("filed", topic, endpoint.url), trusted=True)
+    w = await start_worker(filed, fleet=FleetSettings(name="filed-" + uuid.uuid4().hex[:8]))
+    base = f"http://127.0.0.1:{(await start_admin(w, settings)).port}"
+    client.publish(topic, [b"x"])
+    await eventually(lambda: w.dispatchers["p-a/filed"].stats.acked == 1, what="delivered")
+    _, got = await ApiClient(base, tokens["alice"]).call("GET", "/v1/projects/p-a/subscriptions/filed")
+    assert "source" not in got and got["status"]["source"] == "config"  # one `source`
+    assert got["definition"]["topic"] == topic and got["status"]["endpoint"] == "127.0.0.1"
+    pages = Pages(browser, base, tmp_path)
+
+    def operator() -> None:
+        pages.log_in(tokens["alice"])
+        pages.open("/console/projects/p-a")
+        assert "127.0.0.1" in pages.find("tr[data-name='filed']").text
+        pages.go(pages.find("tr[data-name='filed'] a"))
+        assert "Read-only" in pages.find("#definition-source").text and topic in pages.find("#definition").text
+        assert not pages.all("#edit") and not pages.all("#resume")
+        pages.go(pages.find("#endpoint"))
+        assert [row.find_elements(pages.by.TAG_NAME, "td")[1].text
+                for row in pages.all("#endpoint-subscriptions tbody tr")] == ["filed"]
+        browser.back()
+        pages.go(pages.find("#pause"))
+        pages.go(pages.find("#confirm"))
+        assert pages.find("#notice").text == "paused" and pages.find("#state").text == "Paused"
+        assert not pages.all("#pause") and pages.find("#resume")
+
+    await asyncio.to_thread(operator)
+    assert "p-a/filed" not in w.dispatchers
 
 
 async def test_a_subscription_page_reloads_itself_with_the_default_settings_and_stops_when_asked(

@@ -207,12 +207,15 @@ async def test_redrive_that_fails_again_puts_the_message_back_and_ends(
     # dead` said "invalid configuration" without the file); the registry's commands leave it alone.
     code, out, err = await cli("subs", "get", sub.name, *args)
     assert code == 0, err
-    assert json.loads(out)["source"] == "config" and json.loads(out)["status"]["name"] == sub.name
+    got = json.loads(out)  # one `source`, the status's, as in `subs list`; the definition as the file says it
+    assert "source" not in got and got["status"]["source"] == "config" and got["status"]["name"] == sub.name
+    assert got["definition"]["topic"] == topic and got["status"]["endpoint"] == "127.0.0.1"
     bare = ("--redis-url", redis_url, "--json")
     code, out, err = await cli("subs", "get", sub.name, *bare)
     assert code == 0, err
     got = json.loads(out)
-    assert got["source"] == "worker" and got["definition"]["topic"] == topic and got["status"]["name"] == sub.name
+    assert got["status"]["source"] == "worker" and got["definition"]["topic"] == topic
+    assert got["status"]["name"] == sub.name and got["status"]["endpoint"] == "127.0.0.1"
     code, out, err = await cli("dlq", "list", sub.name, *bare, "--service-url", broker.url)
     assert code == 0, err
     assert [m["message_id"] for m in json.loads(out)["messages"]] == [message_id]

@@ -167,6 +167,13 @@ def _max_workers(definition: dict[str, Any]) -> int:
     return value if isinstance(value, int) and 1 <= value <= MAX_WORKERS else 1
 
 
+def _config_definition(sub: Subscription) -> dict[str, Any]:
+    """A config file's subscription as that file says it (secrets are references there, never values)."""
+    if sub.definition is not None:
+        return dict(sub.definition)
+    return {"type": sub.type, "max_workers": sub.max_workers}
+
+
 def _not_in_registry(name: str) -> NotFound:
     """For a subscription served but whose definition is nowhere to read: a worker serves it from its
     own config file and has not published it (it runs an earlier version), and this command was not
@@ -475,8 +482,8 @@ class Admin:
         for key, source in [k for k in entries if k[1] == "worker"]:  # as its worker publishes it
             own = await published(self.client, key)
             if own is not None:
-                entries[(key, source)] = {"type": own.get("type", "shared"), "max_workers": own.get("max_workers", 1)}
-        entries.update({(k, "config"): {"type": s.type, "max_workers": s.max_workers} for k, s in self.static.items()})
+                entries[(key, source)] = own
+        entries.update({(k, "config"): _config_definition(s) for k, s in self.static.items()})
         # A registry entry that shadows a config subscription is a row of its own: Invalid, with why.
         entries.update({(k, "registry"): e if isinstance(e, str) else e[0] for k, e in registry.items()})
         held_back = await self._held_back()
@@ -503,13 +510,14 @@ class Admin:
         own = None if key in definitions or key in self.static else await published(self.client, key)
         if key in definitions:
             definition, out = definitions[key], {"definition": definitions[key]}
-        elif key in self.static:
-            definition, out = {"type": self.static[key].type, "max_workers": self.static[key].max_workers}, \
-                {"source": "config"}
+        elif key in self.static:  # as the given config file says it (secrets by reference): read-only here
+            definition = _config_definition(self.static[key])
+            out = {"definition": definition, "source": "config"}
         elif own is not None:  # a worker's own, as it publishes it: read-only here
             definition, out = own, {"definition": own, "source": "worker"}
         else:
             raise _not_in_registry(name)
+        source = out.pop("source", "registry")
         stored = self.static.get(key) or self._stored_subscription(key, definition)
         if stored is not None and stored.rate_limit is not None:  # as applied: the burst's default included
             out["rate_limit"] = {"messages_per_second": stored.rate_limit.messages_per_second,
@@ -518,7 +526,8 @@ class Admin:
             out["breaker"] = "off" if stored.breaker is None else dataclasses.asdict(stored.breaker)
         if stored is not None and stored.batch is not None:  # as applied: the defaults included
             out["batch"] = dataclasses.asdict(stored.batch)
-        out["status"] = await self._row(key, definition, await self._held_back())
+        # One `source`, in the status as in `list`'s rows: where the definition lives.
+        out["status"] = {**await self._row(key, definition, await self._held_back()), "source": source}
         stored = None if own is not None else stored
         if stored is not None and stored.filter is not None and stored.filter.mixed_at is not None:
             # Stored before such filters were refused: it keeps its reading, which Google's differs from.
