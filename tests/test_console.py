@@ -11,6 +11,8 @@ With PUSH_WORKER_SCREENSHOTS=docs/images the pages' screenshots land there (`mak
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import os
 import shutil
 import uuid
@@ -156,6 +158,7 @@ async def test_an_operator_finds_a_failing_subscription_reads_why_pauses_it_and_
         assert set(rows) == {"orders", "audit"}
         assert "100%" in rows["orders"].text and "500" in rows["orders"].text
         assert "0%" in rows["audit"].text
+        assert [rows[n].find_element(pages.by.CSS_SELECTOR, "td.dead").text for n in ("orders", "audit")] == ["3", "0"]
         pages.shot("project")
         pages.go(pages.find("th a[href*='sort=errors']"))  # sort by failure share
         pages.go(pages.find("th.sorted a"))  # and again: highest first
@@ -321,18 +324,26 @@ async def test_a_newcomer_finds_a_failing_message_in_three_clicks_searches_the_l
         assert pages.clicks <= 3 and "Message " + ids[2] in pages.find("h1").text
         assert [row.find_elements(pages.by.TAG_NAME, "td")[3].text for row in pages.all("#attempts tbody tr")][:3] == \
             ["503"] * 3
+        assert pages.find("#outcome").text.startswith("Dead-lettered after 3 attempt(s) · last status 503")
+        pages.find("#exchange-1 summary").click()  # the last attempt's exchange is open, the others closed
         exchange = pages.find("#exchange-1").text
         assert "Pubsub-Message-Id" in exchange and "t-1" in exchange  # the headers both ways
         assert pages.find("#payload pre").text == "order-2"
+        pages.find("#sent summary").click()
+        sent = json.loads(pages.find("#sent-body").text)  # the wrapper, as the endpoint got it
+        assert sent["message"]["data"] == base64.b64encode(b"order-2").decode()
+        assert sent["message"]["delivery_attempt"] == 3 and sent["subscription"] == "payments"
 
     await asyncio.to_thread(newcomer)
 
     def search_and_replay() -> None:
         pages.open("/console/projects/p-a/subscriptions/payments")
-        pages.find("#search input[name=message_id]").send_keys(ids[0])
+        part = ":".join(ids[0].split(":")[:2]) + ":"  # part of the id: its ledger and entry
+        pages.find("#search input[name=message_id]").send_keys(part)
         pages.go(pages.find("#search-log"))
         assert [row.find_elements(pages.by.TAG_NAME, "td")[1].text for row in pages.all("#log tbody tr")] == [ids[0]]
         pages.go(pages.find(f"#log a[href$='{quote(ids[0], safe='')}']"))
+        assert pages.find("#outcome").text.startswith("Delivered at attempt 1 · status 204")
         assert pages.find("#payload pre").text == '{\n  "order": 0\n}'  # JSON pretty-printed
         pages.shot("message-payload")
         before = len(endpoint.requests)
@@ -355,6 +366,11 @@ async def test_an_operator_creates_a_subscription_and_edits_it_seeing_the_diff_b
         pages.log_in(tokens["alice"])
         pages.open("/console/projects/p-a")
         pages.go(pages.find("#new-subscription"))
+        for field in ("name", "topic", "url", "ack_deadline_seconds", "max_deliver", "dead_letter_topic"):
+            box = pages.find(f"#{field}")  # placeholders, not values a careless Create would save
+            assert box.get_attribute("value") == "" and box.get_attribute("placeholder"), field
+        assert pages.find("#topic").get_attribute("placeholder").startswith("persistent://p-a/")
+        pages.shot("new")
 
         def fill(**values: str) -> None:
             for field, value in values.items():
@@ -438,7 +454,7 @@ async def test_a_config_file_subscription_shows_its_endpoint_and_definition_read
     _, got = await ApiClient(base, tokens["alice"]).call("GET", "/v1/projects/p-a/subscriptions/filed")
     assert "source" not in got and got["status"]["source"] == "config"  # one `source`
     assert got["definition"]["topic"] == topic and got["status"]["endpoint"] == "127.0.0.1"
-    pages = Pages(browser, base, tmp_path)
+    pages = Pages(browser, base, Path(os.environ.get("PUSH_WORKER_SCREENSHOTS") or tmp_path / "shots"))
 
     def operator() -> None:
         pages.log_in(tokens["alice"])
@@ -446,6 +462,7 @@ async def test_a_config_file_subscription_shows_its_endpoint_and_definition_read
         assert "127.0.0.1" in pages.find("tr[data-name='filed']").text
         pages.go(pages.find("tr[data-name='filed'] a"))
         assert "Read-only" in pages.find("#definition-source").text and topic in pages.find("#definition").text
+        pages.shot("config-subscription")
         assert not pages.all("#edit") and not pages.all("#resume")
         pages.go(pages.find("#endpoint"))
         assert [row.find_elements(pages.by.TAG_NAME, "td")[1].text
@@ -456,7 +473,20 @@ async def test_a_config_file_subscription_shows_its_endpoint_and_definition_read
         assert pages.find("#notice").text == "paused" and pages.find("#state").text == "Paused"
         assert not pages.all("#pause") and pages.find("#resume")
 
+    other = f"persistent://p-b/main/other-{uuid.uuid4().hex[:8]}"
+    created, _ = await ApiClient(base, tokens["bob"]).call("POST", "/v1/projects/p-b/subscriptions",
+                                                           definition("other", other, endpoint.url))
+    assert created == 201
+
+    def admin() -> None:  # several projects: a table of them, with where to look first
+        pages.log_in(tokens["root"])
+        cells = {row.get_attribute("data-name"): [td.text for td in row.find_elements(pages.by.TAG_NAME, "td")[1:]]
+                 for row in pages.all("#projects tbody tr")}
+        assert cells == {"p-a": ["1", "0", "0"], "p-b": ["1", "0", "0"]}  # subscriptions, failing, dead-lettered
+        pages.shot("projects")
+
     await asyncio.to_thread(operator)
+    await asyncio.to_thread(admin)
     assert "p-a/filed" not in w.dispatchers
 
 

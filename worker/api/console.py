@@ -56,7 +56,7 @@ NOTICE_COOKIE = "pw_notice"  # an action's outcome, shown once on the page it le
 FORM_FIELDS = ("to", "message_id", "since", "until", "status")  # an action's arguments, from its page to its form
 ACTIONS = {"pause": "Pause", "resume": "Resume", "seek": "Seek", "redrive": "Redrive", "replay": "Replay"}
 SORTABLE = ("name", "state", "workers", "backlog", "oldest_unacked_age_seconds", "delivery_rate", "p95_latency_ms",
-            "errors")
+            "errors", "dead_lettered")
 ANSWER_SHOWN = 256  # bytes of an endpoint's answer on the message page (the attempt log keeps no more)
 MAX_DEFINITION_CHARS = 16 * 1024  # as the API's body (MAX_BODY_BYTES is the whole form's)
 SEARCH_FIELDS = ("message_id", "since", "until", "status", "min_attempt", "ordering_key")
@@ -115,6 +115,8 @@ def _sort_key(column: str) -> Any:
             return _errors(row)
         if column == "workers":
             return len(row["workers"])
+        if column == "dead_lettered":
+            return row["counters"]["dead_lettered"]
         value = row.get(column)
         return (value is None, value if value is not None else 0)
     return key
@@ -222,7 +224,13 @@ class Console:
         projects = await visible_projects(self.ops, request[PRINCIPAL])
         if len(projects) == 1:
             return redirect(f"/console/projects/{quote(projects[0])}")
-        return self._page(request, "index.html", projects=projects)
+        rows = []
+        for project in projects:  # each project's totals: where to look first
+            subs = await self.ops.subscriptions(project)
+            rows.append({"name": project, "subscriptions": len(subs),
+                         "failing": sum(1 for sub in subs if _errors(sub) > 0),
+                         "dead_lettered": sum(sub["counters"]["dead_lettered"] for sub in subs)})
+        return self._page(request, "index.html", projects=rows)
 
     def _project(self, request: web.Request) -> str:
         return project_seen(request)[1]
@@ -282,7 +290,7 @@ class Console:
             if isinstance(answer, str):
                 entry["answer"] = answer[:ANSWER_SHOWN]
         page = self._page(request, "message.html", project=project, name=name, message=data,
-                          can_act=request[PRINCIPAL].grants.acts_on(project),
+                          outcome=outcome_of(data), can_act=request[PRINCIPAL].grants.acts_on(project),
                           notice=request.cookies.get(NOTICE_COOKIE, ""))
         if NOTICE_COOKIE in request.cookies:
             page.del_cookie(NOTICE_COOKIE, path="/console")  # shown once
@@ -333,7 +341,8 @@ class Console:
     async def new(self, request: web.Request) -> web.Response:
         project = self._project(request)
         may_act(request[PRINCIPAL], project)
-        return self._editor(request, project, None, form_of(yaml.safe_load(NEW_TEMPLATE.format(project=project))))
+        # Empty fields: their placeholders say what goes where (values would be saved by a careless Create).
+        return self._editor(request, project, None, dict.fromkeys(EDITED_FIELDS, ""))
 
     async def edit(self, request: web.Request) -> web.Response:
         project = self._project(request)
@@ -436,21 +445,34 @@ class Console:
         return response
 
 
-NEW_TEMPLATE = """name: my-subscription
-topic: persistent://{project}/main/my-topic
-ack_deadline_seconds: 30
-max_deliver: 5
-deliver:
-  mode: push
-  push:
-    url: https://example.com/push
-dead_letter:
-  topic: persistent://{project}/main/my-topic-dlq
-"""
 
 
 # The form's fields: the settings most edits touch, each a field of its own, and the rest as YAML.
 EDITED_FIELDS = ("name", "topic", "url", "ack_deadline_seconds", "max_deliver", "dead_letter_topic", "more")
+
+
+def outcome_of(message: dict[str, Any]) -> tuple[str, str]:
+    """A message's final outcome in one line, and its colour class: what a message page says first."""
+    history = message["history"]
+    if message.get("attempts_in_progress") is not None:
+        return "pending", f"Not settled yet: {message['attempts_in_progress']} attempt(s) so far"
+    if not history:
+        return "other", "No attempt recorded"
+    last = history[-1]
+    attempts = max([e["attempt"] for e in history if isinstance(e.get("attempt"), int)], default=0)
+    status = f" · last status {last['status']}" if last.get("status") else ""
+    when = f" · {rfc3339(last['at_ms'])}" if isinstance(last.get("at_ms"), int) else ""
+    event = last.get("event")
+    if event is None and last.get("result") == "ack":
+        return "ok", f"Delivered at attempt {last.get('attempt', attempts)}{status.replace('last ', '')}{when}"
+    said = {"dead-lettered": ("bad", f"Dead-lettered after {attempts} attempt(s){status} · to {last.get('topic', '')}"),
+            "dropped": ("bad", f"Dropped after {attempts} attempt(s){status}"),
+            "replay-failed": ("bad", f"A replay failed (attempt {attempts}){status}"),
+            "discarded": ("other", "Discarded by an operator: never delivered"),
+            "filtered": ("other", "Filtered out: never sent"),
+            "unreadable": ("bad", "Unreadable: dead-lettered unsent")}
+    cls, text = said.get(str(event), ("other", f"{event or last.get('result')}{status}"))
+    return cls, text + when
 
 
 def _dump(definition: Any, ordered: bool = False) -> str:

@@ -18,10 +18,11 @@ from pulsar import asyncio as pulsar_async
 from worker.api.limits import SearchBudget
 from worker.api.shared_reads import SharedReads
 from worker.broker import consumer as pulsar_adapter
+from worker.core.messages import Envelope, build_request
 from worker.core.recent import OUTCOMES
 from worker.fleet.seek import SeekTarget
 from worker.model.config import Settings
-from worker.model.subscriptions import NAME_PATTERN, NAME_RULE, PROJECT_PATTERN, parse_subscription
+from worker.model.subscriptions import NAME_PATTERN, NAME_RULE, PROJECT_PATTERN, Subscription, parse_subscription
 from worker.ops import delivery_log, replay
 from worker.ops.admin import Admin, Target
 from worker.ops.delivery_log import LogQuery
@@ -151,6 +152,8 @@ class Operations:
         else:
             out["payload"] = replay.payload_view(read["data"])
             out.update({k: v for k, v in read.items() if k != "data"})
+            attempts = [e["attempt"] for e in data["history"] if isinstance(e.get("attempt"), int)]
+            out["sent"] = _as_sent(await self.admin.definition(key), message_id, read, max(attempts, default=1))
         return out
 
     async def payload(self, project: str, name: str, message_id: str) -> bytes:
@@ -335,6 +338,19 @@ def for_viewer(sub: dict[str, Any]) -> dict[str, Any]:
     if isinstance(push, dict) and isinstance(push.get("url"), str):
         push["url"] = without_query_values(push["url"])
     return {**sub, "definition": shown}
+
+
+def _as_sent(sub: Subscription, message_id: str, read: dict[str, Any], attempt: int) -> dict[str, Any]:
+    """The request body of the message's last attempt as the worker builds it (the wrapper, the
+    CloudEvent, or the payload itself), with its content type; a batch subscription sends the
+    message as one entry of a batch's body, said instead."""
+    if sub.batch is not None:
+        return {"attempt": attempt, "content": sub.content, "batch": True}
+    envelope = Envelope(message_id, read["data"], sub.topic, read["publish_time_ms"] or 0, read["attributes"],
+                        read["ordering_key"])
+    request = build_request(sub, envelope, attempt)
+    return {"attempt": attempt, "content": sub.content, "batch": False,
+            "content_type": request.headers.get("Content-Type", ""), "body": replay.payload_view(request.body)}
 
 
 def _headers(entries: list[dict[str, Any]], shown: bool) -> list[dict[str, Any]]:

@@ -29,7 +29,7 @@ STATUS_CLASSES = ("2xx", "3xx", "4xx", "5xx", "timeout", "connection_error")
 
 @dataclasses.dataclass(frozen=True)
 class LogQuery:
-    message_id: str = ""
+    message_id: str = ""  # a whole message id or part of one ("0:10")
     since_ms: int | None = None
     until_ms: int | None = None
     status: str = ""  # one of STATUS_CLASSES, or an exact status ("503")
@@ -39,7 +39,7 @@ class LogQuery:
     cursor: str = ""  # an entry id: the page goes on from just before it
 
     def takes(self, entry: dict[str, Any]) -> bool:
-        if self.message_id and entry["message_id"] != self.message_id:
+        if self.message_id and self.message_id not in entry["message_id"]:  # a whole id or part of one
             return False
         if self.ordering_key and entry["ordering_key"] != self.ordering_key:
             return False
