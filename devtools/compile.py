@@ -29,9 +29,15 @@ WHEELS = BUILD / "wheels"
 BUILD_VENV = BUILD / "venv"
 
 
+BUILT = frozenset({"worker/runtime/COMMIT"})  # written by the build into the installed package (--version's commit)
+
+
 def _sources(package_parent: Path) -> dict[str, Path]:
-    return {path.relative_to(package_parent).as_posix(): path for path in (package_parent / "worker").rglob("*.py")
-            if "__pycache__" not in path.parts}
+    """Every file the package ships, its data too: an edited template or style makes a build stale
+    as an edited module does (a test run showed a page's previous template)."""
+    return {name: path for path in (package_parent / "worker").rglob("*")
+            if path.is_file() and "__pycache__" not in path.parts and path.suffix not in (".so", ".pyc")
+            and (name := path.relative_to(package_parent).as_posix()) not in BUILT}
 
 
 def stale(compiled_dir: Path = COMPILED_DIR, checkout: Path = ROOT) -> list[str]:

@@ -63,6 +63,15 @@ def test_a_build_older_than_any_source_is_stale(tmp_path):
     assert stale(build, checkout) == ["worker/added.py", "worker/core/flow.py", "worker/removed.py"]
     assert stale(tmp_path / "never-built", checkout) == ["worker/__init__.py", "worker/added.py",
                                                          "worker/core/flow.py"]
+    (build / "worker" / "core" / "flow.py").write_text("LIMIT = 2\n")
+    (checkout / "worker" / "added.py").unlink()
+    (build / "worker" / "removed.py").unlink()
+    (build / "worker" / "runtime").mkdir()
+    (build / "worker" / "runtime" / "COMMIT").write_text("abc123\n")  # the build's own record: not a source
+    for where, style in ((checkout, "a { color: red }"), (build, "a { color: blue }")):
+        (where / "worker" / "static").mkdir()
+        (where / "worker" / "static" / "console.css").write_text(style)
+    assert stale(build, checkout) == ["worker/static/console.css"]  # package data counts as a source
 
 
 @pytest.mark.broker_independent

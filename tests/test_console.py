@@ -214,6 +214,7 @@ async def test_an_operator_finds_a_failing_subscription_reads_why_pauses_it_and_
                      "/console/projects/p-a/subscriptions/orders/confirm/pause"):
             assert _page_text(pages, path) == nowhere, path
         assert "404" in nowhere and "orders" not in nowhere
+        pages.shot("not-found")
 
     await asyncio.to_thread(viewer_and_stranger)
     assert "p-a/orders" in w.dispatchers  # nothing the viewer or the stranger did changed it
