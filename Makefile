@@ -60,7 +60,7 @@ docs: $(STAMP)
 
 # The console's screenshots in docs/images (its browser test, with Debian's chromium and chromium-driver).
 screenshots: $(STAMP)
-	PUSH_WORKER_SCREENSHOTS=docs/images $(BIN)/pytest -p no:cacheprovider -q tests/test_console.py -k "operator or newcomer or endpoint_view"
+	PUSH_WORKER_SCREENSHOTS=docs/images $(BIN)/pytest -p no:cacheprovider -q tests/test_console.py -k "operator or newcomer or endpoint_view or config_file"
 
 lint: $(STAMP)
 	$(BIN)/ruff check worker devtools tests
