@@ -129,8 +129,33 @@ def memory_per_payload_byte(sub: Subscription) -> float:
     return 2.0 if raw_body else 2.0 + 4 / 3
 
 
+# W3C Trace Context (Level 1): version 00-fe, a non-zero trace id and parent id, lower-case hex.
+_TRACEPARENT_RE = re.compile(r"(?!ff)[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
+TRACESTATE_MAX = 512  # characters a tracestate may hold (W3C: at least 512 must be propagated)
+
+
+def trace_headers(attributes: dict[str, str]) -> dict[str, str]:
+    """The W3C `traceparent` and `tracestate` a message's publisher set in its properties, as the
+    request's headers: passed on as they are (never trusted for anything else), a malformed one not
+    at all."""
+    parent = attributes.get("traceparent")
+    if parent is None or not _TRACEPARENT_RE.fullmatch(parent):
+        return {}
+    state = attributes.get("tracestate")
+    if state is None or len(state) > TRACESTATE_MAX or not header_safe("tracestate", state):
+        return {"traceparent": parent}
+    return {"traceparent": parent, "tracestate": state}
+
+
 def build_request(sub: Subscription, env: Envelope, attempt: int) -> PushRequest:
     """Headers and body for delivery attempt `attempt` of `env` to `sub`, per the contract."""
+    request = _request(sub, env, attempt)
+    if "traceparent" in env.attributes:  # the publisher's trace goes on to the endpoint, in every format
+        request.headers.update(trace_headers(env.attributes))
+    return request
+
+
+def _request(sub: Subscription, env: Envelope, attempt: int) -> PushRequest:
     headers = {
         "Pubsub-Subscription": sub.name,
         "Pubsub-Topic": sub.topic,
