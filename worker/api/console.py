@@ -445,8 +445,6 @@ class Console:
         return response
 
 
-
-
 # The form's fields: the settings most edits touch, each a field of its own, and the rest as YAML.
 EDITED_FIELDS = ("name", "topic", "url", "ack_deadline_seconds", "max_deliver", "dead_letter_topic", "more")
 
@@ -464,7 +462,8 @@ def outcome_of(message: dict[str, Any]) -> tuple[str, str]:
     when = f" · {rfc3339(last['at_ms'])}" if isinstance(last.get("at_ms"), int) else ""
     event = last.get("event")
     if event is None and last.get("result") == "ack":
-        return "ok", f"Delivered at attempt {last.get('attempt', attempts)}{status.replace('last ', '')}{when}"
+        answered = f" · status {last['status']}" if last.get("status") else ""
+        return "ok", f"Delivered at attempt {last.get('attempt', attempts)}{answered}{when}"
     said = {"dead-lettered": ("bad", f"Dead-lettered after {attempts} attempt(s){status} · to {last.get('topic', '')}"),
             "dropped": ("bad", f"Dropped after {attempts} attempt(s){status}"),
             "replay-failed": ("bad", f"A replay failed (attempt {attempts}){status}"),

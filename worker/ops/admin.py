@@ -502,8 +502,9 @@ class Admin:
                                          "dead_lettered", "unsettled", "source"]))
 
     async def get(self, name: str) -> Output:
-        """A registry subscription's definition and status; for one of the given config, its status
-        (its definition is that file, secrets included)."""
+        """A subscription's definition and status, wherever it is defined: the registry, the given
+        config file or a worker's own (as it publishes it); `status.source` says which. A config
+        file's definition names its secrets by reference, as the registry's does."""
         key = await self.existing(name)
         definitions = await self.registry.definitions()
         out: dict[str, Any]
