@@ -28,7 +28,7 @@ from worker.core.messages import format_message_id
 from worker.endpoint.destinations import DestinationPolicy
 from worker.model.admin_settings import AdminSettings, Grants, StaticToken
 from worker.model.config import HttpSettings, Settings
-from worker.model.subscriptions import RetryPolicy, Subscription
+from worker.model.subscriptions import parse_subscription
 from worker.process.service import Worker
 from worker.runtime import logs
 
@@ -74,10 +74,11 @@ async def run_demo(messages: int = 300, console: bool = True) -> int:
     endpoint = FlakyEndpoint()
     runner, port = await serve_local("/hook", endpoint.handle)
 
-    sub = Subscription(
-        name="orders-push", topic=TOPIC, url=f"http://127.0.0.1:{port}/hook", ack_deadline_seconds=1,
-        max_deliver=4, max_ack_pending=100, retry=RetryPolicy(0.2, 2.0), dead_letter_topic=DLQ,
-    )
+    # Read as a config file's subscription is (its definition kept): the console shows it as one.
+    sub = parse_subscription({
+        "name": "orders-push", "topic": TOPIC, "ack_deadline_seconds": 1, "max_deliver": 4, "max_ack_pending": 100,
+        "retry": {"min_backoff_seconds": 0.2, "max_backoff_seconds": 2.0}, "dead_letter": {"topic": DLQ},
+        "deliver": {"mode": "push", "push": {"url": f"http://127.0.0.1:{port}/hook"}}}, trusted=True)
     token = _console_token(state_dir)
     admin = AdminSettings(port=embedded.free_port(), refresh_seconds=5,
                           tokens=(StaticToken("demo", str(state_dir / "console-token"), Grants(admin=True)),))

@@ -48,6 +48,8 @@ def test_demo_delivers_retries_and_dead_letters_and_loses_nothing(tmp_path: Path
                 headers={"Authorization": f"Bearer {token[1]}"}), timeout=10) as answer:
             listed = json.loads(answer.read())
         assert [row["name"] for row in listed["subscriptions"]] == ["orders-push"], listed
+        [row] = listed["subscriptions"]  # a config file's subscription, as the console shows it: its endpoint
+        assert (row["source"], row["endpoint"]) == ("config", "127.0.0.1"), row
         with urllib.request.urlopen(url.replace("/console/", "/console/login"), timeout=10) as answer:
             assert answer.status == 200
         assert "Ctrl-C stops the demo" in demo.stdout.readline()
