@@ -151,9 +151,9 @@ class Operations:
             out["payload"] = {"unavailable": str(e)}
         else:
             out["payload"] = replay.payload_view(read["data"])
-            out.update({k: v for k, v in read.items() if k != "data"})
+            out.update({k: v for k, v in read.items() if k not in ("data", "subscription")})
             attempts = [e["attempt"] for e in data["history"] if isinstance(e.get("attempt"), int)]
-            out["sent"] = _as_sent(await self.admin.definition(key), message_id, read, max(attempts, default=1))
+            out["sent"] = _as_sent(read["subscription"], message_id, read, max(attempts, default=1))
         return out
 
     async def payload(self, project: str, name: str, message_id: str) -> bytes:
@@ -166,10 +166,11 @@ class Operations:
         """A message read back from the broker, once however many callers ask at the same moment (16
         downloads of one 4 MiB payload made 16 readers, and one of them timed out)."""
         async def load() -> dict[str, Any]:
-            message = await replay.read(self._broker(), (await self.admin.definition(key)).topic, message_id)
+            sub = await self.admin.definition(key)  # with the message: a page reads the definitions once
+            message = await replay.read(self._broker(), sub.topic, message_id)
             return {"data": message.data() or b"", "attributes": dict(message.properties()),
                     "ordering_key": message.partition_key() or None,
-                    "publish_time_ms": message.publish_timestamp()}
+                    "publish_time_ms": message.publish_timestamp(), "subscription": sub}
         read: dict[str, Any] = await self.reads_under_way.get(f"{key} {message_id}", load)
         return read
 
