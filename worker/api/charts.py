@@ -49,13 +49,16 @@ def charts(hours: list[dict[str, Any]]) -> list[dict[str, Any]]:
     def x_of(i: int) -> float:
         return round(LEFT + i * step, 1)
 
+    def mid_of(i: int) -> float:  # the centre of hour i's bar: its x label and its latency point
+        return round(LEFT + i * step + step / 2, 1)
+
     def y_of(share: float) -> float:  # 0..1 of the axis, from the bottom
         return round(TOP + plot_h * (1 - share), 1)
 
     every = max(1, math.ceil(LABEL_SPACING / step))
     half_label = LABEL_WIDTH / 2  # a label is kept inside the picture
-    x_ticks = [{"x": round(LEFT + i * step + step / 2, 1), "label": _hour(hours[i]["hour_ms"]),
-                "label_x": round(min(max(LEFT + i * step + step / 2, half_label), WIDTH - half_label), 1)}
+    x_ticks = [{"x": mid_of(i), "label": _hour(hours[i]["hour_ms"]),
+                "label_x": min(max(mid_of(i), half_label), WIDTH - half_label)}
                for i in range(len(hours) - 1, -1, -every)]  # from the newest back: the latest hour is labelled
 
     def y_ticks(top: float, unit: str) -> list[dict[str, Any]]:
@@ -85,7 +88,7 @@ def charts(hours: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     latencies = [h["p95_latency_ms"] for h in hours]
     slowest = _round_up(max([v for v in latencies if v is not None] or [1.0]))
-    points = [(round(LEFT + i * step + step / 2, 1), y_of(v / slowest), v, hours[i]["hour_ms"])
+    points = [(mid_of(i), y_of(v / slowest), v, hours[i]["hour_ms"])
               for i, v in enumerate(latencies) if v is not None]
     dots = [{"x": x - 2, "y": y - 2, "w": 4, "h": 4, "cls": "rate",  # a lone hour shows as a dot
              "label": f"{_hour(hour)}: p95 {v:g} ms"} for x, y, v, hour in points]
