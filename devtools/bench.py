@@ -900,7 +900,11 @@ ROOT = Path(__file__).resolve().parent.parent
 HPA_IMAGE = ROOT / "docs" / "images" / "autoscaling-loop.png"  # the spread section draws its loop here
 # Targets the issues set, beside the baseline's guards (devtools/baseline.py).
 BATCH_TARGET = 1.7  # M = 100 per core at least this many times one message a request (issue #49)
-IDLE_TARGET = 0.05  # 1,000 idle subscriptions: at most 5% of a core
+# One worker given IDLE_SUBSCRIPTIONS serves them all within IDLE_READY_TARGET seconds, and at idle
+# uses at most IDLE_TARGET of a core per 1,000 (#71).
+IDLE_SUBSCRIPTIONS, IDLE_READY_TARGET, IDLE_TARGET = 2000, 60.0, 0.03
+FLEET_SUBSCRIPTIONS, FLEET_WORKERS = 10_000, 10  # the fleet section's simulated fleet
+FLEET_IDLE_TARGET = 0.1  # Redis commands a second per idle subscription (#71)
 # `spread` only when asked: it needs root, a cgroup cpu controller and Apache Pulsar (spread_bench.py).
 SECTIONS = tuple(s for s in BENCH_SECTIONS if s != "spread")
 KIB = 1024
@@ -1267,11 +1271,36 @@ async def run_bench(messages: int = 20000, concurrency: int = 64, sections: tupl
                     print(f"(drawn into {HPA_IMAGE.relative_to(ROOT)})")
                     print()
                 if "idle" in sections:
-                    ready, cpu, rss = bench.idle()
-                    print(f"idle: 1000 push subscriptions served in {ready:.1f}s; RSS {rss:.0f} MiB")
-                    what = "idle CPU of 1,000 subscriptions (30 s, from 10 s after all served), share of a core"
-                    run.guard(Figure("idle_share_of_core_1000", what, cpu))
-                    run.target(what, cpu, IDLE_TARGET)
+                    ready, cpu, rss = bench.idle(IDLE_SUBSCRIPTIONS)
+                    print(f"idle: {IDLE_SUBSCRIPTIONS:,} push subscriptions on one worker served in {ready:.1f}s; "
+                          f"RSS {rss:.0f} MiB")
+                    run.target(f"seconds until {IDLE_SUBSCRIPTIONS:,} subscriptions are served", ready,
+                               IDLE_READY_TARGET)
+                    per_1000 = cpu / (IDLE_SUBSCRIPTIONS / 1000)
+                    what = (f"idle CPU per 1,000 subscriptions ({IDLE_SUBSCRIPTIONS:,} on one worker, 30 s from 10 s "
+                            "after all served), share of a core")
+                    run.guard(Figure("idle_share_of_core_per_1000", what, per_1000))
+                    run.target(what, per_1000, IDLE_TARGET)
+                if "fleet" in sections:
+                    from devtools import fleet_scale
+
+                    f = fleet_scale.figures(FLEET_SUBSCRIPTIONS, FLEET_WORKERS)
+                    print(f"fleet: {FLEET_SUBSCRIPTIONS:,} subscriptions over {FLEET_WORKERS} simulated workers on a "
+                          f"Redis Cluster (`python -m devtools bench-fleet --simulated`): owned {f['owned_in_s']:.1f}s "
+                          f"after the last start, {f['per_sub']:.4f} Redis command/s per idle subscription, a killed "
+                          f"worker's re-owned in {f['reowned_in_s']:.1f}s (lease {f['lease']:g}s), balance "
+                          f"{f['balance'][0]:+.0%}/{f['balance'][1]:+.0%}")
+                    run.guard(Figure("fleet_idle_commands_per_1000_subs", "Redis commands a second per 1,000 idle "
+                                     f"subscriptions ({FLEET_SUBSCRIPTIONS:,} over {FLEET_WORKERS} workers)",
+                                     f["per_sub"] * 1000))
+                    run.target("Redis commands a second per idle subscription", f["per_sub"], FLEET_IDLE_TARGET)
+                    run.guard(Figure("fleet_owned_s", f"seconds until every one of {FLEET_SUBSCRIPTIONS:,} "
+                                     "subscriptions is owned, from the last worker's start", f["owned_in_s"]))
+                    run.guard(Figure("fleet_reowned_x_lease", "a killed worker's subscriptions re-owned, in leases",
+                                     f["reowned_in_s"] / f["lease"]))
+                    run.target("a killed worker's subscriptions re-owned within the lease + 10 s (seconds)",
+                               f["reowned_in_s"], f["lease"] + 10)
+                    print()
                 if record_baseline:
                     baseline.record()
                     print(f"\nbench: the baseline recorded in {baseline.path.relative_to(ROOT)} (commit it saying why)")

@@ -12,21 +12,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from devtools import redis_topologies
 from devtools.probes import wait
 from devtools.scratch import scratch_dir
-from worker.core import keys
 from worker.core.attempts import AttemptStore
 from worker.core.dispatcher import Fence
 from worker.core.metrics import Metrics
 from worker.core.redis_batch import Pipeliner
 from worker.fleet import Fleet
 from worker.fleet.memory_watch import ThreadCpu
+from worker.fleet.ownership import owners_now
 from worker.model.config import FleetSettings, RedisSettings
 from worker.model.subscriptions import RetryPolicy, Subscription
 from worker.ops.render import table
@@ -94,11 +98,19 @@ async def simulated_worker_main(worker_id: str, settings_json: str) -> None:
     await asyncio.Event().wait()
 
 
-def _owners(client: Any, count: int) -> list[bytes | None]:
-    pipe = client.pipeline()
-    for i in range(count):
-        pipe.get(keys.lease_key(scale_subscription(i).key))
-    return list(pipe.execute())
+def _owners(client: Any, count: int) -> list[str]:
+    """Who serves each subscription ('' nobody), 1,000 a pipeline."""
+    names = [scale_subscription(i).key for i in range(count)]
+    found: dict[str, list[str]] = {}
+    for start in range(0, count, 1000):
+        found.update(owners_now(client, "scale", names[start:start + 1000]))
+    return [found[name][0] for name in names]
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) a process has used, as a pod's cgroup would count it."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _measure(settings: RedisSettings, sync: Any, count: int, workers: int, lease: float,
@@ -108,27 +120,48 @@ def _measure(settings: RedisSettings, sync: Any, count: int, workers: int, lease
     spec = json.dumps({"nodes": list(settings.nodes), "count": count, "lease": lease})
     procs = [subprocess.Popen([sys.executable, "-m", "devtools.fleet_scale", f"sim-{i}", spec],
                               stderr=subprocess.DEVNULL) for i in range(workers)]
+    last_started = time.monotonic()  # "owned within N s of the last worker's start"
     try:
-        owned_after = wait(lambda: all(_owners(sync, count)), 300, "every subscription owned")
-        print(f"  owned in {owned_after:.1f}s; idle for {lease + idle_seconds:g}s", file=sys.stderr, flush=True)
-        time.sleep(lease)  # renewals and status writes reach their steady rhythm
-        before = _commands(sync)
+        wait(lambda: all(_owners(sync, count)), 600, "every subscription owned")
+        owned_after = time.monotonic() - last_started
+        print(f"  owned {owned_after:.1f}s after the last worker's start; idle for {lease + idle_seconds:g}s",
+              file=sys.stderr, flush=True)
+        time.sleep(lease)  # hand-overs of the start settle; status writes reach their rhythm
+        before, cpu_before = _commands(sync), [_cpu_seconds(p.pid) for p in procs]
         time.sleep(idle_seconds)
         rate = (_commands(sync) - before) / idle_seconds
+        cpu = [(_cpu_seconds(p.pid) - b) / idle_seconds for p, b in zip(procs, cpu_before, strict=True)]
         memory = _memory(sync) - base_memory
-        orphaned = [i for i, owner in enumerate(_owners(sync, count)) if owner == b"sim-0"]
-        procs[0].kill()  # kill -9: nothing released, its leases lapse
+        owners = _owners(sync, count)
+        shares = Counter(owners)
+        orphaned = shares["sim-0"]
+        procs[0].kill()  # kill -9: nothing released, its entry lapses
         procs[0].wait()
-        reowned = wait(lambda: all(o not in (None, b"sim-0") for o in _owners(sync, count)), 300,
-                        "the killed worker's subscriptions re-owned")
+        reowned = wait(lambda: all(o not in ("", "sim-0") for o in _owners(sync, count)), 300,
+                       "the killed worker's subscriptions re-owned")
         print(f"  re-owned in {reowned:.1f}s", file=sys.stderr, flush=True)
+        mean = count / workers
         return {"subscriptions": count, "workers": workers, "owned_in_s": owned_after,
                 "commands_per_s": rate, "per_sub": rate / count, "memory_per_sub": memory / count,
-                "orphaned": len(orphaned), "reowned_in_s": reowned}
+                "orphaned": orphaned, "reowned_in_s": reowned,
+                "balance": (min(shares.values()) / mean - 1, max(shares.values()) / mean - 1),
+                "worker_cpu": (statistics.median(cpu), max(cpu))}
     finally:
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def figures(count: int, workers: int, lease: float = 10.0, idle_seconds: float = 10.0) -> dict[str, Any]:
+    """One size measured on a Redis Cluster of its own (`make bench --section fleet` guards them)."""
+    with scratch_dir("push-worker-fleet-scale-") as directory:
+        topology = redis_topologies.start_cluster(directory)
+        sync = connect_sync(topology.settings())
+        try:
+            return {**_measure(topology.settings(), sync, count, workers, lease, idle_seconds), "lease": lease}
+        finally:
+            sync.close()
+            topology.stop()
 
 
 async def _in_flight_memory(settings: RedisSettings, sync: Any, messages: int = 20_000) -> float:
@@ -158,7 +191,9 @@ async def run_scale(sizes: tuple[int, ...] = (1_000, 10_000), workers: int = 10,
         sync = connect_sync(settings)
         try:
             print(f"devtools bench-fleet --simulated: Redis Cluster of 3 masters + 3 replicas, {workers} simulated "
-                  f"workers (the real ownership code, no delivery), lease {lease:g}s, heartbeat 1s\n")
+                  f"workers (the real ownership code, no delivery), lease {lease:g}s, heartbeat 1s; owned: seconds "
+                  "after the last worker's start; balance: the smallest and largest share against the mean; "
+                  "worker cpu: a worker process's share of a core at idle (median, max)\n")
             rows = []
             for n in sizes:
                 print(f"measuring {n:,} subscriptions ...", file=sys.stderr, flush=True)
@@ -166,9 +201,12 @@ async def run_scale(sizes: tuple[int, ...] = (1_000, 10_000), workers: int = 10,
             print(table([{"subscriptions": f"{r['subscriptions']:,}", "owned in s": f"{r['owned_in_s']:.1f}",
                           "redis cmd/s": f"{r['commands_per_s']:,.0f}", "cmd/s per sub": f"{r['per_sub']:.3f}",
                           "memory/sub B": f"{r['memory_per_sub']:,.0f}",
-                          "re-owned after kill s": f"{r['reowned_in_s']:.1f} ({r['orphaned']:,} subs)"} for r in rows],
+                          "re-owned after kill s": f"{r['reowned_in_s']:.1f} ({r['orphaned']:,} subs)",
+                          "balance": f"{r['balance'][0]:+.0%}/{r['balance'][1]:+.0%}",
+                          "worker cpu idle": f"{r['worker_cpu'][0]:.1%} (max {r['worker_cpu'][1]:.1%})"}
+                         for r in rows],
                         ["subscriptions", "owned in s", "redis cmd/s", "cmd/s per sub", "memory/sub B",
-                         "re-owned after kill s"],
+                         "re-owned after kill s", "balance", "worker cpu idle"],
                         right=("subscriptions", "owned in s", "redis cmd/s", "cmd/s per sub", "memory/sub B")))
             per_message = await _in_flight_memory(settings, sync)
             print(f"\nin flight: {per_message:,.0f} bytes of Redis per message between its first attempt and settling")

@@ -16,6 +16,7 @@ from tests.support.helpers import eventually
 from tests.support.redis_targets import ALL_REDIS, RedisTarget
 from worker.core import keys
 from worker.fleet import Fleet
+from worker.fleet.ownership import owners_now
 from worker.model.config import FleetSettings, RedisSettings
 from worker.state import redis_client
 
@@ -29,11 +30,58 @@ def _script_calls(client: Any, mode: str) -> int:
     return sum(int(n.get(f"cmdstat_{c}", {}).get("calls", 0)) for n in nodes for c in ("eval", "evalsha"))
 
 
+def _commands(client: Any, mode: str) -> int:
+    """Every command Redis ran, those inside scripts included."""
+    nodes = client.info("commandstats", target_nodes="primaries").values() if mode == "cluster" else [
+        client.info("commandstats")]
+    return sum(int(stats["calls"]) for n in nodes for name, stats in n.items() if name.startswith("cmdstat_")
+               and name not in ("cmdstat_info",))
+
+
 @ALL_REDIS
-async def test_a_thousand_leases_renew_and_report_in_a_few_commands(redis_target: RedisTarget):
+async def test_a_thousand_subscriptions_are_taken_in_a_few_commands_and_cost_nothing_at_idle(redis_target: RedisTarget):
+    # Layout 2 (a fresh Redis): an owner record each, written in batched script calls when taken,
+    # and nothing per subscription afterwards: the heartbeat is the lease of all of them.
     subs = tuple(scale_subscription(i) for i in range(COUNT))
     client = redis_client.connect(redis_target.settings, socket_timeout=10)
     sync = redis_target.client()
+    fleet = Fleet(SimulatedWorker("w-owner"), client,
+                  FleetSettings(name=f"owner-{time.monotonic_ns()}", lease_seconds=6.0, heartbeat_seconds=1.0), subs)
+    try:
+        await fleet.tick()  # joins: it takes subscriptions once the members stayed the same for two rounds
+        assert not fleet.leases
+        await eventually(lambda: fleet._settled(), timeout=10, what="the members settled")
+        before = _script_calls(sync, redis_target.mode)
+        await fleet.tick()  # (the only member) takes every subscription and reports it
+        calls = _script_calls(sync, redis_target.mode) - before
+        assert len(fleet.leases) == COUNT and not sync.exists(keys.lease_key(subs[0].key))
+        assert owners_now(sync, fleet.settings.name, [s.key for s in subs[::97]]) == {
+            s.key: ["w-owner"] for s in subs[::97]}
+        # Taken and reported: one script call per 200 of each on one server (and the heartbeat); on a
+        # Cluster one per subscription of each (a script call stays within one slot), and the take
+        # and the report twice there: their scripts are not loaded yet (NOSCRIPT, then EVAL).
+        limit = 4 * COUNT + 10 if redis_target.mode == "cluster" else 2 * COUNT // 200 + 10
+        assert calls <= limit, f"{calls} script calls to take {COUNT} subscriptions"
+
+        commands = _commands(sync, redis_target.mode)
+        for _ in range(3):
+            await fleet.tick()
+        idle = _commands(sync, redis_target.mode) - commands
+        # A round's own: the heartbeat script (about 17 commands), the layout and the registry's version.
+        assert idle <= 3 * 30, f"{idle} commands in three idle rounds with {COUNT} subscriptions"
+        assert all(lease.valid() for lease in fleet.leases.values())
+    finally:
+        await fleet.batch.close()
+        await client.aclose()
+        sync.close()
+
+
+@ALL_REDIS
+async def test_a_thousand_layout_1_leases_renew_and_report_in_a_few_commands(redis_target: RedisTarget):
+    subs = tuple(scale_subscription(i) for i in range(COUNT))
+    client = redis_client.connect(redis_target.settings, socket_timeout=10)
+    sync = redis_target.client()
+    sync.set(keys.layout_key(), 1)  # a Redis 1.1.0 ran on, not switched yet
     fleet = Fleet(SimulatedWorker("w-batch"), client,
                   FleetSettings(name=f"batch-{time.monotonic_ns()}", lease_seconds=6.0, heartbeat_seconds=1.0), subs)
     try:
@@ -68,6 +116,7 @@ async def test_a_thousand_leases_renew_and_report_in_a_few_commands(redis_target
         limit = COUNT + 2 if redis_target.mode == "cluster" else 10
         assert calls <= limit, f"{calls} script calls for {COUNT} renewals"
     finally:
+        sync.delete(keys.layout_key())
         await fleet.batch.close()
         await client.aclose()
         sync.close()
@@ -80,6 +129,7 @@ async def test_a_lease_released_while_its_renewal_was_out_does_not_fail_the_roun
     subs = tuple(scale_subscription(i) for i in range(2))
     client = redis_client.connect(RedisSettings(url=redis_url), socket_timeout=10)
     sync = redis.Redis.from_url(redis_url)
+    sync.set(keys.layout_key(), 1)  # layout 1: a lease each, renewed
     fleet = Fleet(SimulatedWorker("w-race"), client,
                   FleetSettings(name=f"race-{time.monotonic_ns()}", lease_seconds=6.0, heartbeat_seconds=1.0), subs)
     try:
@@ -96,6 +146,7 @@ async def test_a_lease_released_while_its_renewal_was_out_does_not_fail_the_roun
         await asyncio.wait_for(round_, timeout=10)
         assert fleet.leases[subs[1].key].valid(), "the other lease was renewed"
     finally:
+        sync.delete(keys.layout_key())
         await fleet.batch.close()
         await client.aclose()
         sync.close()

@@ -4,12 +4,13 @@ fencing on the worker's own clock."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.fleet.leases import Lease, assign, unit, unit_parts, units
+from worker.fleet.leases import Lease, assign, assign_buckets, assign_slots, bucket_of, unit, unit_parts, units
 
 pytestmark = pytest.mark.broker_independent
 
@@ -39,6 +40,44 @@ def test_a_join_moves_about_one_nth_of_the_subscriptions():
     after = assign(sub_keys, ["w1", "w2", "w3", "w4"])
     moved = sum(1 for k in sub_keys if before[k] != after[k])
     assert 60 <= moved <= 110  # ideal 75 (a quarter); bounded loads move a little more
+
+
+def _bucket_loads(sub_keys: list[str], members: list[str]) -> tuple[dict[str, str], Counter[str]]:
+    """Layout 2's assignment of each key (through its bucket), and each member's load."""
+    buckets = assign_buckets(Counter(bucket_of(k) for k in sub_keys), members)
+    owners = {k: buckets[bucket_of(k)] for k in sub_keys}
+    return owners, Counter(owners.values())
+
+
+@settings(max_examples=200, deadline=None)
+@given(keys_, members_)
+def test_layout_2_gives_every_subscription_one_owner_evenly_and_alike_on_every_worker(sub_keys, members):
+    owners, load = _bucket_loads(sub_keys, members)
+    assert set(owners) == set(sub_keys) and set(owners.values()) <= set(members)
+    biggest = max(Counter(bucket_of(k) for k in sub_keys).values(), default=1)
+    assert max(load.values(), default=0) <= -(-len(sub_keys) // len(members)) + biggest - 1
+    assert owners == _bucket_loads(list(reversed(sub_keys)), list(reversed(members)))[0]
+
+
+@pytest.mark.parametrize(("count", "workers"), [(1_000, 10), (100_000, 100)])
+def test_layout_2_balances_a_large_fleet_within_ten_percent_and_a_join_moves_little(count, workers):
+    sub_keys = [f"p-scale/s{i:06d}" for i in range(count)]
+    members = [f"sim-{i}" for i in range(workers)]
+    before, load = _bucket_loads(sub_keys, members)
+    mean = count / workers
+    assert mean * 0.9 <= min(load.values()) and max(load.values()) <= mean * 1.1, load.most_common(1)
+    after, _ = _bucket_loads(sub_keys, [*members, "sim-new"])
+    moved = sum(1 for k in sub_keys if before[k] != after[k])
+    assert moved <= count * 6 / (workers + 1)  # ideal 1/(N+1); bounded loads move a few times that
+
+
+def test_layout_2_gives_a_spread_subscriptions_slots_to_distinct_workers():
+    widths = {"p-x/wide": 3, "p-x/too-wide": 5}
+    first = {"p-x/wide": "w1", "p-x/too-wide": "w2"}
+    slots = assign_slots(widths, first, ["w1", "w2", "w3"])
+    assert {slots["p-x/wide#1"], slots["p-x/wide#2"]} == {"w2", "w3"}
+    assert {slots["p-x/too-wide#1"], slots["p-x/too-wide#2"]} == {"w1", "w3"}
+    assert "p-x/too-wide#3" not in slots and "p-x/too-wide#4" not in slots  # more slots than workers
 
 
 def test_a_lease_is_fenced_before_it_could_expire_in_redis():

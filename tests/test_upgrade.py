@@ -19,6 +19,7 @@ from tests.support.endpoints import Endpoint
 from tests.support.fleet_harness import FleetHarness, WorkerProcess, fleet_sub
 from tests.support.helpers import eventually
 from tests.support.pulsar_client import Client
+from worker.core import keys
 from worker.core.keys import fleet_key, layout_key, layout_next_key
 
 
@@ -203,7 +204,6 @@ async def test_holder_records_mean_the_same_to_the_previous_release_and_this_one
 
     import redis as redis_sync
 
-    from worker.core import keys
     from worker.fleet import quarantine as new
 
     spec = importlib.util.spec_from_file_location("previous_quarantine",
@@ -304,6 +304,10 @@ async def test_the_switch_to_layout_2_waits_for_the_rollout_and_no_attempt_numbe
         mark = len(published) + 12
         await eventually(lambda: len(published) >= mark and set(published[:mark]) <= set(acked()), timeout=90,
                          what="the stream delivered in layout 2")
+        # Every layout 1 lease became its holder's owner record (docs/upgrading.md#redis-layout, step 4).
+        sub_keys = [f"p-switch/{n}" for n in names]
+        assert not any(fleet.redis.exists(keys.lease_key(k)) for k in sub_keys), "a layout 1 lease outlived the switch"
+        assert all(owner in ("new", "new2") for owner in fleet.owners(sub_keys).values()), fleet.owners(sub_keys)
         await stream.stop()
         await eventually(lambda: set(published) <= set(acked()), timeout=90, what="every message acked")
         late = fleet.start("late", code=previous_release)

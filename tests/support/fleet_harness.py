@@ -19,7 +19,7 @@ from tests.support.endpoints import Endpoint
 from tests.support.helpers import code_path, http_get, python_for, spawn_worker, stays_sync, stop_worker, wait_sync
 from tests.support.redis_targets import RedisTarget
 from worker.broker.embedded import free_port
-from worker.core.keys import lease_key
+from worker.fleet.ownership import owners_now
 from worker.model.config import RedisSettings
 
 
@@ -112,12 +112,10 @@ class FleetHarness:
 
     def holders(self, key: str, slots: int) -> list[str]:
         """The workers holding the subscription's slots, by slot ("" where none does)."""
-        values = self.redis.mget([lease_key(key, slot) for slot in range(slots)])  # one hash tag
-        return [v.decode() if v else "" for v in values]
+        return owners_now(self.redis, "test", [key], slots)[key]
 
     def owners(self, keys: list[str]) -> dict[str, str | None]:
-        values = [self.redis.get(lease_key(k)) for k in keys]  # one slot each: no MGET on a cluster
-        return {k: (v.decode() if v else None) for k, v in zip(keys, values, strict=True)}
+        return {k: owner[0] or None for k, owner in owners_now(self.redis, "test", keys).items()}
 
     def close(self) -> None:
         for w in self.workers.values():

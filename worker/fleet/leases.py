@@ -10,7 +10,9 @@ else can start.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
+import functools
 import hashlib
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -89,10 +91,77 @@ def assign(unit_names: Iterable[str], members: Iterable[str]) -> dict[str, str]:
     return out
 
 
-async def holders(client: AsyncClient, sub_key: str, slots: int) -> set[str]:
-    """The workers holding one of the subscription's first `slots` slots (one Cluster slot: MGET)."""
-    values = await client.mget([keys.lease_key(sub_key, slot) for slot in range(slots)])
-    return {v.decode("utf-8", "replace") for v in values if isinstance(v, bytes)}
+# Layout 2 assigns buckets of subscriptions, not each one (`assign_buckets`): a worker's work on a
+# change of members grows with the buckets and its own subscriptions, not with the fleet's.
+BUCKETS = 4096
+VNODES = 32  # points a member has on the ring
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def bucket_of(key: str) -> int:
+    """The bucket of a subscription's slot 0 (its key), fixed for ever."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") % BUCKETS
+
+
+@functools.lru_cache(maxsize=1)
+def _bucket_points() -> tuple[int, ...]:
+    return tuple(_weight("bucket", str(b)) for b in range(BUCKETS))
+
+
+@functools.lru_cache(maxsize=4)
+def _ring(members: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    ring = sorted((_weight(m, f"vnode {v}"), m) for m in members for v in range(VNODES))
+    return tuple(p for p, _ in ring), tuple(m for _, m in ring)
+
+
+def assign_buckets(sizes: Mapping[int, int], members: Iterable[str]) -> dict[int, str]:
+    """Consistent hashing with bounded loads, over buckets weighed by the subscriptions they hold:
+    each bucket, in order, goes to the first member clockwise of it on a ring (VNODES points a
+    member) whose load stays within ceil(subscriptions / members); one that fits nowhere goes to the
+    least loaded. Every worker computes the same; loads differ by less than a bucket's size (one
+    subscription while buckets hold at most one); a join or leave moves about 1/N of the buckets.
+    Cost: about BUCKETS steps, whatever the number of subscriptions."""
+    ranked = tuple(sorted(set(members)))
+    if not ranked:
+        return {}
+    points, owners = _ring(ranked)
+    bucket_points = _bucket_points()
+    cap = -(-sum(sizes.values()) // len(ranked))
+    load = dict.fromkeys(ranked, 0)
+    out: dict[int, str] = {}
+    for bucket in sorted(sizes):
+        size = sizes[bucket]
+        start, chosen, full = bisect.bisect(points, bucket_points[bucket]), None, set()
+        for i in range(len(owners)):
+            member = owners[(start + i) % len(owners)]
+            if load[member] + size <= cap:
+                chosen = member
+                break
+            full.add(member)
+            if len(full) == len(ranked):
+                break
+        if chosen is None:
+            chosen = min(ranked, key=lambda m: (load[m], m))
+        out[bucket] = chosen
+        load[chosen] += size
+    return out
+
+
+def assign_slots(widths: Mapping[str, int], first: Mapping[str, str], members: Iterable[str]) -> dict[str, str]:
+    """The slots past the first of spread subscriptions (`widths`: key to how many serve it; `first`:
+    who holds each one's slot 0): each to its highest-ranked member holding no other slot of it. A
+    slot no member can take is left out."""
+    ranked = sorted(set(members))
+    out: dict[str, str] = {}
+    for key, width in sorted(widths.items()):
+        taken = {first[key]} if key in first else set()
+        for slot in range(1, width):
+            name = unit(key, slot)
+            eligible = [m for m in ranked if m not in taken]
+            if eligible:
+                out[name] = max(eligible, key=lambda m: _weight(m, name))
+                taken.add(out[name])
+    return out
 
 
 class Lease:

@@ -2,9 +2,11 @@
 so that every operator command finds them without that file (`subs get`, `dlq list`, `queue --state
 dead`): a command given only the Redis URL found them served but could not read their definitions.
 
-Each worker writes each of its config file's definitions under the subscription's hash tag
-(`keys.config_definition_key`), as JSON with the worker that wrote it, every PUBLISH_EVERY seconds,
-expiring after KEEP_SECONDS: a subscription removed from every worker's file disappears on its own.
+The worker a config file's subscription is assigned to writes its definition under the
+subscription's hash tag (`keys.config_definition_key`), as JSON with the worker that wrote it, when
+it is assigned there and every PUBLISH_EVERY seconds after, expiring after KEEP_SECONDS: a
+subscription removed from every worker's file disappears on its own. One writer a subscription:
+every worker writing every definition cost Redis subscriptions x workers writes.
 A definition names its secrets by reference ({secret}, {env}, {file}), never by value; a command
 that needs them (`dlq redrive` signs its requests) reads them where it runs.
 """
@@ -12,7 +14,7 @@ that needs them (`dlq redrive` signs its requests) reads them where it runs.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import orjson
@@ -21,8 +23,8 @@ from worker.core import keys
 from worker.model.subscriptions import Subscription
 from worker.state.redis_client import AsyncClient
 
-PUBLISH_EVERY = 60.0
-KEEP_SECONDS = 300
+PUBLISH_EVERY = 1200.0
+KEEP_SECONDS = 3600
 
 
 class ConfigDefinitions:
@@ -30,19 +32,25 @@ class ConfigDefinitions:
         self.client = client
         self.worker_id = worker_id
         self.static = static
-        self._at: float | None = None
+        self._at: dict[str, float] = {}  # key -> when its definition was written
 
-    async def publish_if_due(self) -> None:
+    async def publish_if_due(self, assigned: Collection[str]) -> None:
+        """Write the definitions of the config file's subscriptions `assigned` here that are due."""
+        if not self.static:
+            return
         now = time.monotonic()
-        if not self.static or (self._at is not None and now - self._at < PUBLISH_EVERY):
+        due = [key for key in assigned
+               if key in self.static and now - self._at.get(key, -PUBLISH_EVERY) >= PUBLISH_EVERY]
+        if not due:
             return
         async with self.client.pipeline(transaction=False) as pipe:
-            for key, sub in self.static.items():
-                record = {"definition": sub.definition, "worker": self.worker_id}
+            for key in due:
+                record = {"definition": self.static[key].definition, "worker": self.worker_id}
                 # default=str: YAML can hold values JSON cannot (a date); shown as text, never a failed round
                 pipe.set(keys.config_definition_key(key), orjson.dumps(record, default=str), ex=KEEP_SECONDS)
             await pipe.execute()
-        self._at = now
+        self._at = {key: at for key, at in self._at.items() if key in assigned}
+        self._at.update(dict.fromkeys(due, now))
 
 
 async def published(client: AsyncClient, key: str) -> dict[str, Any] | None:

@@ -53,10 +53,16 @@ if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   if redis.call('PTTL', KEYS[1]) == -1 then redis.call('PEXPIRE', KEYS[1], ARGV[2]); return {-1} end
   return {0}
 end
-local previous = redis.pcall('HMGET', KEYS[2], 'instance', 'worker', 'trial', 'memory', 'suspect')
+local previous = redis.pcall('HMGET', KEYS[2], 'instance', 'worker', 'trial', 'memory', 'suspect', 'incarnation',
+                             'released')
 if previous.err then
   redis.call('DEL', KEYS[2])
   previous = {}
+end
+-- A layout 2 owner (`ownership.py`: a worker that saw the switch a round earlier) keeps it.
+if previous[6] and previous[7] ~= '1' and previous[1] ~= 'quarantined' then
+  redis.call('DEL', KEYS[1])
+  return {0}
 end
 redis.call('DEL', KEYS[2])
 redis.call('HSET', KEYS[2], 'instance', ARGV[3], 'worker', ARGV[1], 'trial', '0')

@@ -21,12 +21,12 @@ import orjson
 import pulsar.asyncio as pulsar_async
 
 from worker.core import keys
-from worker.fleet import leases
+from worker.fleet import leases, ownership
 from worker.fleet.registry import delete_matching
 from worker.model.config import PulsarSettings
 from worker.model.subscriptions import Subscription
 from worker.runtime.errors import PushWorkerError
-from worker.state.redis_client import AsyncClient, safe_text
+from worker.state.redis_client import AsyncClient
 
 SEEK_TTL_SECONDS = 300
 SEEK_TRIES = 3
@@ -180,20 +180,22 @@ async def seek_result(client: AsyncClient, sub_key: str, request_id: str) -> dic
 
 # -- the operator's half ------------------------------------------------------------------------
 
-async def seek_by_command(client: AsyncClient, channel: str, key: str, target: SeekTarget,
+async def seek_by_command(client: AsyncClient, fleet: str, channel: str, key: str, target: SeekTarget,
                           definition: Callable[[], Awaitable[Subscription]], pulsar: PulsarSettings,
                           lease_seconds: float, wait: float) -> dict[str, Any]:
-    """Have the cursor moved and the attempt counts forgotten: by the worker holding the lease, or,
-    when none does, by this command under the lease. Returns the result (`status` `done` or not)."""
+    """Have the cursor moved and the attempt counts forgotten: by the worker serving it, or, when
+    none does, by this command under the lease. Returns the result (`status` `done` or not)."""
     request_id = uuid.uuid4().hex
     deadline = time.monotonic() + wait
     while True:
-        lease = await client.get(keys.lease_key(key))
-        owner = safe_text(lease) if lease else ""
+        owner = (await ownership.owners(client, fleet, key, 1))[0]
         if not owner:
             # The command holds the lease while it seeks: a worker starting meanwhile would attach a
-            # consumer before the cursor moved and deliver what it took from the old position.
+            # consumer before the cursor moved and deliver what it took from the old position (layout
+            # 2's owners refuse a held lease too; one that took its record just before goes first).
             async with leases.hold(client, key, SEEK_COMMAND + request_id[:8], lease_seconds) as held:
+                if held and (await ownership.record_owners(client, fleet, key, 1))[0]:
+                    continue  # a worker took it just now: asked of that worker, next time round
                 if held:
                     await _seek_directly(await definition(), target, pulsar)
                     return {"status": "done", "worker": "this command (no worker serves it)",

@@ -27,7 +27,7 @@ from redis.exceptions import ResponseError
 from worker.core import keys
 from worker.core.flow import MAX_PAUSE
 from worker.core.redis_batch import Pipeliner
-from worker.fleet.leases import holders
+from worker.fleet.ownership import holders
 from worker.fleet.worker_protocol import ServingWorker
 from worker.model.subscriptions import RateLimit, Subscription
 from worker.state.redis_client import AsyncClient
@@ -188,8 +188,9 @@ class Spreading:
     workers. `narrow` serves one alone while it seeks."""
 
     def __init__(self, client: AsyncClient, batch: Pipeliner, per_worker: float, quiet_seconds: float,
-                 worker: ServingWorker, channel: str, wake: asyncio.Event, log: Any) -> None:
+                 worker: ServingWorker, fleet: str, channel: str, wake: asyncio.Event, log: Any) -> None:
         self.client, self.worker, self.channel, self.wake, self.log = client, worker, channel, wake, log
+        self.fleet = fleet
         self.spread = Spread(batch, per_worker, quiet_seconds)
         self.pauses = SharedPauses(batch)
         self.widths: dict[str, int] = {}  # spread subscriptions: how many workers serve each
@@ -241,5 +242,5 @@ class Spreading:
         self.spread.stored[key] = 1
         await self.client.publish(self.channel, b"members")  # the others let go now, not next round
         deadline = time.monotonic() + NARROW_WAIT
-        while await holders(self.client, key, slots) - {me} and time.monotonic() < deadline:  # noqa: ASYNC110
+        while await holders(self.client, self.fleet, key, slots) - {me} and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.2)

@@ -25,7 +25,7 @@ from worker.core import attempts, keys, recent
 from worker.core.messages import rfc3339
 from worker.fleet import layout, quarantine
 from worker.fleet.admission import admit_for
-from worker.fleet.leases import holders
+from worker.fleet.ownership import holders, owners
 from worker.fleet.published import published
 from worker.fleet.registry import Registry, clear_state
 from worker.fleet.seek import SeekTarget, seek_by_command
@@ -205,6 +205,7 @@ class Admin:
                                  admit_for(target.settings) if target.configured else None,
                                  target.settings.fleet.max_subscriptions_per_project if target.configured else None)
         self.lease_seconds = target.settings.fleet.lease_seconds
+        self.fleet = target.fleet
         self._layout_claimed = False
 
     async def writable(self) -> None:
@@ -225,18 +226,20 @@ class Admin:
         key = await self.registry.resolve(name, also=set(self.static) | served | paused)
         if key in self.static or key in paused or await self.client.hexists(self.registry.hash, key):
             return key
-        if await self.client.exists(keys.lease_key(key), keys.status_key(key), keys.config_definition_key(key)):
+        if await self.client.exists(keys.lease_key(key), keys.holder_key(key), keys.status_key(key),
+                                    keys.config_definition_key(key)):
             return key
         raise NotFound(f"{name}: no such subscription (not in the registry, the given config, "
                        "or served by a worker)")
 
     async def _served(self) -> set[str]:
-        """The keys of the subscriptions some worker (or seek command) holds a lease on."""
+        """The keys of the subscriptions some worker (or seek command) holds a lease or record of."""
         served: set[str] = set()
-        async for lease in self.client.scan_iter(match=keys.lease_key("*"), count=1000):
-            key = keys.subscription_of(safe_text(lease))
-            if valid_key(key):  # anything else is garbage, not a subscription
-                served.add(key)
+        for pattern in (keys.lease_key("*"), keys.holder_key("*")):
+            async for found in self.client.scan_iter(match=pattern, count=1000):
+                key = keys.subscription_of(safe_text(found))
+                if valid_key(key):  # anything else is garbage, not a subscription
+                    served.add(key)
         return served
 
     async def definition(self, name: str) -> Subscription:
@@ -262,7 +265,7 @@ class Admin:
         await self.writable()
         key = await self.existing(name)
         await self.registry.refuse_if_expired(key, "seek")
-        result = await seek_by_command(self.client, self.registry.channel, key, target,
+        result = await seek_by_command(self.client, self.fleet, self.registry.channel, key, target,
                                        lambda: self.definition(name), pulsar, self.lease_seconds, wait)
         if result.get("status") != "done":
             tries = result.get("tries", 1)
@@ -355,7 +358,7 @@ class Admin:
         if paused:
             deadline = time.monotonic() + wait
             # Every slot's holder drains its requests under way, then releases its lease.
-            while (owner := ",".join(sorted(await holders(self.client, key, MAX_WORKERS)))) and \
+            while (owner := ",".join(sorted(await holders(self.client, self.fleet, key, MAX_WORKERS)))) and \
                     time.monotonic() < deadline:  # noqa: ASYNC110
                 await asyncio.sleep(0.2)
         result = {"subscription": key, "result": what, "still_draining": owner or None}
@@ -444,18 +447,19 @@ class Admin:
         """The subscription's state and counters, as the workers serving its slots report them: every
         one of them in `owner`, the counters summed, the state and reason of its slot 0."""
         slots = _max_workers(definition)
-        # One hash tag: MGET is legal on a cluster too.
-        holders = await self.client.mget([keys.lease_key(key, slot) for slot in range(slots)])
+        holders = await owners(self.client, self.fleet, key, slots)
         status = await self._status(key, 0)
         reports = [status] + [await self._status(key, slot) for slot in range(1, slots) if holders[slot]]
         project, _, name = key.partition("/")
-        owners = [safe_text(h) for h in holders if h]
-        state, reason = held_back.get(key) or (status.get("state") or ("Starting" if owners else "Unowned"),
-                                               status.get("reason", ""))
+        serving = [h for h in holders if h]
+        # A status outlives its writer (it is refreshed every few minutes): without a live owner of
+        # slot 0 the subscription is Unowned, whatever the last status said.
+        state, reason = held_back.get(key) or ((status.get("state") or "Starting", status.get("reason", ""))
+                                               if holders[0] else ("Unowned", ""))
         return {
             "project": project, "name": name, "type": definition.get("type", "shared"),
             "endpoint": _endpoint_host(definition),
-            "owner": ",".join(owners) or "-",
+            "owner": ",".join(serving) or "-",
             "state": state, "reason": reason,
             **{field: sum(attempts.counter(report.get(field)) for report in reports)
                for field in ("acked", "retried", "dead_lettered", "unsettled")},

@@ -48,7 +48,7 @@ async def readiness(w: Judged) -> tuple[bool, str]:
     fleet = w.fleet
     if fleet is not None and fleet.stepped_out:
         return False, f"cut off from the broker, serving nothing until it answers ({fleet.stepped_out})"
-    if fleet is None or not fleet.members:
+    if fleet is None or not fleet.members or not fleet.took_share:  # it takes its share once arrivals settle
         why = fleet.round_error if fleet else ""
         return False, f"not yet in the fleet ({why})" if why else "not yet in the fleet"
     # Past a lease period every lease has lapsed: nothing is delivered, though Redis answers PING.

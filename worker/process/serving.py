@@ -19,7 +19,7 @@ from worker.broker.prefetch import LargestMessages
 from worker.core.budgets import LARGE_MESSAGE_BYTES, prefetch_bytes, prefetch_for, too_large
 from worker.core.dispatcher import CLOSE_TIMEOUT, DeliveryContext, Dispatcher, Fence, Stats
 from worker.core.messages import Envelope
-from worker.fleet import leases, seek
+from worker.fleet import ownership, seek
 from worker.fleet.memory_watch import ThreadCpu, io_thread_id
 from worker.fleet.seek import SeekTarget
 from worker.model.config import Settings
@@ -135,8 +135,8 @@ class Serving:
         self.on_served()
         if self.settings.pulsar.admin_url:
             # A spread subscription's other consumers are its other slots' holders, not stale ones.
-            holders = functools.partial(leases.holders, self.redis, sub.key, sub.max_workers) \
-                if sub.max_workers > 1 else None
+            holders = functools.partial(ownership.holders, self.redis, self.settings.fleet.name, sub.key,
+                                        sub.max_workers) if sub.max_workers > 1 else None
             self._spawn(broker_admin.evict_stale_consumers(self.session, self.settings.pulsar.admin_url, sub,
                                                            self.worker_id, self.log, self.metrics, holders),
                         f"evict {sub.key}", "evict")
