@@ -1294,10 +1294,13 @@ async def run_bench(messages: int = 20000, concurrency: int = 64, sections: tupl
                                      f"subscriptions ({FLEET_SUBSCRIPTIONS:,} over {FLEET_WORKERS} workers)",
                                      f["per_sub"] * 1000))
                     run.target("Redis commands a second per idle subscription", f["per_sub"], FLEET_IDLE_TARGET)
+                    # Seconds of processes starting and converging on a shared 2-core machine vary by a
+                    # third from run to run (7 to 12 s measured): a guard at 15% would fail by chance.
                     run.guard(Figure("fleet_owned_s", f"seconds until every one of {FLEET_SUBSCRIPTIONS:,} "
-                                     "subscriptions is owned, from the last worker's start", f["owned_in_s"]))
+                                     "subscriptions is owned, from the last worker's start", f["owned_in_s"],
+                                     tolerance=0.6))
                     run.guard(Figure("fleet_reowned_x_lease", "a killed worker's subscriptions re-owned, in leases",
-                                     f["reowned_in_s"] / f["lease"]))
+                                     f["reowned_in_s"] / f["lease"], tolerance=0.3))
                     run.target("a killed worker's subscriptions re-owned within the lease + 10 s (seconds)",
                                f["reowned_in_s"], f["lease"] + 10)
                     print()

@@ -17,6 +17,11 @@ def test_a_cost_may_grow_by_the_tolerance_and_no_more():
     assert not holds and "DOES NOT HOLD" in line and "at most 1.15" in line
 
 
+def test_a_figure_that_varies_more_says_its_own_tolerance():
+    assert verdict(Figure("k", "seconds", 1.59, tolerance=0.6), 1.0)[0]
+    assert not verdict(Figure("k", "seconds", 1.61, tolerance=0.6), 1.0)[0]
+
+
 def test_a_gain_may_shrink_by_the_tolerance_and_no_more():
     assert verdict(Figure("k", "gain", 1.8, lower_is_better=False), 2.0)[0]
     holds, line = verdict(Figure("k", "gain", 1.6, lower_is_better=False), 2.0)
