@@ -39,10 +39,10 @@ OWNER_REFRESH_SECONDS = 6 * 3600.0
 # Take slots: KEYS a slot's layout 1 lease and its owner record per operation. ARGV: 1 the worker id,
 # 2 its instance, 3 its incarnation, 4 the record's TTL (ms), 5 the lease TTL (ms), 6 the view's time
 # less a margin for the clocks of Cluster nodes (Redis ms), 7.. the live incarnations of the view.
-# Six values an operation: a layout 1 lease held by
-# another (a worker before the switch, a seek command) refuses, {0}; one without an expiry gets one
-# ({-1}, as in layout 1); taken, {1, previous instance, worker, trial, memory, suspect}
-# (`quarantine.Taken`). The taker's own layout 1 lease becomes its record (the switch).
+# Six values an operation: a layout 1 lease held by another (a worker before the switch, a seek
+# command) refuses, {0}; one without an expiry gets one ({-1}, as in layout 1); taken, {1, previous
+# instance, worker, trial, memory, suspect} (`quarantine.Taken`). The taker's own layout 1 lease
+# becomes its record (the switch).
 ACQUIRE = BatchScript("""
 local live = {}
 for i = 7, #ARGV do live[ARGV[i]] = true end
