@@ -312,11 +312,7 @@ class Fleet:
         sent_at = time.monotonic()
         held = self._due_renewals(sent_at)
         if self.stepped_out:  # alive while draining (layout 2's leases), in no assignment
-            results = await asyncio.gather(self._heartbeat(assignable=False),
-                                           *(self._renewal(key) for key in held), return_exceptions=True)
-            await self._lose(self._renewed(held, results[1:], sent_at))
-            if not isinstance(results[0], BaseException):
-                await self._heard(results[0], sent_at)
+            await self._lose(await self._keep_alive(held, sent_at))
             return
         results = await asyncio.gather(
             self._heartbeat(assignable=True),
@@ -592,8 +588,8 @@ class Fleet:
         """Take the units: in layout 2 their owner records, all in one round trip (`ownership.py`); in
         layout 1 a lease each."""
         taken = []
-        if self.layout_state.layout == 1 or self._settled():
-            self.took_share = True
+        settled = self.layout_state.layout == 1 or self._settled()
+        self.took_share = self.took_share or settled
         if self.layout_state.layout == 1:
             for name in names:
                 key, slot = unit_parts(name)
@@ -606,7 +602,7 @@ class Fleet:
                 if await self._taken(name, reply, lease):
                     self._layout1_units.add(name)
                     taken.append(name)
-        elif self.member_lease.valid() and self._settled():  # a view too old to take anything by: none
+        elif self.member_lease.valid() and settled:  # a view too old to take anything by: none
             now = time.monotonic()
             retry = now - 2 * self.settings.heartbeat_seconds
             names = [name for name in names if self._refused.get(name, 0.0) <= retry]
@@ -681,12 +677,8 @@ class Fleet:
         expired = key in self.expired
         # Expired: "internal resources are deleted", so the broker subscription goes too.
         await self.worker.remove(key, grace=DELETE_GRACE if deleted or expired else None, unsubscribe=expired)
-        lease = self.leases.pop(name, None)
         suspect = self.containment.suspected(name)  # not tried yet: the next holder tries it
-        self.containment.untry(name)
-        layout1 = name in self._layout1_units
-        self._layout1_units.discard(name)
-        self._owned_at.pop(name, None)
+        lease, layout1 = self._forget(name)
         if lease is not None and layout1:
             with contextlib.suppress(*REDIS_DOWN):  # else it lapses
                 await self.client.eval(RELEASE_HOLDING, 2, keys.lease_key(key, slot), keys.holder_key(key, slot),
@@ -722,18 +714,25 @@ class Fleet:
             pending = {name: suspect for name, suspect in self._unreleased.items() if name not in self.leases}
             await self._release(list(pending), list(pending.values()))
 
+    def _forget(self, name: str) -> tuple[Lease | None, bool]:
+        """Hold unit `name` no more here: its lease (None if it was not held), and whether that was a
+        layout 1 lease of its own."""
+        layout1 = name in self._layout1_units
+        self._layout1_units.discard(name)
+        self._owned_at.pop(name, None)
+        self.containment.untry(name)
+        return self.leases.pop(name, None), layout1
+
     async def _lose(self, lost: list[str]) -> None:
         """The leases are gone (expired while we were paused or cut off): stop at once, all together
         (one after another, a broker that does not answer closes would hold up the round for
         `dispatcher.CLOSE_TIMEOUT` per subscription)."""
         for name in lost:
-            if self.leases.pop(name, None) is not None and name not in self._layout1_units:
+            lease, layout1 = self._forget(name)
+            if lease is not None and not layout1:
                 # Its record may still name this incarnation (Redis came back before the entry
                 # lapsed): released, or it would keep the slot from whoever it is assigned to now.
                 self._unreleased[name] = "0"
-            self._layout1_units.discard(name)
-            self._owned_at.pop(name, None)
-            self.containment.untry(name)
         await asyncio.gather(*(self.worker.remove(unit_parts(name)[0], grace=0) for name in lost))
         for name in lost:
             self.log.warning("lease lost; stopped delivering", subscription=unit_parts(name)[0])
@@ -823,10 +822,15 @@ class Fleet:
         # only deletes a lease or record that is still ours.
         while self.leases:
             sent_at = time.monotonic()
-            held = self._due_renewals(sent_at)
-            results = await asyncio.gather(self._heartbeat(assignable=False), *(self._renewal(key) for key in held),
-                                           return_exceptions=True)
-            self._renewed(held, results[1:], sent_at)
-            if not isinstance(results[0], BaseException):
-                await self._heard(results[0], sent_at)
+            await self._keep_alive(self._due_renewals(sent_at), sent_at)
             await asyncio.sleep(self.settings.heartbeat_seconds)
+
+    async def _keep_alive(self, held: list[str], sent_at: float) -> list[str]:
+        """A heartbeat out of the assignment (stepped out, leaving) and the layout 1 renewals due;
+        returns the leases that were not renewed."""
+        results = await asyncio.gather(self._heartbeat(assignable=False), *(self._renewal(key) for key in held),
+                                       return_exceptions=True)
+        lost = self._renewed(held, results[1:], sent_at)
+        if not isinstance(results[0], BaseException):
+            await self._heard(results[0], sent_at)
+        return lost
