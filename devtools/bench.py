@@ -1303,6 +1303,13 @@ async def run_bench(messages: int = 20000, concurrency: int = 64, sections: tupl
                                      f["reowned_in_s"] / f["lease"], tolerance=0.3))
                     run.target("a killed worker's subscriptions re-owned within the lease + 10 s (seconds)",
                                f["reowned_in_s"], f["lease"] + 10)
+                    # A hundred subscriptions a worker: the heartbeats, a fixed cost per worker, weigh most.
+                    small = fleet_scale.figures(FLEET_WORKERS * 100, FLEET_WORKERS)
+                    what = (f"Redis commands a second per idle subscription ({FLEET_WORKERS * 100:,} over "
+                            f"{FLEET_WORKERS} workers)")
+                    print(f"fleet: {what}: {small['per_sub']:.4f}")
+                    run.guard(Figure("fleet_small_idle_commands_per_sub", what, small["per_sub"]))
+                    run.target(what, small["per_sub"], FLEET_IDLE_TARGET)
                     print()
                 if record_baseline:
                     baseline.record()

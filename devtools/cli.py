@@ -25,10 +25,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_fleet(args: argparse.Namespace) -> int:
+    if args.rollout:
+        from devtools.fleet_rollout import run_rollout
+
+        return run_rollout(args.subscriptions if args.subscriptions != 60 else 100_000, args.workers or 100)
     if args.simulated:
         from devtools.fleet_scale import run_scale
 
-        return run_loop(run_scale(tuple(args.sizes), args.workers or 10, args.lease_seconds or 10.0))
+        return run_loop(run_scale(tuple(args.sizes), args.workers or 10, args.lease_seconds or 10.0,
+                                  staggered=args.staggered))
     from devtools.fleet_bench import run
 
     return run_loop(run(args.subscriptions, args.workers or 3, args.lease_seconds or 5.0))
@@ -79,6 +84,12 @@ def register(cmds: Any) -> None:
     p.add_argument("--simulated", action="store_true",
                    help="the fleet's Redis traffic at scale on a real Redis Cluster: simulated workers running "
                         "the real ownership code, no delivery")
+    p.add_argument("--staggered", action="store_true",
+                   help="with --simulated: start each worker once the one before joined (pods on machines of "
+                        "their own), not all at once")
+    p.add_argument("--rollout", action="store_true",
+                   help="how often a rolling restart moves each subscription, from the assignment alone (default "
+                        "100,000 subscriptions over 100 workers)")
     p.add_argument("--sizes", type=positive_int, nargs="+", default=[1000, 10000],
                    help="with --simulated: subscription counts to measure (default 1000 10000)")
     p.set_defaults(func=_cmd_bench_fleet)

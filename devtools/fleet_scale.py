@@ -95,16 +95,23 @@ async def simulated_worker_main(worker_id: str, settings_json: str) -> None:
     fleet = Fleet(SimulatedWorker(worker_id), client,
                   FleetSettings(name="scale", lease_seconds=spec["lease"], heartbeat_seconds=1.0), subs)
     await fleet.start()
+    print("joined", flush=True)  # for a staggered start (`_measure`)
     await asyncio.Event().wait()
 
 
-def _owners(client: Any, count: int) -> list[str]:
-    """Who serves each subscription ('' nobody), 1,000 a pipeline."""
-    names = [scale_subscription(i).key for i in range(count)]
+def _owners(client: Any, count: int, every: int = 1) -> list[str]:
+    """Who serves each subscription ('' nobody), 1,000 a pipeline; every `every`th subscription only."""
+    names = [scale_subscription(i).key for i in range(0, count, every)]
     found: dict[str, list[str]] = {}
     for start in range(0, count, 1000):
         found.update(owners_now(client, "scale", names[start:start + 1000]))
     return [found[name][0] for name in names]
+
+
+def _all_owned(client: Any, count: int) -> bool:
+    """Whether every subscription is owned: a sample of a fiftieth first (reading 100,000 owner records
+    takes seconds of a core the workers need while they converge), then all of them."""
+    return all(_owners(client, count, every=50)) and all(_owners(client, count))
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -113,16 +120,31 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _start(spec: str, workers: int, staggered: bool) -> list[subprocess.Popen[bytes]]:
+    """The simulated workers, a process each; staggered: each once the one before joined, as pods
+    on machines of their own would (on this one, 100 processes starting at once take minutes of
+    CPU before any of them joins)."""
+    procs = []
+    for i in range(workers):
+        procs.append(subprocess.Popen([sys.executable, "-m", "devtools.fleet_scale", f"sim-{i}", spec],
+                                      stdout=subprocess.PIPE if staggered else subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL))
+        if staggered and procs[-1].stdout is not None:
+            procs[-1].stdout.readline()
+    return procs
+
+
 def _measure(settings: RedisSettings, sync: Any, count: int, workers: int, lease: float,
-             idle_seconds: float) -> dict[str, Any]:
+             idle_seconds: float, staggered: bool = False) -> dict[str, Any]:
     sync.flushall(target_nodes="primaries")
     base_memory = _memory(sync)
     spec = json.dumps({"nodes": list(settings.nodes), "count": count, "lease": lease})
-    procs = [subprocess.Popen([sys.executable, "-m", "devtools.fleet_scale", f"sim-{i}", spec],
-                              stderr=subprocess.DEVNULL) for i in range(workers)]
+    first_started = time.monotonic()
+    procs = _start(spec, workers, staggered)
     last_started = time.monotonic()  # "owned within N s of the last worker's start"
+    print(f"  started in {last_started - first_started:.1f}s", file=sys.stderr, flush=True)
     try:
-        wait(lambda: all(_owners(sync, count)), 600, "every subscription owned")
+        wait(lambda: _all_owned(sync, count), 900, "every subscription owned")
         owned_after = time.monotonic() - last_started
         print(f"  owned {owned_after:.1f}s after the last worker's start; idle for {lease + idle_seconds:g}s",
               file=sys.stderr, flush=True)
@@ -135,10 +157,13 @@ def _measure(settings: RedisSettings, sync: Any, count: int, workers: int, lease
         owners = _owners(sync, count)
         shares = Counter(owners)
         orphaned = shares["sim-0"]
+        # Only the killed worker's subscriptions are read while they are re-owned: reading all 100,000
+        # takes seconds, and the time measured would be the reading's.
+        theirs = [scale_subscription(i).key for i, owner in enumerate(owners) if owner == "sim-0"]
         procs[0].kill()  # kill -9: nothing released, its entry lapses
         procs[0].wait()
-        reowned = wait(lambda: all(o not in ("", "sim-0") for o in _owners(sync, count)), 300,
-                       "the killed worker's subscriptions re-owned")
+        reowned = wait(lambda: all(o[0] not in ("", "sim-0") for o in owners_now(sync, "scale", theirs).values()),
+                       300, "the killed worker's subscriptions re-owned")
         print(f"  re-owned in {reowned:.1f}s", file=sys.stderr, flush=True)
         mean = count / workers
         return {"subscriptions": count, "workers": workers, "owned_in_s": owned_after,
@@ -183,7 +208,7 @@ async def _in_flight_memory(settings: RedisSettings, sync: Any, messages: int = 
 
 
 async def run_scale(sizes: tuple[int, ...] = (1_000, 10_000), workers: int = 10, lease: float = 10.0,
-                    idle_seconds: float = 10.0) -> int:
+                    idle_seconds: float = 10.0, staggered: bool = False) -> int:
     logs.configure("json", "error")
     with scratch_dir("push-worker-fleet-scale-") as directory:
         topology = await asyncio.to_thread(redis_topologies.start_cluster, directory)
@@ -197,7 +222,8 @@ async def run_scale(sizes: tuple[int, ...] = (1_000, 10_000), workers: int = 10,
             rows = []
             for n in sizes:
                 print(f"measuring {n:,} subscriptions ...", file=sys.stderr, flush=True)
-                rows.append(await asyncio.to_thread(_measure, settings, sync, n, workers, lease, idle_seconds))
+                rows.append(await asyncio.to_thread(_measure, settings, sync, n, workers, lease, idle_seconds,
+                                                    staggered))
             print(table([{"subscriptions": f"{r['subscriptions']:,}", "owned in s": f"{r['owned_in_s']:.1f}",
                           "redis cmd/s": f"{r['commands_per_s']:,.0f}", "cmd/s per sub": f"{r['per_sub']:.3f}",
                           "memory/sub B": f"{r['memory_per_sub']:,.0f}",

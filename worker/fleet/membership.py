@@ -52,39 +52,72 @@ Heard = tuple[list[Any], int, Any, int, int, list[Any]]  # what _HEARTBEAT retur
 # too (layout 2's leases: `ownership.py`). ARGV[5] '0' keeps this worker out of `members` (stepped
 # out, leaving). An incarnation whose entry lapsed is not renewed (it is dead to the fleet): the
 # worker joins as a new one (ARGV[7] '1').
-# Entries whose expiry lies further ahead than any heartbeat sets (3 TTLs) are garbage, not workers:
-# left in place they would be assigned subscriptions nobody serves. A key of the wrong type is corrupt
-# state and starts over. Returns {the members, how many garbage entries went, the previous instance
-# (below), 1 when this worker's `alive` entry had not lapsed, Redis time (ms), the live workers}.
+# A round is every worker's, every second: it costs six commands (the fleet's idle cost is mostly
+# this). Entries whose expiry lies further ahead than any heartbeat sets (3 TTLs) are garbage, not
+# workers: never read (left in the view they would be assigned subscriptions nobody serves), removed
+# with the lapsed ones when ARGV[8] is '1' (`Fleet._sweeps`). A key of the wrong type is
+# corrupt state and starts over, found by the command it fails. Returns {the members, how many
+# garbage entries went, the previous instance (below), 1 when this worker's `alive` entry had not
+# lapsed, Redis time (ms), the live workers}.
 _HEARTBEAT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[2])
 local dropped = 0
-for _, key in ipairs({KEYS[1], KEYS[4]}) do
-  local kind = redis.call('TYPE', key)['ok']
-  if kind ~= 'zset' and kind ~= 'none' then
-    redis.call('DEL', key); dropped = dropped + 1
+local function failed(reply) return type(reply) == 'table' and reply['err'] ~= nil end
+local function started_over(key) redis.call('DEL', key); dropped = dropped + 1 end
+if ARGV[8] == '1' then
+  for _, key in ipairs({KEYS[1], KEYS[4]}) do
+    local garbage = redis.pcall('ZREMRANGEBYSCORE', key, '(' .. (now + 3 * ttl), '+inf')
+    if failed(garbage) then started_over(key) else
+      dropped = dropped + garbage
+      redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+    end
   end
 end
-if ARGV[5] == '1' then redis.call('ZADD', KEYS[1], now + ttl, ARGV[1]) else redis.call('ZREM', KEYS[1], ARGV[1]) end
-local score = redis.call('ZSCORE', KEYS[4], ARGV[6])
-local continuous = (score and tonumber(score) > now) and 1 or 0
-if continuous == 1 or ARGV[7] == '1' then redis.call('ZADD', KEYS[4], now + ttl, ARGV[6]) end
-local lists = {}
-for i, key in ipairs({KEYS[1], KEYS[4]}) do
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-  dropped = dropped + redis.call('ZREMRANGEBYSCORE', key, '(' .. (now + 3 * ttl), '+inf')
-  lists[i] = redis.call('ZRANGE', key, 0, -1)
+local function live(key)
+  local found = redis.pcall('ZRANGEBYSCORE', key, '(' .. now, now + 3 * ttl)
+  if failed(found) then started_over(key); return {} end
+  return found
 end
+local function renew(key, member)
+  if failed(redis.pcall('ZADD', key, now + ttl, member)) then
+    started_over(key); redis.call('ZADD', key, now + ttl, member)
+  end
+end
+if ARGV[5] == '1' then renew(KEYS[1], ARGV[1])
+elseif failed(redis.pcall('ZREM', KEYS[1], ARGV[1])) then started_over(KEYS[1]) end
+local alive = live(KEYS[4])
+local continuous = 0
+for _, incarnation in ipairs(alive) do
+  if incarnation == ARGV[6] then continuous = 1 end
+end
+if continuous == 1 or ARGV[7] == '1' then
+  renew(KEYS[4], ARGV[6])
+  if continuous == 0 then table.insert(alive, ARGV[6]) end
+end
+local members = live(KEYS[1])
 -- Which process heartbeated under this id last (KEYS[2], ARGV[3] its instance): another one in
 -- between two of ours means two processes run with one id.
-local previous = redis.pcall('GET', KEYS[2])
-redis.call('SET', KEYS[2], ARGV[3], 'PX', 3 * ttl)
--- The layouts this worker reads, and where it stands (KEYS[3]): `push-worker layout upgrade` reads it.
-redis.call('SET', KEYS[3], ARGV[4], 'PX', 3 * ttl)
-return {lists[1], dropped, type(previous) == 'string' and previous or '', continuous, now, lists[2]}
+local previous = redis.pcall('SET', KEYS[2], ARGV[3], 'PX', 3 * ttl, 'GET')
+if failed(previous) then
+  redis.call('SET', KEYS[2], ARGV[3], 'PX', 3 * ttl); previous = false
+end
+-- The layouts this worker reads, and where it stands (KEYS[3]): `push-worker layout upgrade` reads
+-- it. Written when it changes and every lease period (ARGV[9] '1'): it lives three.
+if ARGV[9] == '1' then redis.call('SET', KEYS[3], ARGV[4], 'PX', 3 * ttl) end
+return {members, dropped, type(previous) == 'string' and previous or '', continuous, now, alive}
 """
+
+
+_NEVER_READ = object()
+
+
+async def _known(value: object) -> object:
+    """A value this round already has, where a read may stand."""
+    return value
+
+
 DELETE_GRACE = 1.0  # seconds requests under way get when their subscription is deleted
 # GET of a key that is not a string fails: a lease key holding a hash (corrupt) is simply not ours.
 class Fleet:
@@ -147,7 +180,11 @@ class Fleet:
         # renewals of every other lease: a drain longer than the lease lost the subscriptions this
         # worker kept, and the member entry lapsed (seen: a join under load moved them back and forth).
         self._handovers: dict[str, asyncio.Task[None]] = {}
-        self._registry_version: object = None  # as read from Redis (compared, never parsed)
+        self._registry_version: object = _NEVER_READ  # as read from Redis (compared, never parsed)
+        self._notified = False  # a registry or membership notice came since the version was last read
+        self._beats = 0  # heartbeats sent
+        self._layout_2_reads = 0  # whole reads of the layout in a row that found layout 2
+        self._reads_written: tuple[str, float] = ("", -float("inf"))  # `reads`, as last written, and when
         self._ignored: set[tuple[str, str]] = set()  # what was logged as ignored (once each)
         self._mine: frozenset[str] = frozenset()  # the units assigned to this worker
         self._assignment_basis: tuple[object, ...] = ()
@@ -270,6 +307,7 @@ class Fleet:
                         self._start_seek(safe_text(data[5:]))
                     else:
                         self._refused.clear()  # a worker left or let go: what it held is tried at once
+                        self._notified = True
                         self._wake.set()
             except REDIS_DOWN:
                 await asyncio.sleep(1.0)  # the heartbeat resync covers the gap
@@ -301,22 +339,20 @@ class Fleet:
         # A newer release's layout stops this worker before it writes anything more: read first, alone.
         if self.refused:
             return
-        raw, since, switching = await asyncio.gather(*(self.batch.submit("GET", key) for key in (
-            keys.layout_key(), keys.layout_since_key(), keys.layout_next_key())))
-        if self._layout_newer(raw):
+        if not await self._read_layout():
             return
-        state = layout.state_of(raw, since, switching)
-        if state != self.layout_state:
-            self.layout_state = state
-            self.on_layout(state)
         sent_at = time.monotonic()
         held = self._due_renewals(sent_at)
         if self.stepped_out:  # alive while draining (layout 2's leases), in no assignment
             await self._lose(await self._keep_alive(held, sent_at))
             return
+        # The registry's version each fifth round, and at once after a notice: its announcements
+        # (`_listen`) bring changes; the version catches one that was lost.
+        notified, self._notified = self._notified, False
+        read_version = notified or self._beats % 5 == 0 or self._registry_version is _NEVER_READ
         results = await asyncio.gather(
             self._heartbeat(assignable=True),
-            self.batch.submit("GET", self.registry.version_key),
+            self.batch.submit("GET", self.registry.version_key) if read_version else _known(self._registry_version),
             *(self._renewal(key) for key in held),
             return_exceptions=True)
         for result in results:
@@ -345,10 +381,43 @@ class Fleet:
         await self._refresh_owner_records()
         await self.published.publish_if_due(self._assigned_keys)
 
+    async def _read_layout(self) -> bool:
+        """Read the layout Redis holds; False when it is newer than this release's (refused). Once
+        layout 2 was read whole twice (its `since` written before it), only the layout key is read."""
+        if self._layout_2_reads >= 2:
+            raw = await self.batch.submit("GET", keys.layout_key())
+            if self._layout_newer(raw):
+                return False
+            if layout.check(raw) == 2:
+                return True
+        raw, since, switching = await asyncio.gather(*(self.batch.submit("GET", key) for key in (
+            keys.layout_key(), keys.layout_since_key(), keys.layout_next_key())))
+        if self._layout_newer(raw):
+            return False
+        state = layout.state_of(raw, since, switching)
+        self._layout_2_reads = self._layout_2_reads + 1 if state.layout == 2 else 0
+        if state != self.layout_state:
+            self.layout_state = state
+            self.on_layout(state)
+        return True
+
+    def _sweeps(self) -> bool:
+        """Whether this heartbeat removes lapsed and garbage entries: the first member's every tenth
+        (the others' views skip them anyway), and any worker's first."""
+        return self._beats == 1 or (self._beats % 10 == 1 and (not self.members or self.members[0] == self.me))
+
     def _heartbeat(self, assignable: bool) -> asyncio.Future[Any]:
-        return self.batch.submit("EVAL", _HEARTBEAT, 4, self.members_key, self.instance_key, self.reads_key,
-                                 self.alive_key, self.me, self.member_ttl_ms, self.instance, self.reads,
-                                 "1" if assignable else "0", self.incarnation, "0" if self._joined else "1")
+        self._beats += 1
+        reads, now = self.reads, time.monotonic()
+        write_reads = reads != self._reads_written[0] or now - self._reads_written[1] >= self.settings.lease_seconds
+        future = self.batch.submit(
+            "EVAL", _HEARTBEAT, 4, self.members_key, self.instance_key, self.reads_key, self.alive_key,
+            self.me, self.member_ttl_ms, self.instance, reads, "1" if assignable else "0", self.incarnation,
+            "0" if self._joined else "1", "1" if self._sweeps() else "0", "1" if write_reads else "0")
+        if write_reads:
+            future.add_done_callback(lambda f: None if f.cancelled() or f.exception() else
+                                     setattr(self, "_reads_written", (reads, now)))
+        return future
 
     async def _heard(self, reply: Heard, sent_at: float) -> None:
         """Take in a heartbeat's answer: the members, the live workers, and layout 2's leases, renewed

@@ -287,7 +287,8 @@ class Registry:
 
     async def _announce(self, what: bytes) -> None:
         """Tell the workers after the change is written (not inside the transaction: Redis Cluster
-        refuses PUBLISH there). A lost announcement costs a heartbeat: workers also watch the version."""
+        refuses PUBLISH there). A lost announcement costs up to five heartbeats: workers also read the
+        version every fifth."""
         await self.client.publish(self.channel, what)
 
     async def paused(self) -> set[str]:

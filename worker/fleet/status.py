@@ -16,9 +16,10 @@ from worker.fleet.worker_protocol import ServingWorker
 
 STATUS_EVERY = 5.0  # seconds between status refreshes for `subs list`
 # An unchanged status is rewritten this often (it expires after 3x this): at 30 s it was 0.13 command
-# a second per idle subscription, more than everything else a subscription costs in layout 2. Who
-# serves is read from the owner records (`ownership.owners`), not from a status that may be stale.
-STATUS_REFRESH = 300.0
+# a second per idle subscription, at 300 s 0.013, more than everything else a subscription costs in
+# layout 2. Who serves is read from the owner records (`ownership.owners`), not from a status that
+# may be stale; a status is rewritten at once when it changes.
+STATUS_REFRESH = 900.0
 
 # Shared: the expiry (ms). Per operation: the status key; the number of field/value pairs' items,
 # then the items. Stale fields go, and so does a key of the wrong type (DEL first).
