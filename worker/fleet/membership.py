@@ -64,17 +64,14 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[2])
 local dropped = 0
-local function failed(reply) return type(reply) == 'table' and reply['err'] ~= nil end
-local function started_over(key) redis.call('DEL', key); dropped = dropped + 1 end
-if ARGV[8] == '1' then
-  for _, key in ipairs({KEYS[1], KEYS[4]}) do
-    local garbage = redis.pcall('ZREMRANGEBYSCORE', key, '(' .. (now + 3 * ttl), '+inf')
-    if failed(garbage) then started_over(key) else
-      dropped = dropped + garbage
-      redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-    end
-  end
+-- Whether a command failed on a key of the wrong type; any other error (a full Redis: OOM) fails
+-- the script, as it did before anything was written (a write lets the rest of a script past OOM).
+local function failed(reply)
+  if type(reply) ~= 'table' or reply['err'] == nil then return false end
+  if string.sub(reply['err'], 1, 9) ~= 'WRONGTYPE' then error(reply['err']) end
+  return true
 end
+local function started_over(key) redis.call('DEL', key); dropped = dropped + 1 end
 local function live(key)
   local found = redis.pcall('ZRANGEBYSCORE', key, '(' .. now, now + 3 * ttl)
   if failed(found) then started_over(key); return {} end
@@ -106,6 +103,15 @@ end
 -- The layouts this worker reads, and where it stands (KEYS[3]): `push-worker layout upgrade` reads
 -- it. Written when it changes and every lease period (ARGV[9] '1'): it lives three.
 if ARGV[9] == '1' then redis.call('SET', KEYS[3], ARGV[4], 'PX', 3 * ttl) end
+if ARGV[8] == '1' then
+  for _, key in ipairs({KEYS[1], KEYS[4]}) do
+    local garbage = redis.pcall('ZREMRANGEBYSCORE', key, '(' .. (now + 3 * ttl), '+inf')
+    if failed(garbage) then started_over(key) else
+      dropped = dropped + garbage
+      redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+    end
+  end
+end
 return {members, dropped, type(previous) == 'string' and previous or '', continuous, now, alive}
 """
 

@@ -180,8 +180,9 @@ class Subscription:
         # Set here, in one order for every instance, the cached properties keep the instances' dicts
         # sharing their keys: first set when read (any order), each one unshared its dict, 1.5 KB a
         # subscription more (150 MB at 100,000, in every worker).
-        for name in ("tenant", "key"):
-            getattr(self, name)
+        if _TOPIC_RE.fullmatch(self.topic):  # else the topic is refused where it is checked, as before
+            for name in ("tenant", "key"):
+                getattr(self, name)
 
     @property
     def attempt_limit(self) -> int | None:
