@@ -52,8 +52,8 @@ Heard = tuple[list[Any], int, Any, int, int, list[Any]]  # what _HEARTBEAT retur
 # too (layout 2's leases: `ownership.py`). ARGV[5] '0' keeps this worker out of `members` (stepped
 # out, leaving). An incarnation whose entry lapsed is not renewed (it is dead to the fleet): the
 # worker joins as a new one (ARGV[7] '1').
-# A round is every worker's, every second: it costs six commands (the fleet's idle cost is mostly
-# this). Entries whose expiry lies further ahead than any heartbeat sets (3 TTLs) are garbage, not
+# Every worker runs it every second: seven commands (the EVAL and six), most of the fleet's idle
+# cost. Entries whose expiry lies further ahead than any heartbeat sets (3 TTLs) are garbage, not
 # workers: never read (left in the view they would be assigned subscriptions nobody serves), removed
 # with the lapsed ones when ARGV[8] is '1' (`Fleet._sweeps`). A key of the wrong type is
 # corrupt state and starts over, found by the command it fails. Returns {the members, how many
