@@ -15,7 +15,7 @@ from devtools.fleet_scale import SimulatedWorker, scale_subscription
 from tests.support.helpers import eventually
 from tests.support.redis_targets import ALL_REDIS, RedisTarget
 from worker.core import keys
-from worker.fleet import Fleet
+from worker.fleet import Fleet, seek
 from worker.fleet.ownership import owners_now
 from worker.model.config import FleetSettings, RedisSettings
 from worker.state import redis_client
@@ -67,8 +67,9 @@ async def test_a_thousand_subscriptions_are_taken_in_a_few_commands_and_cost_not
         for _ in range(3):
             await fleet.tick()
         idle = _commands(sync, redis_target.mode) - commands
-        # A round's own: the heartbeat script (about 17 commands), the layout and the registry's version.
-        assert idle <= 3 * 30, f"{idle} commands in three idle rounds with {COUNT} subscriptions"
+        # A round's own: the heartbeat script (7 commands), the layout's GET, now and then the
+        # registry's version and the `reads` key.
+        assert idle <= 3 * 12, f"{idle} commands in three idle rounds with {COUNT} subscriptions"
         assert all(lease.valid() for lease in fleet.leases.values())
     finally:
         await fleet.batch.close()
@@ -147,6 +148,30 @@ async def test_a_lease_released_while_its_renewal_was_out_does_not_fail_the_roun
         assert fleet.leases[subs[1].key].valid(), "the other lease was renewed"
     finally:
         sync.delete(keys.layout_key())
+        await fleet.batch.close()
+        await client.aclose()
+        sync.close()
+
+
+async def test_a_seek_asked_while_nobody_served_the_subscription_is_made_by_its_next_owner(redis_url: str):
+    # Layout 2 (a fresh Redis): the worker that takes the subscription carries out the pending request.
+    sub = scale_subscription(0)
+    client = redis_client.connect(RedisSettings(url=redis_url))
+    sync = redis.Redis.from_url(redis_url)
+    fleet = Fleet(SimulatedWorker("w-seek"), client,
+                  FleetSettings(name=f"seek-{time.monotonic_ns()}", lease_seconds=6.0, heartbeat_seconds=1.0), (sub,))
+    try:
+        await seek.request_seek(client, fleet.registry.channel, sub.key, seek.SeekTarget("earliest"), "r-1")
+        await fleet.tick()
+        await eventually(lambda: fleet._settled(), timeout=10, what="the members settled")
+        await fleet.tick()  # takes it, and with it the request
+        assert sub.key in fleet.leases
+        await eventually(lambda: sync.exists(keys.seek_result_key(sub.key)), timeout=10, what="the seek's result")
+        result = await seek.seek_result(client, sub.key, "r-1")
+        assert result is not None and result["status"] == "done" and result["worker"] == "w-seek", result
+        assert not sync.exists(keys.seek_key(sub.key))
+    finally:
+        await asyncio.gather(*fleet._seeks, return_exceptions=True)
         await fleet.batch.close()
         await client.aclose()
         sync.close()

@@ -692,9 +692,9 @@ class Fleet:
                     self._owned_at[name] = time.monotonic()
                     self._unreleased.pop(name, None)
                     self._refused.pop(name, None)
+                    taken.append(name)
                 else:
                     self._refused[name] = now
-                    taken.append(name)
         await self._seek_if_asked([name for name in taken if not unit_parts(name)[1]])
 
     def _settled(self) -> bool:
