@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
+
+import psutil
 
 from devtools import redis_topologies
 from devtools.probes import wait
@@ -103,7 +103,7 @@ def _owners(client: Any, count: int, every: int = 1) -> list[str]:
     """Who serves each subscription ('' nobody), 1,000 a pipeline; every `every`th subscription only."""
     names = [scale_subscription(i).key for i in range(0, count, every)]
     found: dict[str, list[str]] = {}
-    for start in range(0, count, 1000):
+    for start in range(0, len(names), 1000):
         found.update(owners_now(client, "scale", names[start:start + 1000]))
     return [found[name][0] for name in names]
 
@@ -116,8 +116,7 @@ def _all_owned(client: Any, count: int) -> bool:
 
 def _cpu_seconds(pid: int) -> float:
     """CPU time (user + system) a process has used, as a pod's cgroup would count it."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return float(sum(psutil.Process(pid).cpu_times()[:2]))
 
 
 def _start(spec: str, workers: int, staggered: bool) -> list[subprocess.Popen[bytes]]:
@@ -166,10 +165,11 @@ def _measure(settings: RedisSettings, sync: Any, count: int, workers: int, lease
                        300, "the killed worker's subscriptions re-owned")
         print(f"  re-owned in {reowned:.1f}s", file=sys.stderr, flush=True)
         mean = count / workers
+        loads = [shares[f"sim-{i}"] for i in range(workers)]  # a worker owning nothing counts too
         return {"subscriptions": count, "workers": workers, "owned_in_s": owned_after,
                 "commands_per_s": rate, "per_sub": rate / count, "memory_per_sub": memory / count,
                 "orphaned": orphaned, "reowned_in_s": reowned,
-                "balance": (min(shares.values()) / mean - 1, max(shares.values()) / mean - 1),
+                "balance": (min(loads) / mean - 1, max(loads) / mean - 1),
                 "worker_cpu": (statistics.median(cpu), max(cpu))}
     finally:
         for proc in procs:
