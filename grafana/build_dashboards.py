@@ -10,30 +10,55 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 DS = {"type": "prometheus", "uid": "${datasource}"}
 OUT = Path(__file__).parent / "dashboards"
 
 
+# Traces: the Tempo data source of grafana/provisioning/datasources.yaml (uid `tempo`), which the
+# Prometheus one names for its exemplars' trace ids (docs/deploying.md#grafana).
+TEMPO_UID = "tempo"
+
+
+def traces_url(subscription: str, project: str) -> str:
+    """Grafana Explore on Tempo, searching the spans of a subscription (TraceQL on the attributes
+    the worker's spans carry: docs/observability.md#traces)."""
+    query = (f'{{ span.messaging.destination.subscription.name =~ "{subscription}" && '
+             f'span.pushworker.project =~ "{project}" }}')
+    left = {"datasource": TEMPO_UID, "queries": [{"refId": "A", "datasource": {"type": "tempo", "uid": TEMPO_UID},
+                                                  "queryType": "traceql", "query": query}]}
+    return "/explore?left=" + quote(json.dumps(left, separators=(",", ":")), safe="${}._")
+
+
 def panel(pid: int, title: str, targets: list[tuple[str, str]], x: int, y: int, unit: str = "short",
-          kind: str = "timeseries", w: int = 12, h: int = 8) -> dict[str, Any]:
+          kind: str = "timeseries", w: int = 12, h: int = 8, exemplars: bool = False,
+          links: list[dict[str, str]] | None = None) -> dict[str, Any]:
+    """`exemplars`: the points of a latency histogram's traces shown (and linked to Tempo);
+    `links`: a series' data links (a subscription's traces)."""
+    defaults: dict[str, Any] = {"unit": unit}
+    if links:
+        defaults["links"] = links
     return {
         "id": pid, "type": kind, "title": title, "datasource": DS,
         "gridPos": {"x": x, "y": y, "w": w, "h": h},
-        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "fieldConfig": {"defaults": defaults, "overrides": []},
         "options": {"legend": {"displayMode": "table", "placement": "bottom"}} if kind == "timeseries" else {},
-        "targets": [{"refId": chr(65 + i), "datasource": DS, "expr": expr, "legendFormat": legend}
+        "targets": [{"refId": chr(65 + i), "datasource": DS, "expr": expr, "legendFormat": legend,
+                     **({"exemplar": True} if exemplars else {})}
                     for i, (expr, legend) in enumerate(targets)],
     }
 
 
-def dashboard(uid: str, title: str, panels: list[dict[str, Any]], variables: list[dict[str, Any]]) -> dict[str, Any]:
+def dashboard(uid: str, title: str, panels: list[dict[str, Any]], variables: list[dict[str, Any]],
+              links: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     datasource_var = {"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Data source",
                       "current": {}, "hide": 0}
     return {
         "uid": uid, "title": title, "tags": ["push-worker"], "timezone": "utc", "schemaVersion": 39,
         "version": 1, "editable": True, "refresh": "30s", "time": {"from": "now-6h", "to": "now"},
         "templating": {"list": [datasource_var, *variables]}, "panels": panels, "annotations": {"list": []},
+        "links": links or [],
     }
 
 
@@ -66,12 +91,12 @@ def fleet() -> dict[str, Any]:
             f'sum(rate(pushworker_deliveries_total{{{f}, result!="ack"}}[{R}])) '
             f"/ clamp_min(sum(rate(pushworker_deliveries_total{{{f}}}[{R}])), 1e-9)", "error ratio")],
             12, 0, "percentunit"),
-        panel(3, "Attempt latency p50 / p99", [
+        panel(3, "Attempt latency p50 / p99 (exemplars link to traces)", [
             (f"histogram_quantile(0.5, sum by (le) (rate(pushworker_delivery_duration_seconds_bucket{{{f}}}[{R}])))",
              "p50"),
             (f"histogram_quantile(0.99, sum by (le) (rate(pushworker_delivery_duration_seconds_bucket{{{f}}}[{R}])))",
              "p99"),
-        ], 0, 8, "s"),
+        ], 0, 8, "s", exemplars=True),
         panel(4, "Backlog by subscription", [(
             f"max by (project, subscription) (pushworker_subscription_backlog{{{f}}})",
             "{{project}}/{{subscription}}")], 12, 8),
@@ -126,12 +151,14 @@ def subscription() -> dict[str, Any]:
         panel(1, "Deliveries by result", [(
             f"sum by ({by}, result) (rate(pushworker_deliveries_total{{{sel}}}[{R}]))",
             f"{name} {{{{result}}}}")], 0, 0, "reqps"),
-        panel(2, "Attempt latency p50 / p99", [
+        panel(2, "Attempt latency p50 / p99 (exemplars and each series link to traces)", [
             (f"histogram_quantile(0.5, sum by (le, {by}) "
              f"(rate(pushworker_delivery_duration_seconds_bucket{{{sel}}}[{R}])))", f"{name} p50"),
             (f"histogram_quantile(0.99, sum by (le, {by}) "
              f"(rate(pushworker_delivery_duration_seconds_bucket{{{sel}}}[{R}])))", f"{name} p99"),
-        ], 12, 0, "s"),
+        ], 12, 0, "s", exemplars=True, links=[{
+            "title": "Traces of ${__field.labels.project}/${__field.labels.subscription}",
+            "url": traces_url("${__field.labels.subscription}", "${__field.labels.project}")}]),
         # Every worker serving a spread subscription reports its backlog: max, not sum.
         panel(3, "Backlog", [(f"max by ({by}) (pushworker_subscription_backlog{{{sel}}})", name)], 0, 8),
         panel(4, "Retries, dead-letters and drops per second", [
@@ -153,7 +180,9 @@ def subscription() -> dict[str, Any]:
             12, 24, kind="table", w=12),
         panel(9, "Workers serving it (max_workers above 1)", [(
             f"max by ({by}) (pushworker_subscription_workers{{{sel}}})", name)], 0, 32),
-    ], [JOB_VAR, PROJECT_VAR, SUB_VAR])
+    ], [JOB_VAR, PROJECT_VAR, SUB_VAR], links=[{
+        "title": "Traces (Tempo)", "type": "link", "icon": "external link", "targetBlank": True,
+        "url": traces_url("${subscription:regex}", "${project:regex}")}])
 
 
 def boards() -> dict[str, str]:

@@ -72,7 +72,8 @@ def test_no_import_circle(package):
 
 # The layers of the shipped package, lowest first: a package imports only those below it (and
 # itself). docs/design.md#packages draws the same picture; the test below keeps the two together.
-LAYERS = ("runtime", "endpoint", "model", "state", "core", "broker", "fleet", "ops", "api", "process", "cli")
+LAYERS = ("runtime", "endpoint", "model", "state", "core", "telemetry", "broker", "fleet", "ops", "api", "process",
+          "cli")
 ENTRY_POINTS = {"worker": set(), "worker.__main__": {"cli"}}  # all that stays at the package root
 
 

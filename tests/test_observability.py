@@ -5,26 +5,22 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import os
 import re
-import shutil
 import subprocess
 import time
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import pulsar as pulsar_client
-import pytest
 import redis as redis_sync
 import redis.asyncio as aioredis
 import yaml
 from aiohttp import web
 
 from tests.support.builders import make_sub, push_sub
-from tests.support.helpers import cli, wait_sync
+from tests.support.helpers import cli
+from tests.support.prometheus import needs_prometheus, prometheus
 from tests.support.pulsar_client import Client
-from worker.broker.embedded import free_port, wait_for_port
+from worker.broker.embedded import free_port
 from worker.core.keys import lease_key
 from worker.fleet import quarantine
 from worker.fleet.registry import Registry
@@ -35,8 +31,6 @@ ROOT = Path(__file__).resolve().parent.parent
 DASHBOARDS = sorted((ROOT / "grafana" / "dashboards").glob("*.json"))
 RULES = ROOT / "grafana" / "alerts" / "push-worker.rules.yaml"
 
-needs_prometheus = pytest.mark.skipif(not shutil.which("prometheus") and not os.environ.get("CI"),
-                                      reason="prometheus not installed (CI installs Debian's package)")
 
 
 def panel_queries() -> list[tuple[str, str, str]]:
@@ -149,119 +143,98 @@ async def test_every_panel_query_and_alert_returns_series_against_a_scraped_work
         push_sub(stranded, topic + "-s", endpoint.url)]}))
     code, _, err = await cli("subs", "apply", "-f", str(tmp_path / "stranded.yaml"), "--redis-url", redis_url)
     assert code == 0, err
-    prom_port = free_port()
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(RULES)],
-        "scrape_configs": [{"job_name": "push-worker",
-                            # and one that is down (nothing listens there)
-                            "static_configs": [{"targets": [f"127.0.0.1:{w.status.port}",
-                                                            f"127.0.0.1:{starved.status.port}",
-                                                            f"127.0.0.1:{free_port()}"]}]}],
-    }))
-    prom = subprocess.Popen(["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
-                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "wb"))  # noqa: SIM115
+    targets = [f"127.0.0.1:{w.status.port}", f"127.0.0.1:{starved.status.port}",
+               f"127.0.0.1:{free_port()}"]  # and one that is down (nothing listens there)
     try:
-        await asyncio.to_thread(wait_for_port, prom_port, prom, "prometheus", 30)
-
-        def prometheus_ready() -> bool:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{prom_port}/-/ready", timeout=2) as r:
-                    return r.status == 200
-            except OSError:
-                return False
-
-        await asyncio.to_thread(wait_sync, prometheus_ready, 30, "prometheus ready")
-
-        def query(expr: str) -> dict:
-            url = f"http://127.0.0.1:{prom_port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-            try:
-                with urllib.request.urlopen(url, timeout=10) as r:
-                    return json.loads(r.read())
-            except urllib.error.HTTPError as e:
-                return json.loads(e.read())
-
-        def enough_data() -> bool:
-            history = query("pushworker_delivery_duration_seconds_count[20s]")["data"]["result"]
-            return bool(query("sum(pushworker_messages_dead_lettered_total)")["data"]["result"]
-                        and query("sum(pushworker_messages_dropped_total) > 0")["data"]["result"]
-                        and query('pushworker_subscription_state{state="Paused"}')["data"]["result"]
-                        and query('pushworker_subscription_state{state="Quarantined"}')["data"]["result"]
-                        and query("pushworker_subscription_assigned")["data"]["result"]
-                        and query("sum(pushworker_subscription_backlog)")["data"]["result"]
-                        and query('pushworker_subscription_state{state="Error"}')["data"]["result"]
-                        and query('pushworker_subscription_state{state="Starting"}')["data"]["result"]
-                        and query('pushworker_subscription_state{state="Suspended"}')["data"]["result"]
-                        and query("pushworker_subscription_backlog > 1000")["data"]["result"]
-                        and history and len(history[0]["values"]) >= 5)
-
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not enough_data():  # traffic while Prometheus scrapes
-            client.publish(good.topic, [b"ok"] * 20)
-            client.publish(bad.topic, [b"no"] * 5)
-            client.publish(dropping.topic, [b"gone"] * 2)
-            client.publish(stuck.topic, [b"waits"] * 300)
-            client.publish(held.topic, [b"held"])
-            await asyncio.sleep(1.0)
-
-        failures = []
-        for board, title, expr in panel_queries():
-            concrete = concretely(expr)
-            answer = query(concrete)
-            if answer.get("status") != "success":
-                failures.append(f"{board} / {title}: does not evaluate: {answer.get('error')}")
-            elif not answer["data"]["result"]:
-                failures.append(f"{board} / {title}: no series for {concrete}")
-        for rule in alert_rules():
-            answer = query(rule["expr"])
-            if answer.get("status") != "success":
-                failures.append(f"alert {rule['alert']}: does not evaluate: {answer.get('error')}")
-                continue
-            # Every metric an alert reads must exist, so the alert can fire when its condition holds.
-            for metric in set(re.findall(r"\b(pushworker_\w+|up)\b(?=[{\[\s)])", rule["expr"])):
-                if not query(metric)["data"]["result"]:
-                    failures.append(f"alert {rule['alert']}: no series for {metric}")
-        # The conditions that do hold in this traffic fire: dead-lettering, a failing endpoint, a drop,
-        # endpoints failing long enough for Error, a subscribe the broker refuses, a subscription
-        # nobody serves; and only for the subscriptions they concern.
-        def firing(name: str) -> set[str]:
-            expr = next(r["expr"] for r in alert_rules() if r["alert"] == name)
-            return {r["metric"].get("subscription", "") for r in query(expr)["data"]["result"]}
-
-        expected = {"PushWorkerDeadLettering": {bad.name}, "PushWorkerEndpointFailing": {bad.name, dropping.name},
-                    "PushWorkerMessagesDropped": {dropping.name}, "PushWorkerSubscriptionUnowned": {stranded},
-                    "PushWorkerSubscriptionError": {bad.name, dropping.name},
-                    "PushWorkerSubscribeFailing": {refused}, "PushWorkerBacklogGrowing": {stuck.name},
-                    "PushWorkerSubscriptionSuspended": {held.name},
-                    "PushWorkerSubscriptionQuarantined": {quarantined.name}}
-        for name, subs in expected.items():
-            # The suspended one failed only in its first second (then its breaker held everything
-            # back): whether a scrape saw those failures is up to timing.
-            if firing(name) - ({held.name} if name == "PushWorkerEndpointFailing" else set()) != subs:
-                failures.append(f"alert {name}: fires for {sorted(firing(name))}, expected {sorted(subs)}")
-        # Per worker: the refused subscribe counts as a failing broker call; the dead target is down.
-        def firing_for(name: str, label: str) -> set[str]:
-            expr = next(r["expr"] for r in alert_rules() if r["alert"] == name)
-            return {r["metric"].get(label, "") for r in query(expr)["data"]["result"]}
-
-        broker_errors = firing_for("PushWorkerBrokerErrors", "operation")
-        down = firing_for("PushWorkerDown", "instance")
-        redis_errors = firing_for("PushWorkerRedisErrors", "instance")
-        if redis_errors != {f"127.0.0.1:{starved.status.port}"}:
-            failures.append(f"alert PushWorkerRedisErrors: fires for {sorted(redis_errors)}, expected the starved one")
-        if broker_errors != {"subscribe"}:
-            failures.append(f"alert PushWorkerBrokerErrors: fires for {sorted(broker_errors)}, expected subscribe")
-        if len(down) != 1 or {f"127.0.0.1:{w.status.port}", f"127.0.0.1:{starved.status.port}"} & down:
-            failures.append(f"alert PushWorkerDown: fires for {sorted(down)}, expected the dead target only")
-        # The subscription variable lists the paused one (it has no dispatcher, but a state).
-        listed = query(concretely("pushworker_subscription_state{job=~\"$job\", project=~\"$project\"}"))
-        if paused.name not in {r["metric"]["subscription"] for r in listed["data"]["result"]}:
-            failures.append("the subscription variable does not list the paused subscription")
-        assert not failures, "\n".join(failures)
+        async with prometheus(tmp_path, targets, RULES) as prom:
+            await _check_panels_and_alerts(prom, client, w, starved, good, bad, dropping, stuck, held, paused,
+                                           quarantined, refused, stranded)
     finally:
         release.set()
-        prom.terminate()
-        prom.wait(20)
         holder.close()
         client.close()
+
+
+async def _check_panels_and_alerts(prom, client, w, starved, good, bad, dropping, stuck, held, paused,
+                                   quarantined, refused, stranded) -> None:
+    """Traffic while Prometheus scrapes, until every condition shows; then every panel query and
+    alert rule is evaluated."""
+    query = prom.query
+
+    def enough_data() -> bool:
+        history = query("pushworker_delivery_duration_seconds_count[20s]")["data"]["result"]
+        return bool(query("sum(pushworker_messages_dead_lettered_total)")["data"]["result"]
+                    and query("sum(pushworker_messages_dropped_total) > 0")["data"]["result"]
+                    and query('pushworker_subscription_state{state="Paused"}')["data"]["result"]
+                    and query('pushworker_subscription_state{state="Quarantined"}')["data"]["result"]
+                    and query("pushworker_subscription_assigned")["data"]["result"]
+                    and query("sum(pushworker_subscription_backlog)")["data"]["result"]
+                    and query('pushworker_subscription_state{state="Error"}')["data"]["result"]
+                    and query('pushworker_subscription_state{state="Starting"}')["data"]["result"]
+                    and query('pushworker_subscription_state{state="Suspended"}')["data"]["result"]
+                    and query("pushworker_subscription_backlog > 1000")["data"]["result"]
+                    and history and len(history[0]["values"]) >= 5)
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not enough_data():  # traffic while Prometheus scrapes
+        client.publish(good.topic, [b"ok"] * 20)
+        client.publish(bad.topic, [b"no"] * 5)
+        client.publish(dropping.topic, [b"gone"] * 2)
+        client.publish(stuck.topic, [b"waits"] * 300)
+        client.publish(held.topic, [b"held"])
+        await asyncio.sleep(1.0)
+
+    failures = []
+    for board, title, expr in panel_queries():
+        concrete = concretely(expr)
+        answer = query(concrete)
+        if answer.get("status") != "success":
+            failures.append(f"{board} / {title}: does not evaluate: {answer.get('error')}")
+        elif not answer["data"]["result"]:
+            failures.append(f"{board} / {title}: no series for {concrete}")
+    for rule in alert_rules():
+        answer = query(rule["expr"])
+        if answer.get("status") != "success":
+            failures.append(f"alert {rule['alert']}: does not evaluate: {answer.get('error')}")
+            continue
+        # Every metric an alert reads must exist, so the alert can fire when its condition holds.
+        for metric in set(re.findall(r"\b(pushworker_\w+|up)\b(?=[{\[\s)])", rule["expr"])):
+            if not query(metric)["data"]["result"]:
+                failures.append(f"alert {rule['alert']}: no series for {metric}")
+    # The conditions that do hold in this traffic fire: dead-lettering, a failing endpoint, a drop,
+    # endpoints failing long enough for Error, a subscribe the broker refuses, a subscription
+    # nobody serves; and only for the subscriptions they concern.
+    def firing(name: str) -> set[str]:
+        expr = next(r["expr"] for r in alert_rules() if r["alert"] == name)
+        return {r["metric"].get("subscription", "") for r in query(expr)["data"]["result"]}
+
+    expected = {"PushWorkerDeadLettering": {bad.name}, "PushWorkerEndpointFailing": {bad.name, dropping.name},
+                "PushWorkerMessagesDropped": {dropping.name}, "PushWorkerSubscriptionUnowned": {stranded},
+                "PushWorkerSubscriptionError": {bad.name, dropping.name},
+                "PushWorkerSubscribeFailing": {refused}, "PushWorkerBacklogGrowing": {stuck.name},
+                "PushWorkerSubscriptionSuspended": {held.name},
+                "PushWorkerSubscriptionQuarantined": {quarantined.name}}
+    for name, subs in expected.items():
+        # The suspended one failed only in its first second (then its breaker held everything
+        # back): whether a scrape saw those failures is up to timing.
+        if firing(name) - ({held.name} if name == "PushWorkerEndpointFailing" else set()) != subs:
+            failures.append(f"alert {name}: fires for {sorted(firing(name))}, expected {sorted(subs)}")
+    # Per worker: the refused subscribe counts as a failing broker call; the dead target is down.
+    def firing_for(name: str, label: str) -> set[str]:
+        expr = next(r["expr"] for r in alert_rules() if r["alert"] == name)
+        return {r["metric"].get(label, "") for r in query(expr)["data"]["result"]}
+
+    broker_errors = firing_for("PushWorkerBrokerErrors", "operation")
+    down = firing_for("PushWorkerDown", "instance")
+    redis_errors = firing_for("PushWorkerRedisErrors", "instance")
+    if redis_errors != {f"127.0.0.1:{starved.status.port}"}:
+        failures.append(f"alert PushWorkerRedisErrors: fires for {sorted(redis_errors)}, expected the starved one")
+    if broker_errors != {"subscribe"}:
+        failures.append(f"alert PushWorkerBrokerErrors: fires for {sorted(broker_errors)}, expected subscribe")
+    if len(down) != 1 or {f"127.0.0.1:{w.status.port}", f"127.0.0.1:{starved.status.port}"} & down:
+        failures.append(f"alert PushWorkerDown: fires for {sorted(down)}, expected the dead target only")
+    # The subscription variable lists the paused one (it has no dispatcher, but a state).
+    listed = query(concretely("pushworker_subscription_state{job=~\"$job\", project=~\"$project\"}"))
+    if paused.name not in {r["metric"]["subscription"] for r in listed["data"]["result"]}:
+        failures.append("the subscription variable does not list the paused subscription")
+    assert not failures, "\n".join(failures)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -79,6 +79,26 @@ class AttemptLog(Protocol):
     async def close(self) -> None: ...  # what is still summed in the worker goes to Redis
 
 
+# What became of an attempt, as its span says (`Tracer.settled`).
+ACKED, RETRIED, DEAD_LETTERED, DROPPED, STOPPED = "acked", "retried", "dead-lettered", "dropped", "stopped"
+
+
+class Tracer(Protocol):
+    """Where a dispatcher's spans come from (`telemetry.tracing.Tracer` fits); a worker that does not
+    trace has none (`DeliveryContext.tracer` None), and its per-message path checks only that."""
+
+    def attempt(self, sub: Subscription, sending: Sequence[tuple[Envelope, int]], probe: bool) -> Any: ...
+    def headers(self, span: Any) -> dict[str, str]: ...  # the traceparent the endpoint gets
+    def answered(self, span: Any, outcome: Outcome) -> None: ...
+    def exemplar(self, span: Any) -> dict[str, str] | None: ...
+    def settled(self, span: Any, decision: str) -> None: ...  # ends the attempt's span: ACKED, RETRIED...
+    def dead_letter(self, sub: Subscription, env: Envelope, topic: str, attempts: int, last_status: str,
+                    after: Any) -> Any: ...
+    def published(self, span: Any, confirmed: bool) -> None: ...
+    def breaker(self, sub: Subscription, opened: bool, reason: str) -> None: ...
+    async def close(self) -> None: ...
+
+
 class DeadLetters(Protocol):
     """Where exhausted messages go (`broker.deadletter.DeadLetterPublisher` fits): published until the
     broker confirms, or until `stop`; each failure told to `on_failure`."""
@@ -128,6 +148,7 @@ class DeliveryContext:
     certificates: ClientCertificates | None = None  # mutual TLS; made from `secrets` when not given
     oauth2: OAuth2Tokens | None = None  # OAuth 2.0 client credentials (fetched with the worker's client)
     share: FairShare = field(default_factory=FairShare)  # the event loop's time, shared across projects
+    tracer: Tracer | None = None  # OpenTelemetry spans (tracing configured), else none
 
     def __post_init__(self) -> None:
         if self.tokens is None:

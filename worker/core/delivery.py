@@ -7,6 +7,7 @@ import ssl
 import time
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
+from typing import Any
 
 from yarl import URL
 
@@ -45,6 +46,7 @@ class Outcome:
     # For the delivery log, credentials cut out (redact.py): the headers sent, and those answered.
     request_headers: dict[str, str] | None = None
     response_headers: dict[str, str] | None = None
+    span: Any = None  # the attempt's trace span, when the worker traces (ended when it settles)
 
     @property
     def acked(self) -> bool:

@@ -156,12 +156,14 @@ class Dispatcher:
                 f"{policy.probe_interval_seconds:g} s, nothing else sent or counted")
 
     def _breaker_changed(self) -> None:
+        reason = self._breaker_reason()
         if self.breaker.is_open:
-            self._shared.log.warning("breaker open: the endpoint failed every attempt; probing",
-                                     reason=self._breaker_reason())
+            self._shared.log.warning("breaker open: the endpoint failed every attempt; probing", reason=reason)
         else:
             self._shared.log.info("breaker closed: delivering again")
             self.endpoint_limit.restart()  # slow start: the endpoint just came back
+        if self.ctx.tracer is not None:
+            self.ctx.tracer.breaker(self.sub, self.breaker.is_open, reason or "a probe was acked")
         self._report_state()
 
     def _report_state(self) -> None:

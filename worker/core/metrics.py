@@ -76,6 +76,11 @@ class Metrics:
         self.trial_wait_seconds = Histogram("pushworker_trial_wait_seconds", "How long a suspect waited for its "
                                             "trial (it is not served meanwhile)",
                                             buckets=(0.1, 1, 5, 10, 30, 60, 120, 300, 600, 1800), registry=r)
+        self.trace_spans_exported = Counter("pushworker_trace_spans_exported", "Spans the OTLP collector "
+                                            "accepted (tracing on)", registry=r)
+        self.trace_spans_dropped = Counter("pushworker_trace_spans_dropped", "Spans dropped: the export queue was "
+                                           "full or the collector refused or did not answer (tracing on)",
+                                           registry=r)
         self.redis_errors = Counter("pushworker_redis_errors", "Redis calls that failed (and were retried)",
                                     registry=r)
         self.task_failures = Counter("pushworker_task_failures", "Background tasks that failed unexpectedly "

@@ -12,7 +12,8 @@ from typing import Any
 from worker.core.attempts import AttemptRecord
 from worker.core.backoff import retry_delay
 from worker.core.breaker import Breaker
-from worker.core.context import Shared
+from worker.core.context import ACKED, DEAD_LETTERED, DROPPED, RETRIED, Shared
+from worker.core.delivery import Outcome
 from worker.core.fencing import Fencing
 from worker.core.history import attempt_entry
 from worker.core.lanes import Item
@@ -95,6 +96,7 @@ class Retrying:
             if probe:
                 entry["probe"] = True
             if outcome.acked:
+                self._traced(outcome, ACKED)
                 settled = await settlement.ack(message, env, sub, [entry], acked_first_time=record.number == 1)
                 shared.stats.acked += 1
                 shared.m.acked.inc()
@@ -109,11 +111,15 @@ class Retrying:
             await self._attempts.record(sub.key, env.message_id, [entry], settled=False,
                                         last_status=outcome.last_status)
             if probe and not outcome.permanent:
+                self._traced(outcome, RETRIED)
                 return AGAIN  # the breaker paces the next try; a probe uses up no attempt
             # A message no request can carry goes now, probe or not: else, the oldest, it would be
             # every probe, and the breaker would never close.
             if (limit is not None and record.spent >= limit) or outcome.permanent:
-                return await settlement.give_up(message, env, sub, record.number, outcome.last_status, [])
+                self._traced(outcome, DEAD_LETTERED if sub.dead_letter_topic else DROPPED)
+                return await settlement.give_up(message, env, sub, record.number, outcome.last_status, [],
+                                                after=outcome.span)
+            self._traced(outcome, RETRIED)
             return _Again(retry_delay(sub.retry, record.number, outcome.retry_after),
                           last_next=limit is not None and record.spent + 1 >= limit, failed_at=answered_at)
         finally:
@@ -186,6 +192,7 @@ class Retrying:
                     entry["probe"] = True
                 entries.append(entry)
             if outcome.acked:
+                self._traced(outcome, ACKED)
                 acked: list[tuple[str, list[dict[str, Any]], bool]] = []
                 for (message, env, record), entry in zip(sending, entries, strict=True):
                     del unsettled[env.message_id]
@@ -205,11 +212,17 @@ class Retrying:
                                                       in zip(sending, entries, strict=True)],
                                             settled=False, last_status=outcome.last_status)
             if probe and not outcome.permanent:
+                self._traced(outcome, RETRIED)
                 return [(message, env) for message, env, _ in sending], None, False
+            giving_up = [(limit is not None and record.spent >= limit) or outcome.permanent
+                         for _, _, record in sending]
+            given_up = DEAD_LETTERED if sub.dead_letter_topic else DROPPED
+            self._traced(outcome, given_up if all(giving_up) else RETRIED)
             again: list[Item] = []
-            for message, env, record in sending:
-                if (limit is not None and record.spent >= limit) or outcome.permanent:
-                    settled = await settlement.give_up(message, env, sub, record.number, outcome.last_status, [])
+            for (message, env, record), gives_up in zip(sending, giving_up, strict=True):
+                if gives_up:
+                    settled = await settlement.give_up(message, env, sub, record.number, outcome.last_status, [],
+                                                       after=outcome.span)
                     del unsettled[env.message_id]
                     if settled is not None:
                         records.append(settled)
@@ -223,6 +236,12 @@ class Retrying:
         finally:
             if probe:  # answered already, this does nothing; else no request was made
                 self._breaker.probed(probe, None)
+
+    def _traced(self, outcome: Outcome, decision: str) -> None:
+        """Ends the attempt's span (a worker that traces) with what became of it."""
+        tracer = self._shared.ctx.tracer
+        if tracer is not None and outcome.span is not None:
+            tracer.settled(outcome.span, decision)
 
     # -- between attempts --------------------------------------------------------------------
 

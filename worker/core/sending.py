@@ -4,12 +4,12 @@ health, the breaker and the metrics."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from worker.core.attempts import AttemptRecord
 from worker.core.breaker import Breaker
-from worker.core.context import Shared
+from worker.core.context import STOPPED, Shared
 from worker.core.delivery import Outcome, Result
 from worker.core.endpoint_health import EndpointHealth
 from worker.core.fencing import Fencing
@@ -47,7 +47,8 @@ class Sender:
 
     async def message(self, sub: Subscription, env: Envelope, attempt: int, probe: bool = False) -> Outcome | None:
         """One request for one message, or None when it was held back while it waited (`request`)."""
-        return await self.request(sub, build_request(sub, env, attempt), env.message_id, probe=probe)
+        return await self.request(sub, build_request(sub, env, attempt), env.message_id, probe=probe,
+                                  traced=((env, attempt),))
 
     async def batch(self, sub: Subscription, sending: list[tuple[Any, Envelope, AttemptRecord]],
                     probe: bool = False) -> Outcome | None:
@@ -57,14 +58,18 @@ class Sender:
             return await self.message(sub, env, record.number, probe)
         request = build_batch_request(sub, [(env, record.number) for _, env, record in sending])
         webhook_id = batch_id([env.message_id for _, env, _ in sending])
-        return await self.request(sub, request, webhook_id, len(sending), probe)
+        return await self.request(sub, request, webhook_id, len(sending), probe,
+                                  [(env, record.number) for _, env, record in sending])
 
     async def request(self, sub: Subscription, request: PushRequest, webhook_id: str,
-                      messages: int = 1, probe: bool = False) -> Outcome | None:
+                      messages: int = 1, probe: bool = False,
+                      traced: Sequence[tuple[Envelope, int]] = ()) -> Outcome | None:
         """Send `request` (carrying `messages`; `webhook_id`: its id when signed) once the rate limit
         and the endpoint's window allow; None when it may not go any more: the lease was lost, or the
         breaker opened meanwhile and this is no probe (requests queued for the rate limit went out
-        after it had opened)."""
+        after it had opened). A worker that traces starts the attempt's span (of the `traced`
+        messages and their attempt numbers) right before the request, which carries its context; the
+        outcome holds it until the attempt settles."""
         m = self._shared.m
         if request.omitted_attributes:
             m.attributes_omitted.inc(request.omitted_attributes)
@@ -80,10 +85,17 @@ class Sender:
         if not self._fencing.may_deliver() or (self._breaker.is_open and not probe):
             self.endpoint_limit.release(None, ticket)
             return None
+        tracer = self._shared.ctx.tracer
+        span = None
+        if tracer is not None and traced:
+            span = tracer.attempt(sub, traced, probe)
+            request.headers.update(tracer.headers(span))
         try:
             outcome = await self._send(sub, webhook_id, request)
         except BaseException:
             self.endpoint_limit.release(None, ticket)
+            if tracer is not None and span is not None:
+                tracer.settled(span, STOPPED)
             raise
         self.endpoint_limit.release(outcome, ticket)
         # And again for what the answer sets going (ack, records): answers come back all together.
@@ -94,7 +106,12 @@ class Sender:
         self._shared.stats.recent.record(outcome, messages)
         self._on_answer()  # Error comes with time, so compare with what was reported
         m.delivery(outcome.label).inc(messages)
-        m.delivery_seconds.observe(outcome.latency)
+        if tracer is None or span is None:
+            m.delivery_seconds.observe(outcome.latency)
+        else:  # the latency's point links to its trace (an exemplar, where OpenMetrics is scraped)
+            tracer.answered(span, outcome)
+            outcome.span = span
+            m.delivery_seconds.observe(outcome.latency, tracer.exemplar(span))
         return outcome
 
     async def _send(self, sub: Subscription, webhook_id: str, request: PushRequest) -> Outcome:

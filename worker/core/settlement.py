@@ -119,15 +119,23 @@ class Settlement:
         return True
 
     async def give_up(self, message: Any, env: Envelope, sub: Subscription, attempts: int, last_status: str,
-                      history: list[dict[str, Any]]) -> Record:
-        """Dead-letter the message (the broker confirms before the ack), or drop it without a topic."""
+                      history: list[dict[str, Any]], after: Any = None) -> Record:
+        """Dead-letter the message (the broker confirms before the ack), or drop it without a topic.
+        A worker that traces gives the publish a span of its own, a child of the attempt's that gave
+        up (`after`), or of the message's context."""
         shared = self._shared
         about = {"message_id": env.message_id, "attempts": attempts, "last_status": last_status}
         if sub.dead_letter_topic:
             props = dead_letter_properties(env, sub.topic, sub.name, attempts, last_status)
             topic = sub.dead_letter_topic
             failed = functools.partial(self.dead_letter_failures.failed, dead_letter_topic=topic)
-            if not await shared.ctx.dead_letters.publish(topic, env, props, stop=shared.stopping, on_failure=failed):
+            tracer = shared.ctx.tracer
+            span = tracer.dead_letter(sub, env, topic, attempts, last_status, after) if tracer is not None else None
+            confirmed = await shared.ctx.dead_letters.publish(topic, env, props, stop=shared.stopping,
+                                                              on_failure=failed)
+            if tracer is not None:
+                tracer.published(span, confirmed)
+            if not confirmed:
                 return None  # stopping: released unacked; spent attempts make the next owner dead-letter it
             self.dead_letter_failures.succeeded(dead_letter_topic=topic)
             shared.stats.dead_lettered += 1

@@ -17,6 +17,7 @@ import re
 import socket
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import DefaultResolver
@@ -47,6 +48,16 @@ SPECIAL_PURPOSE: tuple[IPNetwork, ...] = tuple(ipaddress.ip_network(n) for n in 
 ))
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 _NUMERIC_HOST = re.compile(r"^[0-9a-fx.]+$")  # what inet_aton may read as an address (decimal, octal, hex)
+
+
+def without_credentials(url: str) -> str:
+    """`url` as a log line or a span may say it: no user, password or query (they may carry credentials)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    netloc = f"[{host}]" if ":" in host else host
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
 def endpoint_host(url: str) -> str:

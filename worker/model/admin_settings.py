@@ -92,7 +92,8 @@ class AdminSettings:
     refresh_seconds: int = 15  # a subscription's page and the endpoint view reload themselves this often (0: never)
 
 
-def _loopback(url: str) -> bool:
+def is_loopback_url(url: str) -> bool:
+    """Whether `url` names this machine (localhost or a loopback address)."""
     host = urlsplit(url).hostname or ""
     if host == "localhost":
         return True
@@ -105,7 +106,7 @@ def _loopback(url: str) -> bool:
 def _https(r: FieldReader, name: str) -> str:
     value = r.text(name)
     parts = urlsplit(value)
-    if parts.scheme != "https" and not (parts.scheme == "http" and _loopback(value)):
+    if parts.scheme != "https" and not (parts.scheme == "http" and is_loopback_url(value)):
         raise r.fail(name, "must be an https:// URL (http:// only to a loopback address)")
     if not parts.hostname:
         raise r.fail(name, "must be a URL with a host")

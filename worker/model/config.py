@@ -11,6 +11,9 @@ Environment variables (they win over the file, so secrets need not live in it):
   PUSH_WORKER_HTTP_PORT      http.port
   PUSH_WORKER_FLEET          fleet.name
   PUSH_WORKER_ID             this worker's id in the fleet (default: hostname-pid; use the pod name)
+
+Traces follow OpenTelemetry's own variables (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_HEADERS,
+OTEL_TRACES_SAMPLER, OTEL_RESOURCE_ATTRIBUTES, OTEL_BSP_*...): `_tracing` below.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from worker.endpoint.destinations import DestinationPolicy
 from worker.endpoint.oidc import OidcIssuer, OidcKey
 from worker.endpoint.secrets import SecretRef
 from worker.model import deprecations
-from worker.model.admin_settings import AdminSettings, parse_admin
+from worker.model.admin_settings import AdminSettings, is_loopback_url, parse_admin
 from worker.model.subscriptions import (
     ERROR_AFTER_SECONDS,
     NAME_PATTERN,
@@ -164,6 +167,30 @@ class FleetSettings:
                                                     "client of its own")
 
 
+@dataclass(frozen=True)
+class TracingSettings:
+    """OpenTelemetry traces of deliveries, exported by OTLP over HTTP: off unless an endpoint is
+    configured here or by OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT (the standard variables win)."""
+
+    endpoint: str | None = setting(None, read_by_hand=True, kind="http(s) URL",
+                                   help="the OTLP/HTTP receiver, e.g. http://otel-collector:4318 (/v1/traces is "
+                                        "added); none: no traces ($OTEL_EXPORTER_OTLP_ENDPOINT overrides it)")
+    sample_ratio: float = setting(1.0, 0.0, 1.0, help="the share of new traces sampled; a message whose publisher "
+                                                      "sampled it or not follows its publisher "
+                                                      "($OTEL_TRACES_SAMPLER overrides it)")
+    max_queue_size: int = setting(2048, 1, 1_000_000, help="spans waiting for export; beyond it they are dropped "
+                                                           "and counted ($OTEL_BSP_MAX_QUEUE_SIZE overrides it)")
+    service_name: str = setting("push-worker", read_by_hand=True,
+                                help="the service.name of the spans ($OTEL_SERVICE_NAME overrides it)")
+    # Resolved at load, not settings: the traces URL (None: off), and whether OTEL_TRACES_SAMPLER chose.
+    traces_url: str | None = None
+    sampler_from_environment: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.traces_url is not None
+
+
 # Payload bytes of the messages one subscription holds at once (taken from the broker, not settled):
 # `max_ack_pending` in bytes. The process holds about three times as much for them (the payload,
 # its base64 and the JSON body); docs/sizing.md sizes the pod's memory from it.
@@ -195,6 +222,8 @@ class Settings:
                                        help="project secrets: {secret: NAME} is <dir>/<project>/NAME")
     oidc: OidcIssuer | None = setting(None, read_by_hand=True, kind="{issuer, signing_keys}",
                                       help="the fleet's OIDC issuer and signing keys (deliver.push.oidc)")
+    tracing: TracingSettings = setting(TracingSettings, section=True, help="OpenTelemetry traces (off unless "
+                                                                           "configured); docs/observability.md")
     admin: AdminSettings | None = setting(None, read_by_hand=True, kind="{host, port, tls, auth, tokens}",
                                           help="the operator API and console's listener (none: off); "
                                                "docs/operator-api.md")
@@ -365,6 +394,7 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
     http = section(lambda: _http(r.sub("http"), env), HttpSettings())
     destinations = section(lambda: _destinations(r.sub("destinations")), DestinationPolicy())
     fleet = section(lambda: _fleet(r.sub("fleet"), env), FleetSettings())
+    tracing = section(lambda: _tracing(r.sub("tracing"), env), TracingSettings())
     log = section(lambda: _log(r.sub("log")), FieldReader("config", {}, "log."))
     secrets_dir = section(lambda: _secrets_dir(r.sub("secrets")), None)
     oidc = section(lambda: _oidc(r.sub("oidc")), None)
@@ -381,6 +411,7 @@ def parse_settings(data: Any, env: Mapping[str, str] | None = None) -> Settings:
         destinations=destinations,
         subscriptions=subs,
         fleet=fleet,
+        tracing=tracing,
         max_held_bytes=r.integer("max_held_bytes", 0, *bounds(Settings, "max_held_bytes")) if r.has("max_held_bytes")
         else None,
         secrets_dir=secrets_dir,
@@ -442,6 +473,49 @@ def _fleet(f: FieldReader, env: Mapping[str, str]) -> FleetSettings:
     if fleet.heartbeat_seconds * 2 > fleet.lease_seconds:
         raise f.fail("heartbeat_seconds", f"must be at most half of lease_seconds ({fleet.lease_seconds:g})")
     return fleet
+
+
+def _tracing(t: FieldReader, env: Mapping[str, str]) -> TracingSettings:
+    """The `tracing:` section under OpenTelemetry's standard variables, which win: the endpoint
+    (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT as it is, or OTEL_EXPORTER_OTLP_ENDPOINT + /v1/traces), off
+    by OTEL_SDK_DISABLED or OTEL_TRACES_EXPORTER=none. The SDK reads the rest itself (headers,
+    timeout, sampler, resource attributes, batch sizes)."""
+    t.reject_unknown(yaml_fields(TracingSettings))
+    base = _url(t, "endpoint", ("http", "https"))
+    queue = env.get("OTEL_BSP_MAX_QUEUE_SIZE")
+    settings = declared(TracingSettings, t, endpoint=base, service_name=t.text("service_name", "push-worker"))
+    if queue:
+        if not queue.isdigit() or not 1 <= int(queue) <= 1_000_000:
+            raise ConfigError("environment", "OTEL_BSP_MAX_QUEUE_SIZE", "must be an integer in 1..1000000")
+        settings = dataclasses.replace(settings, max_queue_size=int(queue))
+    exporter = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if exporter not in ("", "otlp", "none"):
+        raise ConfigError("environment", "OTEL_TRACES_EXPORTER", "must be otlp or none (the worker exports OTLP "
+                                                                 "over HTTP)")
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true" or exporter == "none":
+        return settings
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        protocol = env.get(name, "").strip()
+        if protocol and protocol != "http/protobuf":
+            raise ConfigError("environment", name, "must be http/protobuf: the worker exports OTLP over HTTP "
+                                                   "(the collector's port 4318), not gRPC")
+    if env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        url, source = env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"], "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+    elif env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or base:
+        source = "OTEL_EXPORTER_OTLP_ENDPOINT" if env.get("OTEL_EXPORTER_OTLP_ENDPOINT") else "tracing.endpoint"
+        url = (env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or base or "").rstrip("/") + "/v1/traces"
+    else:
+        return settings
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError("environment" if source.startswith("OTEL") else "config", source,
+                          "must be an http:// or https:// URL")
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS"):
+        # Headers carry the collector's credentials: never in clear text beyond this machine.
+        if env.get(name) and parts.scheme == "http" and not is_loopback_url(url):
+            raise ConfigError("environment", name, f"are sent only over https:// ({source} is http:// to "
+                                                   f"{parts.hostname})")
+    return dataclasses.replace(settings, traces_url=url, sampler_from_environment=bool(env.get("OTEL_TRACES_SAMPLER")))
 
 
 def _log(log: FieldReader) -> FieldReader:

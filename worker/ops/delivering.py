@@ -4,12 +4,14 @@ subscription's credentials read from the worker's secrets.dir, outside any worke
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from pulsar import asyncio as pulsar_async
 
+from worker import telemetry
 from worker.broker import consumer as pulsar_adapter
 from worker.broker.deadletter import DeadLetterPublisher
 from worker.core.attempts import AttemptStore
@@ -55,12 +57,17 @@ async def operator_delivery(settings: Settings, pulsar: PulsarSettings, redis: A
     state = await layout.current(redis)
     # Read once: an operator's delivery is one message or a redrive, not a worker following a switch.
     store.set_layout(state.layout, state.layout_1_until(settings.redis.attempts_ttl_seconds))
-    ctx = DeliveryContext(deliverer, store, DeadLetterPublisher(client), Metrics(),
+    metrics = Metrics()
+    ctx = DeliveryContext(deliverer, store, DeadLetterPublisher(client), metrics,
                           secrets, worker_id=worker_id, tokens=Tokens(secrets, settings.oidc),
-                          max_held_bytes=settings.max_held_bytes_per_subscription)
+                          max_held_bytes=settings.max_held_bytes_per_subscription,
+                          tracer=telemetry.start(settings.tracing, metrics))  # a replay's attempts, traced too
     try:
         yield OperatorDelivery(ctx, client, state.layout)
     finally:
+        if ctx.tracer is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ctx.tracer.close(), timeout=5.0)
         await ctx.dead_letters.close()
         await ctx.attempts.close()
         if shared is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from worker import telemetry
 from worker.broker.deadletter import DeadLetterPublisher
 from worker.core.attempts import AttemptStore
 from worker.core.budgets import SharedBudget
@@ -14,6 +15,7 @@ from worker.core.delivery import Deliverer
 from worker.core.dispatcher import DeliveryContext
 from worker.core.metrics import Metrics
 from worker.core.redis_batch import Pipeliner
+from worker.endpoint.destinations import without_credentials
 from worker.endpoint.oauth2 import OAuth2Tokens
 from worker.endpoint.oidc import Tokens
 from worker.endpoint.secrets import SecretStore
@@ -47,4 +49,10 @@ def delivery_context(s: Settings, pulsar: Any, pipeliner: Pipeliner, metrics: Me
                               s.max_held_bytes_per_subscription, memory,
                               oauth2=OAuth2Tokens(secrets, deliverer.client))
     context.share.on_wait = metrics.fair_share_waits.inc
+    context.tracer = telemetry.start(s.tracing, metrics)
+    if context.tracer is not None:
+        log.info("tracing", traces_url=without_credentials(s.tracing.traces_url or ""),
+                 sampler="OTEL_TRACES_SAMPLER" if s.tracing.sampler_from_environment else
+                 f"parent-based, {s.tracing.sample_ratio:g} of new traces", max_queue_size=s.tracing.max_queue_size)
+        cleanup("send the last spans", context.tracer.close, 5)
     return context, memory, dead_letters

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.openmetrics import exposition as openmetrics
 
 from worker.runtime.errors import StartupError
 
@@ -78,7 +79,12 @@ class StatusServer:
             await self._runner.cleanup()
             self._runner = None
 
-    async def _metrics(self, _: web.Request) -> web.Response:
+    async def _metrics(self, request: web.Request) -> web.Response:
+        # OpenMetrics to a scraper that asks for it (Prometheus does): the one format with exemplars,
+        # which link a latency observation to its trace.
+        if "application/openmetrics-text" in request.headers.get("Accept", ""):
+            return web.Response(body=openmetrics.generate_latest(self.metrics.registry),  # type: ignore[no-untyped-call]
+                                headers={"Content-Type": openmetrics.CONTENT_TYPE_LATEST})
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
