@@ -3,4 +3,4 @@
 # The sections of `python -m devtools bench`, here so that the command line offers them without importing
 # the benchmark (and its dependencies) to build its parser.
 BENCH_SECTIONS = ("dispatcher", "core", "concurrency", "subscriptions", "payload", "idle", "fleet", "neighbours",
-                  "batch", "spread")
+                  "batch", "tracing", "spread")

@@ -174,6 +174,28 @@ def sink_main(port: int, fail_rate: float) -> None:
     uvloop.run(serve())
 
 
+def otlp_sink_main(port: int) -> None:
+    """A trace collector for the tracing section: decodes each OTLP/HTTP export (as a collector does,
+    in this process, not the worker's) and counts its spans (GET /stats)."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    received = {"spans": 0}
+
+    async def export(request: web.Request) -> web.Response:
+        spans = ExportTraceServiceRequest.FromString(await request.read())
+        received["spans"] += sum(len(s.spans) for r in spans.resource_spans for s in r.scope_spans)
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    async def stats(_: web.Request) -> web.Response:
+        return web.json_response(received)
+
+    app = web.Application(client_max_size=64 * 2**20)
+    app.router.add_post("/v1/traces", export)
+    app.router.add_get("/stats", stats)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None,
+                loop=uvloop.new_event_loop())
+
+
 def misbehaving_main(port: int) -> None:
     """The endpoints of a project that misbehaves (the neighbours section): /ok answers 204, /refuse
     400, /slow 204 after 0.5 s, /hang never."""
@@ -480,6 +502,7 @@ class Bench:
         self.cluster: redis_topologies.ClusterTopology | None = None  # started for the cluster case
         self.admin: dict[str, Any] = {}  # the last config's admin: section, and that config
         self.last_config = self.dir / "worker.yaml"
+        self.otlp = ""  # the tracing section's collector, once started
 
     def close(self) -> None:
         for p in self.sinks:
@@ -497,6 +520,16 @@ class Bench:
         self.sinks.append(proc)
         embedded.wait_for_port(port, proc, "sink")
         return f"http://127.0.0.1:{port}"
+
+    def otlp_sink(self) -> str:
+        """The trace collector of the tracing section (one a run): its base URL."""
+        if not self.otlp:
+            port = embedded.free_port()
+            proc = subprocess.Popen([sys.executable, "-m", "devtools.bench", "otlp-sink", str(port)])
+            self.sinks.append(proc)
+            embedded.wait_for_port(port, proc, "otlp sink")
+            self.otlp = f"http://127.0.0.1:{port}"
+        return self.otlp
 
     def reference(self, sink: str, body: bytes = PAYLOAD, messages: int | None = None,
                   concurrency: int | None = None) -> Reference:
@@ -574,9 +607,11 @@ class Bench:
             return self.cluster.config()
         return {"url": self.redis_service.url}
 
-    def config(self, subs: list[dict[str, Any]], redis_mode: str = "standalone", delivery_log: bool = True) -> Path:
+    def config(self, subs: list[dict[str, Any]], redis_mode: str = "standalone", delivery_log: bool = True,
+               tracing: dict[str, Any] | None = None) -> Path:
         """A worker's config; its `admin:` section (which workers leave to `push-worker admin`) is
-        the operator crowd's (the neighbours section). `delivery_log` False: none kept (what it costs)."""
+        the operator crowd's (the neighbours section). `delivery_log` False: none kept (what it costs);
+        `tracing`: its `tracing:` section (none: off, the default)."""
         path = self.dir / f"worker-{time.monotonic_ns()}.yaml"
         self.admin = operator_crowd.admin_section(self.dir)
         redis_settings = {**self.redis_config(redis_mode), **({} if delivery_log else {"delivery_log_attempts": 0})}
@@ -584,7 +619,7 @@ class Bench:
             "pulsar": {"service_url": self.broker.url}, "redis": redis_settings,
             "http": {"port": 0}, "destinations": {"allow_private": True, "max_request_bytes": 4 * 2**20},
             "log": {"format": "json", "level": "error"}, "state_dir": str(self.dir / "worker"),
-            "admin": self.admin, "subscriptions": subs}))
+            "admin": self.admin, "subscriptions": subs, **({"tracing": tracing} if tracing else {})}))
         self.last_config = path
         return path
 
@@ -612,14 +647,15 @@ class Bench:
     def run_worker(self, name: str, kind: str = "shared", keys: int = 0, fail_rate: float = 0.0,
                    redis_mode: str = "standalone", concurrency: int | None = None, payload: bytes = PAYLOAD,
                    content: str = "raw", messages: int | None = None, beside_bare: bool = False,
-                   latency: bool = True, batch: dict[str, int] | None = None, delivery_log: bool = True) -> Figures:
+                   latency: bool = True, batch: dict[str, int] | None = None, delivery_log: bool = True,
+                   tracing: dict[str, Any] | None = None) -> Figures:
         """Throughput on a backlog of `messages`, then latency on a steady stream (beside a bare
         consumer of the same topic with `beside_bare`)."""
         messages = messages or self.messages
         sink = self.sink(fail_rate)
         topic = self.backlog(name, kind, messages, keys, payload)
         proc = self.start_worker(self.config([self.sub(name, topic, sink + "/push", kind, content, concurrency,
-                                                       batch)], redis_mode, delivery_log))
+                                                       batch)], redis_mode, delivery_log, tracing))
         ps = psutil.Process(proc.pid)
         peak_rss = 0
 
@@ -1066,6 +1102,45 @@ class Run:
         self.guard(Figure("delivery_log_redis_us_per_msg", "Redis's own CPU the delivery log adds per message in "
                           "bursts (us)", statistics.median(redis_us)))
 
+    def tracing(self) -> None:
+        """What traces cost a message in bursts (issue #74), with the spans going to a collector of
+        their own (a process decoding OTLP). End to end, the shared case with tracing off, with 1% of
+        new traces sampled and with all of them, in rounds, each against the references around it;
+        those figures vary by a tenth from run to run, so the cost itself is read in-process (the
+        dispatcher on in-memory parts, the tracer and its exporter real: every thread's CPU), in
+        microseconds, and set against the end-to-end worker's CPU a message with tracing off. Off is
+        the default: the core section's bursts_cpu_x_bare_loop guard holds what it costs."""
+        b = self.bench
+        collector = b.otlp_sink()
+        rounds = []
+        for r in range(self.rounds):
+            off = self.against_reference(lambda r=r: b.run_worker(f"untraced-{r + 1}", latency=False))
+            traced = {ratio: self.against_reference(lambda r=r, ratio=ratio: b.run_worker(
+                f"traced-{round(ratio * 100)}pct-{r + 1}", latency=False,
+                tracing={"endpoint": collector, "sample_ratio": ratio})) for ratio in (0.01, 1.0)}
+            rounds.append((off, traced))
+
+        def x_off(ratio: float) -> list[float]:
+            return [(t[ratio][0].cpu_us / t[ratio][1].cpu_us) / (o.cpu_us / oref.cpu_us) for (o, oref), t in rounds]
+
+        whole = statistics.median([o.cpu_us for (o, _), _ in rounds])  # the worker's CPU a message, off
+        alone = dispatcher_bench.tracing_cost(collector, (0.01, 1.0))
+        off_us = statistics.median(alone[None])
+        added = {ratio: statistics.median(alone[ratio]) - off_us for ratio in (0.01, 1.0)}
+        spans = probes.get(collector + "/stats")["spans"]
+        print(f"tracing, bursts (shared): end to end, each x ref cpu, x tracing off: 1% of new traces sampled "
+              f"{', '.join(f'{x:.2f}' for x in x_off(0.01))}x; every message "
+              f"{', '.join(f'{x:.2f}' for x in x_off(1.0))}x; the worker's CPU a message, off: {whole:.0f} us")
+        print(f"tracing, the dispatcher in-process (in-memory parts, tracer and exporter real), median of "
+              f"{len(alone[None])} interleaved runs: off {off_us:.1f} us a message; 1% sampled "
+              f"+{added[0.01]:.1f} us ({added[0.01] / whole:.1%} of the worker's {whole:.0f} us); every message "
+              f"+{added[1.0]:.1f} us ({added[1.0] / whole:.1%}); the collector received {spans:,} spans\n")
+        self.guard(Figure("tracing_1pct_share_of_message_cpu", "CPU a message adds with 1% of new traces sampled, "
+                          "as a share of the worker's CPU a message in bursts", added[0.01] / whole, tolerance=1.0))
+        self.guard(Figure("tracing_all_share_of_message_cpu", "CPU a message adds with every message traced, as a "
+                          "share of the worker's CPU a message in bursts", added[1.0] / whole, tolerance=0.3))
+        self.target("CPU a message adds with 1% sampled, share of the worker's, bursts", added[0.01] / whole, 0.05)
+
     def neighbours(self, n: Neighbours, noisy: NoisyProject) -> None:
         """The well-behaved project beside `noisy`: its p99 against its own alone, guarded by the
         baseline; and #59's decision (a), against a bare Pulsar consumer of the same topic in the same
@@ -1232,6 +1307,8 @@ async def run_bench(messages: int = 20000, concurrency: int = 64, sections: tupl
                     run.payload()
                 if "batch" in sections:
                     run.batch()
+                if "tracing" in sections:
+                    run.tracing()
                 if "neighbours" in sections:
                     rows = bench.neighbours()
                     print("neighbours: a well-behaved project (1 KiB at 200 msg/s) beside one that misbehaves, on "
@@ -1340,6 +1417,8 @@ if __name__ == "__main__":
     elif sys.argv[1] == "batch-floor":  # service URL, topic, subscription, endpoint URL, messages, batch
         uvloop.run(batch_floor_main(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], int(sys.argv[6]),
                                     int(sys.argv[7])))
+    elif sys.argv[1] == "otlp-sink":
+        otlp_sink_main(int(sys.argv[2]))
     elif sys.argv[1] == "misbehaving":
         misbehaving_main(int(sys.argv[2]))
     elif sys.argv[1] == "publish":  # service URL, topic, messages, size

@@ -27,7 +27,7 @@ from worker.broker import embedded
 from worker.core.messages import format_message_id
 from worker.endpoint.destinations import DestinationPolicy
 from worker.model.admin_settings import AdminSettings, Grants, StaticToken
-from worker.model.config import HttpSettings, Settings
+from worker.model.config import HttpSettings, Settings, parse_settings
 from worker.model.subscriptions import parse_subscription
 from worker.process.service import Worker
 from worker.runtime import logs
@@ -82,11 +82,20 @@ async def run_demo(messages: int = 300, console: bool = True) -> int:
     token = _console_token(state_dir)
     admin = AdminSettings(port=embedded.free_port(), refresh_seconds=5,
                           tokens=(StaticToken("demo", str(state_dir / "console-token"), Grants(admin=True)),))
+    # Traces as a worker takes them: OTEL_EXPORTER_OTLP_ENDPOINT and the other standard variables.
+    tracing = parse_settings({}, env=os.environ).tracing
     settings = Settings(state_dir=state_dir, http=HttpSettings(port=0),
                         destinations=DestinationPolicy(allow_private=True), subscriptions=(sub,),
-                        shutdown_grace_seconds=5, admin=admin if console else None)
+                        shutdown_grace_seconds=5, admin=admin if console else None, tracing=tracing)
     started = time.monotonic()
     print(f"demo: embedded broker + Redis under {state_dir}, endpoint on port {port}")
+    if tracing.enabled:
+        print(f"traces: every attempt a span, sent to {tracing.traces_url}; a dead-lettered message's attempts "
+              "and its dead letter are one trace (service push-worker)")
+    else:
+        print("traces: off; to follow each message through its attempts, run a collector taking OTLP on port 4318 "
+              "(Jaeger, Tempo: docs/observability.md#traces) and OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318 "
+              "make demo")
     async with Worker(settings, worker_id="demo") as worker:
         assert worker.status is not None
         print(f"metrics: http://127.0.0.1:{worker.status.port}/metrics")

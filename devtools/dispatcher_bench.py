@@ -19,12 +19,14 @@ from typing import Any
 
 import uvloop
 
+from worker import telemetry
 from worker.broker.deadletter import DeadLetterPublisher
 from worker.core.attempts import AttemptRecord
 from worker.core.delivery import Outcome, Result
 from worker.core.dispatcher import DeliveryContext, Dispatcher
 from worker.core.messages import Envelope, PushRequest
 from worker.core.metrics import Metrics
+from worker.model.config import TracingSettings, parse_settings
 from worker.model.subscriptions import Subscription
 from worker.runtime import logs
 from worker.runtime.collector import GC_THRESHOLD
@@ -108,11 +110,16 @@ class _Endpoint:
         return Outcome(Result.ACK, 204, 0.001)
 
 
-async def _cpu_per_message(kind: str, keys: int, messages: int, window: int) -> float:
+async def _cpu_per_message(kind: str, keys: int, messages: int, window: int,
+                           tracing: TracingSettings | None = None) -> float:
+    """CPU per message, every thread (a tracer's exporter included)."""
     sub = Subscription(name=f"bench-{kind}", topic="persistent://p-bench/main/dispatcher",
                        url="http://127.0.0.1:9/push", type=kind, max_ack_pending=window)
     backlog = _Backlog(messages)
-    ctx = DeliveryContext(_Endpoint(), _Attempts(), DeadLetterPublisher(None), Metrics())
+    metrics = Metrics()
+    ctx = DeliveryContext(_Endpoint(), _Attempts(), DeadLetterPublisher(None), metrics)
+    if tracing is not None:
+        ctx.tracer = telemetry.start(tracing, metrics)
 
     def envelope(n: int) -> Envelope:
         return Envelope(str(n), b"x", sub.topic, 0, ordering_key=f"key-{n % keys}" if keys else None)
@@ -122,6 +129,8 @@ async def _cpu_per_message(kind: str, keys: int, messages: int, window: int) -> 
     started = time.process_time()
     dispatcher.start()
     await backlog.all_acked.wait()
+    if ctx.tracer is not None:  # its spans exported within the measure: they are a message's cost
+        await ctx.tracer.close()
     cpu = time.process_time() - started
     await dispatcher.stop(1.0)
     return 1e6 * cpu / messages
@@ -133,6 +142,29 @@ async def _measure(messages: int, window: int, runs: int) -> dict[str, list[floa
         for kind, keys in CASES:
             figures[kind].append(await _cpu_per_message(kind, keys, messages, window))
     return figures
+
+
+def tracing_cost(collector: str, ratios: tuple[float, ...], messages: int = 20000, window: int = 64,
+                 runs: int = 7) -> dict[float | None, list[float]]:
+    """The shared case's CPU per message without a tracer (None) and with one sampling each of
+    `ratios` of new traces, exporting to `collector` (a process of its own), interleaved runs. The
+    end-to-end cases vary by a tenth from run to run; this shows a microsecond."""
+    async def measure() -> dict[float | None, list[float]]:
+        figures: dict[float | None, list[float]] = {None: [], **{ratio: [] for ratio in ratios}}
+        for _ in range(runs):
+            for ratio in figures:
+                settings = None if ratio is None else parse_settings(
+                    {"tracing": {"endpoint": collector, "sample_ratio": ratio}}, env={}).tracing
+                figures[ratio].append(await _cpu_per_message("shared", 0, messages, window, settings))
+        return figures
+
+    logs.configure("json", "error")
+    previous = gc.get_threshold()
+    gc.set_threshold(*GC_THRESHOLD)
+    try:
+        return uvloop.run(measure())
+    finally:
+        gc.set_threshold(*previous)
 
 
 def report(messages: int = 40000, window: int = 64, runs: int = 7) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.helpers import code_path, wait_sync
+from tests.support.otlp import start_collector
 
 pytestmark = pytest.mark.broker_independent
 
@@ -70,3 +72,30 @@ def test_demo_delivers_retries_and_dead_letters_and_loses_nothing(tmp_path: Path
     assert progress and "\r" not in out  # not a terminal: whole lines of progress, no carriage returns
     assert progress[-1].strip().startswith("300/300 settled") and progress[-1].endswith("unsettled=0")
     assert elapsed < 60
+    # Tracing is off by default; the demo says how to see its traces.
+    assert "traces: off; to follow each message through its attempts" in out
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318 make demo" in out
+
+
+async def test_the_demo_traced_sends_a_dead_lettered_messages_attempts_and_dead_letter_as_one_trace(tmp_path: Path):
+    """`OTEL_EXPORTER_OTLP_ENDPOINT=... make demo`, as the demo's line says, against a real OTLP
+    receiver: a message dead-lettered after its four attempts comes back as one trace."""
+    runner, collector = await start_collector()
+    try:
+        environment = {**os.environ, **code_path(), "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url,
+                       "OTEL_BSP_SCHEDULE_DELAY": "200"}
+        demo = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "devtools", "demo", "--messages", "40", "--no-console", cwd=tmp_path,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=environment)
+        out, err = await asyncio.wait_for(demo.communicate(), timeout=120)
+    finally:
+        await runner.cleanup()
+    assert demo.returncode == 0, out.decode() + err.decode()
+    assert f"traces: every attempt a span, sent to {collector.url}/v1/traces" in out.decode()
+    dead_letters = collector.named("send ")
+    assert dead_letters, out.decode()  # every 20th payload always fails: two of the 40 are dead-lettered
+    for dead in dead_letters:
+        trace = [s for s in collector.spans if s.trace_id == dead.trace_id and s.name.startswith("push ")]
+        assert sorted(s.attributes["pushworker.delivery.attempt"] for s in trace) == [1, 2, 3, 4]
+        assert [s.attributes["pushworker.delivery.outcome"] for s in trace
+                if s.attributes["pushworker.delivery.attempt"] == 4] == ["dead-lettered"]

@@ -198,6 +198,28 @@ def _scrape_openmetrics(port: int) -> str:
         return str(answer.read().decode())
 
 
+async def test_what_is_not_sampled_makes_no_span_and_its_trace_still_reaches_the_endpoint(
+        start_worker, endpoint: Endpoint, client: Client, topic: str, collector: Collector):
+    """Sampling none of the new traces (sample_ratio 0): a message without a trace reaches the
+    endpoint in one of its own, unsampled (flags 00), the same at every attempt; one its publisher
+    did not sample goes on as it came; one its publisher sampled is traced whatever the ratio."""
+    endpoint.behaviour = lambda rec: web.Response(status=503 if rec.headers["Pubsub-Delivery-Attempt"] == "1" else 204)
+    sub = make_sub(topic, endpoint.url)
+    w = await start_worker(sub, tracing=tracing(collector.url, sample_ratio=0))
+    unsampled_parent = f"00-{TRACE}-{PUBLISHER_SPAN}-00"
+    [plain] = client.publish(topic, [b"plain"])
+    [declined] = client.publish(topic, [b"declined"], properties={"traceparent": unsampled_parent})
+    [chosen] = client.publish(topic, [b"chosen"], properties={"traceparent": PARENT})
+    await eventually(lambda: w.dispatchers[sub.key].stats.acked == 3, what="all delivered")
+    first, second = (traceparent(r) for r in endpoint.by_id()[plain])
+    assert first[0] == second[0] and first[2] == second[2] == "00"
+    assert [r.headers["traceparent"] for r in endpoint.by_id()[declined]] == [unsampled_parent] * 2
+    await eventually(lambda: len(collector.spans) == 2, what="the sampled message's two attempts")
+    assert {s.attributes["messaging.message.id"] for s in collector.spans} == {chosen}
+    assert [traceparent(r)[1] for r in endpoint.by_id()[chosen]] == [
+        s.span_id for s in sorted(collector.spans, key=lambda s: s.attributes["pushworker.delivery.attempt"])]
+
+
 async def test_a_batch_is_one_span_linked_to_each_message_and_the_breaker_decides_in_a_span_of_its_own(
         start_worker, endpoint: Endpoint, client: Client, topic: str, collector: Collector):
     endpoint.behaviour = lambda rec: web.Response(status=503)

@@ -88,8 +88,9 @@ class Sender:
         tracer = self._shared.ctx.tracer
         span = None
         if tracer is not None and traced:
-            span = tracer.attempt(sub, traced, probe)
-            request.headers.update(tracer.headers(span))
+            span, headers = tracer.attempt(sub, traced, probe)
+            if headers:
+                request.headers.update(headers)
         try:
             outcome = await self._send(sub, webhook_id, request)
         except BaseException:

@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import random
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -103,9 +104,8 @@ class _CountingExporter(SpanExporter):
         return self._exporter.force_flush(timeout_millis)
 
 
-def _parent(env: Envelope) -> Any:
-    """The publisher's context from the message's `traceparent`/`tracestate`, or None."""
-    headers = trace_headers(env.attributes)
+def _parent(headers: dict[str, str]) -> Any:
+    """The publisher's context from a message's (well-formed) `traceparent`/`tracestate`, or None."""
     parent = headers.get("traceparent")
     if parent is None:
         return None
@@ -114,6 +114,10 @@ def _parent(env: Envelope) -> Any:
     context = SpanContext(int(trace_id, 16), int(span_id, 16), is_remote=True,
                           trace_flags=TraceFlags(int(flags, 16) & 1), trace_state=state)
     return trace.set_span_in_context(NonRecordingSpan(context))
+
+
+def _sampled(headers: dict[str, str]) -> bool:
+    return int(headers["traceparent"][-2:], 16) & 1 == 1
 
 
 class Tracer:
@@ -127,8 +131,15 @@ class Tracer:
         if not os.environ.get("OTEL_SERVICE_NAME") and "service.name" not in os.environ.get(
                 "OTEL_RESOURCE_ATTRIBUTES", ""):
             resource_attributes["service.name"] = settings.service_name
-        # OTEL_TRACES_SAMPLER chose a sampler: the SDK reads it (None); else the section's ratio.
-        sampler = None if settings.sampler_from_environment else ParentBased(TraceIdRatioBased(settings.sample_ratio))
+        # OTEL_TRACES_SAMPLER chose a sampler: the SDK reads it (None) and decides every span. Else
+        # the section's ratio, parent-based, which `attempt` applies itself before the SDK is asked
+        # (the same decision: TraceIdRatioBased's bound on the trace id's low 64 bits), so that a
+        # message not sampled costs a hash and a header, not a span (`make bench --section tracing`).
+        self._ratio_bound: int | None = None
+        sampler = None
+        if not settings.sampler_from_environment:
+            sampler = ParentBased(TraceIdRatioBased(settings.sample_ratio))
+            self._ratio_bound = TraceIdRatioBased.get_bound_for_rate(settings.sample_ratio)
         self._provider = TracerProvider(resource=Resource.create(resource_attributes), sampler=sampler,
                                         id_generator=self._ids, shutdown_on_exit=False)
         exporter = _CountingExporter(OTLPSpanExporter(endpoint=settings.traces_url), metrics)
@@ -138,42 +149,63 @@ class Tracer:
         logging.getLogger("opentelemetry.sdk._shared_internal").setLevel(logging.ERROR)
         logging.getLogger("opentelemetry.exporter.otlp.proto.http").setLevel(logging.ERROR)
         self._tracer = self._provider.get_tracer("push-worker", version)
+        self._described: dict[tuple[str, str, str, int], dict[str, Any]] = {}
 
     # -- an attempt ------------------------------------------------------------------------------
 
-    def attempt(self, sub: Subscription, sending: Sequence[tuple[Envelope, int]], probe: bool) -> Any:
-        """The span of one request, started now: for one message a child of its publisher's context
-        (or of its own new trace); for a batch, a new trace linked to each message's context."""
-        if len(sending) == 1:
-            env, number = sending[0]
-            parent = _parent(env)
-            if parent is None:
-                self._ids.next_trace_id = message_trace_id(env, sub.topic)
-            span = self._tracer.start_span(f"push {sub.topic}", context=parent, kind=SpanKind.CLIENT)
-            self._ids.next_trace_id = 0
-            if span.is_recording():
-                span.set_attributes({"messaging.message.id": env.message_id, ATTEMPT: number})
-        else:
-            links = []
-            for env, number in sending:
-                parent = _parent(env)
-                if parent is not None:
-                    links.append(Link(trace.get_current_span(parent).get_span_context(),
-                                      {"messaging.message.id": env.message_id, ATTEMPT: number}))
-            span = self._tracer.start_span(f"push {sub.topic}", kind=SpanKind.CLIENT, links=links)
-            if span.is_recording():
-                span.set_attribute("messaging.batch.message_count", len(sending))
-        if span.is_recording():
+    def attempt(self, sub: Subscription, sending: Sequence[tuple[Envelope, int]],
+                probe: bool) -> tuple[Any, dict[str, str]]:
+        """The span of one request, started now (None: not sampled), and the trace headers the
+        request carries. One message: a child of its publisher's context, or of a trace of its own
+        worked out from the message; its headers name the span. A batch: a new trace linked to
+        each message's context."""
+        if len(sending) != 1:
+            return self._batch(sub, sending, probe)
+        env, number = sending[0]
+        given = trace_headers(env.attributes) if "traceparent" in env.attributes else {}
+        if self._ratio_bound is not None:  # the sampler's decision, made here first (see __init__)
+            if given and not _sampled(given):
+                return None, {}  # the publisher did not sample it: its headers go on as they are
+            if not given:
+                trace_id = message_trace_id(env, sub.topic)
+                if trace_id & TraceIdRatioBased.TRACE_ID_LIMIT >= self._ratio_bound:
+                    return None, {"traceparent": f"00-{trace_id:032x}-{random.getrandbits(64) or 1:016x}-00"}
+        if not given:
+            self._ids.next_trace_id = message_trace_id(env, sub.topic)
+        span = self._tracer.start_span(f"push {sub.topic}", context=_parent(given), kind=SpanKind.CLIENT,
+                                       attributes={**self._description(sub), "messaging.message.id": env.message_id,
+                                                   ATTEMPT: number, PROBE: probe})
+        self._ids.next_trace_id = 0
+        return (span if span.is_recording() else None), self.headers(span)
+
+    def _batch(self, sub: Subscription, sending: Sequence[tuple[Envelope, int]],
+               probe: bool) -> tuple[Any, dict[str, str]]:
+        links = []
+        for env, number in sending:
+            parent = _parent(trace_headers(env.attributes))
+            if parent is not None:
+                links.append(Link(trace.get_current_span(parent).get_span_context(),
+                                  {"messaging.message.id": env.message_id, ATTEMPT: number}))
+        span = self._tracer.start_span(f"push {sub.topic}", kind=SpanKind.CLIENT, links=links, attributes={
+            **self._description(sub), "messaging.batch.message_count": len(sending), PROBE: probe})
+        return (span if span.is_recording() else None), self.headers(span)
+
+    def _description(self, sub: Subscription) -> dict[str, Any]:
+        """What every attempt span of `sub` says of it (semantic conventions), worked out once."""
+        key = (sub.key, sub.topic, sub.url, sub.ack_deadline_seconds)
+        described = self._described.get(key)
+        if described is None:
+            if len(self._described) >= 10_000:  # edits and moves leave old entries: start again
+                self._described.clear()
             parts = urlsplit(sub.url)
-            span.set_attributes({
+            described = self._described[key] = {
                 "messaging.system": "pulsar", "messaging.operation.type": "process",
-                "messaging.operation.name": "push", "messaging.destination.name": sub.topic,
-                "messaging.consumer.group.name": sub.name, "messaging.destination.subscription.name": sub.name,
+                "messaging.destination.name": sub.topic, "messaging.destination.subscription.name": sub.name,
                 "http.request.method": "POST", "url.full": without_credentials(sub.url),
                 "server.address": parts.hostname or "",
                 "server.port": parts.port or (443 if parts.scheme == "https" else 80),
-                DEADLINE: float(sub.ack_deadline_seconds), PROJECT: sub.tenant, PROBE: probe})
-        return span
+                DEADLINE: float(sub.ack_deadline_seconds), PROJECT: sub.tenant}
+        return described
 
     @staticmethod
     def headers(span: Any) -> dict[str, str]:
@@ -184,11 +216,11 @@ class Tracer:
             headers["tracestate"] = context.trace_state.to_header()
         return headers
 
+    # An attempt's span, once started, is one being recorded: `attempt` gives no other.
+
     @staticmethod
     def answered(span: Any, outcome: Outcome) -> None:
         """What the endpoint answered (or that it did not)."""
-        if not span.is_recording():
-            return
         if outcome.status is not None:
             span.set_attribute("http.response.status_code", outcome.status)
         if not outcome.acked:
@@ -197,17 +229,14 @@ class Tracer:
 
     @staticmethod
     def exemplar(span: Any) -> dict[str, str] | None:
-        """The trace an observation of the attempt-latency histogram points to (a sampled span)."""
-        if not span.is_recording():
-            return None
+        """The trace an observation of the attempt-latency histogram points to."""
         context = span.get_span_context()
         return {"trace_id": f"{context.trace_id:032x}", "span_id": f"{context.span_id:016x}"}
 
     @staticmethod
     def settled(span: Any, decision: str) -> None:
         """Ends the attempt's span with what became of it: acked, retried, dead-lettered or dropped."""
-        if span.is_recording():
-            span.set_attribute(OUTCOME, decision)
+        span.set_attribute(OUTCOME, decision)
         span.end()
 
     # -- beyond an attempt -----------------------------------------------------------------------
@@ -216,7 +245,7 @@ class Tracer:
                     after: Any) -> Any:
         """The span of a dead letter's publish, started now: a child of the attempt that gave up
         (`after`), or else of the message's own context."""
-        parent = trace.set_span_in_context(after) if after is not None else _parent(env)
+        parent = trace.set_span_in_context(after) if after is not None else _parent(trace_headers(env.attributes))
         if parent is None:
             self._ids.next_trace_id = message_trace_id(env, sub.topic)
         span = self._tracer.start_span(f"send {topic}", context=parent, kind=SpanKind.PRODUCER)
