@@ -118,6 +118,7 @@ def test_the_breaker_is_on_by_default_and_checked_at_load():
 
 
 @pytest.mark.timeout(240)  # the outage alone is two minutes
+@pytest.mark.broker_independent  # the breaker's timing: no broker difference touches it (lane time bounded)
 async def test_an_endpoint_down_for_two_minutes_dead_letters_nothing_and_gets_only_probes(
         start_worker, endpoint: Endpoint, client: Client, topic, redis_url):
     """Down for 120 s with S = 10 and P = 5: the subscription is Suspended (state, reason, metric),

@@ -59,7 +59,7 @@ def traceparent(received: Received) -> tuple[str, str, str]:
 
 
 async def test_a_message_through_a_failed_attempt_a_retry_and_a_dead_letter_comes_back_whole(
-        start_worker, endpoint: Endpoint, client: Client, topic: str, collector: Collector):
+        collector: Collector, start_worker, endpoint: Endpoint, client: Client, topic: str):
     """The publisher's trace holds every attempt (a child of its span, with the messaging and HTTP
     attributes) and the dead letter's publish (a child of the attempt that gave up); the endpoint
     receives each attempt's own context, and the tracestate as it was."""
@@ -100,8 +100,9 @@ async def test_a_message_through_a_failed_attempt_a_retry_and_a_dead_letter_come
     assert dead_letter.attributes["pushworker.dead_letter.last_status"] == "503"
 
 
+@pytest.mark.broker_independent  # what is traced does not depend on the broker
 async def test_a_message_without_a_trace_gets_one_that_every_attempt_shares_and_latency_points_to_it(
-        start_worker, endpoint: Endpoint, client: Client, topic: str, collector: Collector):
+        collector: Collector, start_worker, endpoint: Endpoint, client: Client, topic: str):
     """A message published without a traceparent: the worker starts a trace for it, worked out from
     the message, so that its retry (by any worker) lands in the same one; the attempt-latency
     histogram's exemplars carry its trace id where OpenMetrics is scraped."""
@@ -124,9 +125,10 @@ async def test_a_message_without_a_trace_gets_one_that_every_attempt_shares_and_
     assert (second.span_id, second.trace_id) in exemplars or (first.span_id, first.trace_id) in exemplars, text[:3000]
 
 
+@pytest.mark.broker_independent  # what is traced does not depend on the broker
 @needs_prometheus
 async def test_prometheus_keeps_the_latency_exemplars_and_grafana_links_them_to_the_traces(
-        start_worker, endpoint: Endpoint, client: Client, topic: str, collector: Collector, tmp_path):
+        collector: Collector, start_worker, endpoint: Endpoint, client: Client, topic: str, tmp_path):
     """A real Prometheus with exemplar storage scrapes a tracing worker: the attempt-latency
     histogram's exemplars name traces the collector received; the dashboards send a latency point
     (exemplars, to the Tempo data source) and a subscription (a TraceQL search on the attributes
@@ -162,8 +164,8 @@ async def test_prometheus_keeps_the_latency_exemplars_and_grafana_links_them_to_
 
 
 async def test_a_redrive_delivers_in_the_publishers_trace(
-        broker, start_worker, endpoint: Endpoint, client: Client, topic: str, redis_url: str, tmp_path,
-        collector: Collector):
+        collector: Collector, broker, start_worker, endpoint: Endpoint, client: Client, topic: str, redis_url: str,
+        tmp_path):
     """A dead letter keeps its publisher's context: redriven by `push-worker dlq redrive` (its own
     process, traced by the same config), its attempt is one more span of the same trace."""
     healthy = False
@@ -198,8 +200,9 @@ def _scrape_openmetrics(port: int) -> str:
         return str(answer.read().decode())
 
 
+@pytest.mark.broker_independent  # what is traced does not depend on the broker
 async def test_what_is_not_sampled_makes_no_span_and_its_trace_still_reaches_the_endpoint(
-        start_worker, endpoint: Endpoint, client: Client, topic: str, collector: Collector):
+        collector: Collector, start_worker, endpoint: Endpoint, client: Client, topic: str):
     """Sampling none of the new traces (sample_ratio 0): a message without a trace reaches the
     endpoint in one of its own, unsampled (flags 00), the same at every attempt; one its publisher
     did not sample goes on as it came; one its publisher sampled is traced whatever the ratio."""
@@ -220,11 +223,14 @@ async def test_what_is_not_sampled_makes_no_span_and_its_trace_still_reaches_the
         s.span_id for s in sorted(collector.spans, key=lambda s: s.attributes["pushworker.delivery.attempt"])]
 
 
+@pytest.mark.broker_independent
 async def test_a_batch_is_one_span_linked_to_each_message_and_the_breaker_decides_in_a_span_of_its_own(
-        start_worker, endpoint: Endpoint, client: Client, topic: str, collector: Collector):
+        collector: Collector, start_worker, endpoint: Endpoint, client: Client, topic: str):
+    """A batch: one span, linked to each message's context; the breaker's opening: a span of its
+    own; its probe: a span like any attempt's, whose context the probe request carries."""
     endpoint.behaviour = lambda rec: web.Response(status=503)
     sub = make_sub(topic, endpoint.url, content="wrapped", batch=BatchPolicy(max_messages=3, max_wait_ms=1000),
-                   max_deliver=100, breaker=BreakerPolicy(open_after_seconds=1, probe_interval_seconds=60))
+                   max_deliver=100, breaker=BreakerPolicy(open_after_seconds=1, probe_interval_seconds=1))
     others = [f"00-{i:032x}-{i:016x}-01" for i in (1, 2, 3)]
     for payload, parent in zip((b"a", b"b", b"c"), others, strict=True):
         client.publish(topic, [payload], properties={"traceparent": parent})
@@ -237,8 +243,13 @@ async def test_a_batch_is_one_span_linked_to_each_message_and_the_breaker_decide
     [breaker] = collector.named("breaker open")
     assert breaker.attributes["pushworker.breaker.state"] == "open"
     assert breaker.attributes["messaging.destination.subscription.name"] == sub.name
+    await eventually(lambda: any(s.attributes["pushworker.breaker.probe"] for s in collector.named("push ")),
+                     what="a probe's span")
+    probe = next(s for s in collector.named("push ") if s.attributes["pushworker.breaker.probe"])
+    assert (probe.trace_id, probe.span_id) in {traceparent(r)[:2] for r in endpoint.requests}
 
 
+@pytest.mark.broker_independent  # what is traced does not depend on the broker
 async def test_a_collector_that_is_down_costs_deliveries_nothing_and_its_drops_are_counted(
         start_worker, endpoint: Endpoint, client: Client, topic: str):
     """Nothing listens where the spans go: every message is delivered, none waits for the export,

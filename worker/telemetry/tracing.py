@@ -10,10 +10,13 @@ OpenTelemetry at all, and its per-message path checks one attribute (`DeliveryCo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
 import random
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -42,6 +45,8 @@ DEADLINE = "pushworker.ack_deadline_seconds"
 PROBE = "pushworker.breaker.probe"
 PROJECT = "pushworker.project"
 
+CLOSE_SECONDS = 2.0  # a stop waits this long for the last spans: a collector that is up takes them in milliseconds
+
 
 class _MessageIds(RandomIdGenerator):
     """Random ids, but for a message that came without a trace: its trace id is worked out from
@@ -68,9 +73,11 @@ class _CountingProcessor(BatchSpanProcessor):
     """The SDK's batch processor, counting the spans its full queue drops (it only logs them)."""
 
     def __init__(self, exporter: SpanExporter, max_queue_size: int, metrics: Metrics) -> None:
-        # A batch is at most the queue (the SDK refuses a larger one); OTEL_BSP_MAX_EXPORT_BATCH_SIZE else.
-        batch = min(max_queue_size, int(os.environ.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE") or 512))
-        super().__init__(exporter, max_queue_size=max_queue_size, max_export_batch_size=max(1, batch))
+        # A batch is at most the queue (the SDK refuses a larger one); OTEL_BSP_MAX_EXPORT_BATCH_SIZE
+        # else, or the SDK's 512 when it is not a number (as the SDK reads its other variables).
+        batch = os.environ.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "")
+        size = min(max_queue_size, max(1, int(batch)) if batch.strip().isdigit() else 512)
+        super().__init__(exporter, max_queue_size=max_queue_size, max_export_batch_size=size)
         self._capacity = max_queue_size
         self._metrics = metrics
 
@@ -88,13 +95,24 @@ class _CountingExporter(SpanExporter):
     def __init__(self, exporter: SpanExporter, metrics: Metrics) -> None:
         self._exporter = exporter
         self._metrics = metrics
+        self.failing = False  # the last export failed: the collector is down or refuses
+        self.exporting_since = 0.0  # when the export under way began (monotonic; 0.0: none)
+
+    @property
+    def stuck(self) -> bool:
+        """The collector is down or refuses, or an export has been retrying for over a second."""
+        since = self.exporting_since
+        return self.failing or (since > 0.0 and time.monotonic() - since > 1.0)
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.exporting_since = time.monotonic()
         result = self._exporter.export(spans)
-        if result is SpanExportResult.SUCCESS:
-            self._metrics.trace_spans_exported.inc(len(spans))
-        else:
+        self.exporting_since = 0.0
+        self.failing = result is not SpanExportResult.SUCCESS
+        if self.failing:
             self._metrics.trace_spans_dropped.inc(len(spans))
+        else:
+            self._metrics.trace_spans_exported.inc(len(spans))
         return result
 
     def shutdown(self) -> None:
@@ -142,7 +160,7 @@ class Tracer:
             self._ratio_bound = TraceIdRatioBased.get_bound_for_rate(settings.sample_ratio)
         self._provider = TracerProvider(resource=Resource.create(resource_attributes), sampler=sampler,
                                         id_generator=self._ids, shutdown_on_exit=False)
-        exporter = _CountingExporter(OTLPSpanExporter(endpoint=settings.traces_url), metrics)
+        self._exporter = exporter = _CountingExporter(OTLPSpanExporter(endpoint=settings.traces_url), metrics)
         self._provider.add_span_processor(_CountingProcessor(exporter, settings.max_queue_size, metrics))
         # Counted above; the SDK's own line for every span a full queue drops, and the exporter's for
         # every retry, would flood the log (a failed export is still an error line).
@@ -277,6 +295,21 @@ class Tracer:
         span.end()
 
     async def close(self) -> None:
-        """What is queued goes to the collector (bounded by the caller's cleanup timeout)."""
-        await asyncio.to_thread(self._provider.shutdown)
+        """What is queued goes to the collector, within CLOSE_SECONDS; at once, and lost, when its last
+        export failed (a stop does not wait for a collector that is down). On a thread of its own:
+        the loop's executor would hold the process's exit for the exporter's retries."""
+        loop = asyncio.get_running_loop()
+        done = asyncio.Event()
+
+        def shut_down() -> None:
+            try:
+                self._provider.shutdown()
+            finally:
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                    loop.call_soon_threadsafe(done.set)
+
+        threading.Thread(target=shut_down, name="trace-shutdown", daemon=True).start()
+        if not self._exporter.stuck:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), CLOSE_SECONDS)
 
