@@ -124,6 +124,7 @@ def _footprint(pid: int) -> tuple[int, int, int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+@pytest.mark.broker_independent  # the admin process's own threads, descriptors and memory (lane time bounded)
 async def test_a_thousand_replays_redrives_and_payload_reads_leave_the_admin_process_as_it_was(
         start_worker, broker, redis_url, endpoint, client, tmp_path):
     """Every replay and redrive made a Pulsar client the admin process never gave back (60 replays:
