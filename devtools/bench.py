@@ -1124,19 +1124,19 @@ class Run:
             return [(t[ratio][0].cpu_us / t[ratio][1].cpu_us) / (o.cpu_us / oref.cpu_us) for (o, oref), t in rounds]
 
         whole = statistics.median([o.cpu_us for (o, _), _ in rounds])  # the worker's CPU a message, off
-        alone = dispatcher_bench.tracing_cost(collector, (0.01, 1.0))
-        off_us = statistics.median(alone[None])
-        added = {ratio: statistics.median(alone[ratio]) - off_us for ratio in (0.01, 1.0)}
+        pairs = dispatcher_bench.tracing_cost(collector, (0.01, 1.0))
+        added = {ratio: statistics.median(pairs[ratio]) for ratio in (0.01, 1.0)}
         spans = probes.get(collector + "/stats")["spans"]
         print(f"tracing, bursts (shared): end to end, each x ref cpu, x tracing off: 1% of new traces sampled "
               f"{', '.join(f'{x:.2f}' for x in x_off(0.01))}x; every message "
               f"{', '.join(f'{x:.2f}' for x in x_off(1.0))}x; the worker's CPU a message, off: {whole:.0f} us")
-        print(f"tracing, the dispatcher in-process (in-memory parts, tracer and exporter real), median of "
-              f"{len(alone[None])} interleaved runs: off {off_us:.1f} us a message; 1% sampled "
-              f"+{added[0.01]:.1f} us ({added[0.01] / whole:.1%} of the worker's {whole:.0f} us); every message "
-              f"+{added[1.0]:.1f} us ({added[1.0] / whole:.1%}); the collector received {spans:,} spans\n")
-        self.guard(Figure("tracing_1pct_share_of_message_cpu", "CPU a message adds with 1% of new traces sampled, "
-                          "as a share of the worker's CPU a message in bursts", added[0.01] / whole, tolerance=1.0))
+        print(f"tracing, the dispatcher in-process (in-memory parts, tracer and exporter real), each run against "
+              f"one without a tracer right before it, median of {len(pairs[0.01])}: 1% sampled "
+              f"{added[0.01]:+.1f} us a message ({', '.join(f'{x:+.1f}' for x in pairs[0.01])}), "
+              f"{added[0.01] / whole:.1%} of the worker's {whole:.0f} us; every message {added[1.0]:+.1f} us "
+              f"({added[1.0] / whole:.1%}); the collector received {spans:,} spans\n")
+        # The 1% figure is a few microseconds in a run-to-run noise of about as much: a target, not a
+        # guard (a guard scales its recorded value, meaningless so near zero).
         self.guard(Figure("tracing_all_share_of_message_cpu", "CPU a message adds with every message traced, as a "
                           "share of the worker's CPU a message in bursts", added[1.0] / whole, tolerance=0.3))
         self.target("CPU a message adds with 1% sampled, share of the worker's, bursts", added[0.01] / whole, 0.05)
