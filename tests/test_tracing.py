@@ -295,6 +295,9 @@ def test_tracing_is_off_unless_configured_and_follows_the_standard_variables():
     ({}, {"endpoint": "ftp://collector"}, "tracing.endpoint: must be"),
     ({}, {"sample_ratio": 2}, "tracing.sample_ratio"),
     ({"OTEL_BSP_MAX_QUEUE_SIZE": "lots"}, {}, "OTEL_BSP_MAX_QUEUE_SIZE: must be an integer"),
+    ({"OTEL_TRACES_SAMPLER": "jaeger_remote"}, {}, "OTEL_TRACES_SAMPLER: must be one of always_on"),
+    ({"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "1%"}, {},
+     "OTEL_TRACES_SAMPLER_ARG: must be a number in 0..1"),
 ])
 def test_a_tracing_setting_that_cannot_work_is_refused_in_one_line(env, config, message):
     with pytest.raises(ConfigError) as refused:

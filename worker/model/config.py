@@ -515,7 +515,25 @@ def _tracing(t: FieldReader, env: Mapping[str, str]) -> TracingSettings:
         if env.get(name) and parts.scheme == "http" and not is_loopback_url(url):
             raise ConfigError("environment", name, f"are sent only over https:// ({source} is http:// to "
                                                    f"{parts.hostname})")
-    return dataclasses.replace(settings, traces_url=url, sampler_from_environment=bool(env.get("OTEL_TRACES_SAMPLER")))
+    sampler = env.get("OTEL_TRACES_SAMPLER", "").strip()
+    if sampler and sampler not in SAMPLERS:
+        raise ConfigError("environment", "OTEL_TRACES_SAMPLER", f"must be one of {', '.join(SAMPLERS)}")
+    argument = env.get("OTEL_TRACES_SAMPLER_ARG", "").strip()
+    if sampler.endswith("traceidratio") and argument and not _ratio(argument):
+        raise ConfigError("environment", "OTEL_TRACES_SAMPLER_ARG", "must be a number in 0..1 (the share sampled)")
+    return dataclasses.replace(settings, traces_url=url, sampler_from_environment=bool(sampler))
+
+
+# The samplers the SDK knows by OTEL_TRACES_SAMPLER without another package.
+SAMPLERS = ("always_on", "always_off", "traceidratio", "parentbased_always_on", "parentbased_always_off",
+            "parentbased_traceidratio")
+
+
+def _ratio(text: str) -> bool:
+    try:
+        return 0.0 <= float(text) <= 1.0
+    except ValueError:
+        return False
 
 
 def _log(log: FieldReader) -> FieldReader:
