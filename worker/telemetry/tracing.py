@@ -181,20 +181,25 @@ class Tracer:
             return self._batch(sub, sending, probe)
         env, number = sending[0]
         given = trace_headers(env.attributes) if "traceparent" in env.attributes else {}
+        own_trace = 0 if given else message_trace_id(env, sub.topic)
         if self._ratio_bound is not None:  # the sampler's decision, made here first (see __init__)
             if given and not _sampled(given):
                 return None, {}  # the publisher did not sample it: its headers go on as they are
-            if not given:
-                trace_id = message_trace_id(env, sub.topic)
-                if trace_id & TraceIdRatioBased.TRACE_ID_LIMIT >= self._ratio_bound:
-                    return None, {"traceparent": f"00-{trace_id:032x}-{random.getrandbits(64) or 1:016x}-00"}
-        if not given:
-            self._ids.next_trace_id = message_trace_id(env, sub.topic)
-        span = self._tracer.start_span(f"push {sub.topic}", context=_parent(given), kind=SpanKind.CLIENT,
-                                       attributes={**self._description(sub), "messaging.message.id": env.message_id,
-                                                   ATTEMPT: number, PROBE: probe})
-        self._ids.next_trace_id = 0
+            if own_trace and own_trace & TraceIdRatioBased.TRACE_ID_LIMIT >= self._ratio_bound:
+                return None, {"traceparent": f"00-{own_trace:032x}-{random.getrandbits(64) or 1:016x}-00"}
+        span = self._start(f"push {sub.topic}", SpanKind.CLIENT, _parent(given), own_trace, {
+            **self._description(sub), "messaging.message.id": env.message_id, ATTEMPT: number, PROBE: probe})
         return (span if span.is_recording() else None), self.headers(span)
+
+    def _start(self, name: str, kind: SpanKind, parent: Any, own_trace: int,
+               attributes: dict[str, Any] | None = None) -> Any:
+        """A span started now under `parent`; without one, in the message's own trace (`own_trace`)."""
+        if parent is None:
+            self._ids.next_trace_id = own_trace
+        try:
+            return self._tracer.start_span(name, context=parent, kind=kind, attributes=attributes)
+        finally:
+            self._ids.next_trace_id = 0
 
     def _batch(self, sub: Subscription, sending: Sequence[tuple[Envelope, int]],
                probe: bool) -> tuple[Any, dict[str, str]]:
@@ -264,10 +269,8 @@ class Tracer:
         """The span of a dead letter's publish, started now: a child of the attempt that gave up
         (`after`), or else of the message's own context."""
         parent = trace.set_span_in_context(after) if after is not None else _parent(trace_headers(env.attributes))
-        if parent is None:
-            self._ids.next_trace_id = message_trace_id(env, sub.topic)
-        span = self._tracer.start_span(f"send {topic}", context=parent, kind=SpanKind.PRODUCER)
-        self._ids.next_trace_id = 0
+        span = self._start(f"send {topic}", SpanKind.PRODUCER, parent,
+                           message_trace_id(env, sub.topic) if parent is None else 0)
         if span.is_recording():
             span.set_attributes({
                 "messaging.system": "pulsar", "messaging.operation.type": "send", "messaging.operation.name": "send",
